@@ -1,0 +1,193 @@
+/*
+ * flashattn: exact, IO-aware attention (the FlashAttention algorithm). C ABI.
+ *
+ * Everything crosses this boundary as plain structs. Tensors are non-owning views (data pointer,
+ * shape, strides in elements, dtype, device), easy to fill from DLPack. Nothing here keeps global
+ * state: every call carries its options, its CUDA stream and its workspace.
+ *
+ * Layouts (the flash_attn layouts):
+ *   dense   q (B, Sq, Hq, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv), out (B, Sq, Hq, Dv)
+ *   varlen  q (total_q, Hq, D) with cu_seqlens_q (B+1) int32, likewise k/v with cu_seqlens_k
+ *   paged   k/v cache (num_blocks, block_size, Hk, D), block_table (B, max_blocks) int32
+ *   lse     float32, dense (B, Hq, Sq), varlen (Hq, total_q); natural log of the row's sum of exp
+ * Any strides are accepted except that the last dimension must be contiguous (stride 1).
+ * Hq must be a multiple of Hk (multi-query and grouped-query attention).
+ *
+ * Semantics (identical on every backend):
+ *   scores  = softmax_scale * q k^T                (softmax_scale 0 means 1/sqrt(D))
+ *   softcap: scores = softcap * tanh(scores / softcap) when softcap > 0
+ *   ALiBi:   scores += -slope[h] * |i + Sk - Sq - j|
+ *   mask:    key j is visible to query i when
+ *              j >= i + Sk - Sq - window_left   (window_left  >= 0; -1 means unbounded)
+ *              j <= i + Sk - Sq + window_right  (window_right >= 0; -1 means unbounded)
+ *            causal is window_right = 0: aligned to the bottom-right corner when Sq != Sk.
+ *   A row with no visible key gives out = 0 and lse = -inf.
+ *   dropout: probabilities are kept with probability 1 - p and kept values scaled by 1 / (1 - p);
+ *            the keep bit of (b, h, i, j) is a pure function of (seed, offset, b, h, i, j) through
+ *            Philox4x32-10 (see docs/DROPOUT.md), the same on every backend.
+ *
+ * Errors: every entry point validates shapes, dtypes, devices, strides, alignment and feature
+ * support before touching memory and returns a status; the message names the argument and the rule.
+ */
+#ifndef FLASHATTN_FLASHATTN_H_
+#define FLASHATTN_FLASHATTN_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define FA_API __declspec(dllimport)
+#elif defined(__GNUC__)
+#define FA_API __attribute__((visibility("default")))
+#else
+#define FA_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FA_VERSION_MAJOR 0
+#define FA_VERSION_MINOR 1
+#define FA_VERSION_PATCH 0
+#define FA_MAX_DIMS 4
+
+typedef enum fa_status {
+  FA_OK = 0,
+  FA_ERROR_INVALID_ARGUMENT = 1, /* a shape, dtype, stride, value or combination breaks a rule */
+  FA_ERROR_UNSUPPORTED = 2,      /* valid, but the chosen backend does not implement it */
+  FA_ERROR_NOT_COMPILED = 3,     /* valid, but this build holds no kernel for it */
+  FA_ERROR_DEVICE = 4,           /* the CUDA runtime reported an error */
+  FA_ERROR_OUT_OF_MEMORY = 5,    /* a documented internal allocation failed */
+  FA_ERROR_INTERNAL = 6          /* a bug: please report it */
+} fa_status;
+
+typedef enum fa_dtype {
+  FA_FLOAT32 = 0,
+  FA_FLOAT16 = 1,
+  FA_BFLOAT16 = 2,
+  FA_INT32 = 3,
+  FA_UINT8 = 4 /* raw bytes, for workspaces */
+} fa_dtype;
+
+typedef enum fa_device_kind { FA_DEVICE_CPU = 0, FA_DEVICE_CUDA = 1 } fa_device_kind;
+
+/* A non-owning view of a strided tensor. data == NULL marks an optional tensor as absent. */
+typedef struct fa_tensor {
+  void* data;
+  int32_t ndim;                  /* 0..FA_MAX_DIMS */
+  int64_t shape[FA_MAX_DIMS];    /* elements per dimension */
+  int64_t strides[FA_MAX_DIMS];  /* in elements, not bytes */
+  fa_dtype dtype;
+  fa_device_kind device;
+  int32_t device_id;             /* CUDA ordinal; 0 for the CPU */
+} fa_tensor;
+
+typedef enum fa_backend {
+  FA_BACKEND_AUTO = 0,          /* the tensors' device picks: CUDA kernels, or the CPU flash backend */
+  FA_BACKEND_CPU_REFERENCE = 1, /* float64 oracle; materialises scores; slow */
+  FA_BACKEND_CPU_FLASH = 2,     /* tiled online softmax, threads, BLAS */
+  FA_BACKEND_CPU_STANDARD = 3,  /* textbook unfused path on the same BLAS (scores materialised) */
+  FA_BACKEND_CUDA = 4
+} fa_backend;
+
+/* Optional per-call report, filled when options->stats is set. */
+typedef struct fa_stats {
+  int64_t scratch_bytes_peak; /* most memory the call held beyond its arguments (host or device) */
+  int32_t num_splits;         /* split-KV splits used (kvcache), else 1 */
+  char kernel[128];           /* the backend path / kernel configuration that ran */
+} fa_stats;
+
+/* Options shared by every entry point. Fill with fa_options_init(), then change what you need. */
+typedef struct fa_options {
+  float softmax_scale;     /* 0: 1/sqrt(D). Must be finite. */
+  int32_t causal;          /* nonzero: causal, bottom-right aligned (window_right = 0) */
+  int32_t window_left;     /* -1: unbounded; else >= 0 keys to the left of the diagonal */
+  int32_t window_right;    /* -1: unbounded; else >= 0 keys to the right of the diagonal */
+  float softcap;           /* 0: off; > 0: scores = softcap * tanh(scores / softcap) */
+  fa_tensor alibi_slopes;  /* optional float32, (Hq) or (B, Hq) */
+  float dropout_p;         /* in [0, 1): probability of dropping */
+  uint64_t dropout_seed;   /* Philox key */
+  uint64_t dropout_offset; /* Philox counter offset: give each call (layer, step) its own */
+  int32_t deterministic;   /* backward: bit-identical gradients run to run */
+  fa_backend backend;      /* FA_BACKEND_AUTO unless you want a specific one */
+  int32_t num_threads;     /* CPU backends: 0 = all hardware threads */
+  void* stream;            /* CUDA backend: cudaStream_t; NULL = the legacy default stream */
+  fa_stats* stats;         /* optional: filled with what the call used and ran */
+} fa_options;
+
+typedef struct fa_forward_args {
+  fa_tensor q, k, v;     /* dense 4-D or varlen 3-D; k/v may be paged caches (see block_table) */
+  fa_tensor out;         /* same layout as q, last dim Dv, dtype of q */
+  fa_tensor lse;         /* optional float32 (B, Hq, Sq) or varlen (Hq, total_q) */
+  fa_tensor cu_seqlens_q, cu_seqlens_k; /* optional int32 (B+1): both for varlen, or neither */
+  int32_t max_seqlen_q, max_seqlen_k;   /* varlen: the longest sequence (upper bound) */
+  fa_tensor seqused_k;   /* optional int32 (B): only the first seqused_k[b] keys of sequence b */
+  fa_tensor block_table; /* optional int32 (B, max_blocks): k/v are paged (num_blocks, block_size, Hk, D) */
+} fa_forward_args;
+
+typedef struct fa_backward_args {
+  fa_tensor q, k, v, out, dout; /* as in forward; dout like out */
+  fa_tensor lse;                /* required: the forward's lse */
+  fa_tensor dq, dk, dv;         /* outputs, shaped like q, k, v */
+  fa_tensor cu_seqlens_q, cu_seqlens_k;
+  int32_t max_seqlen_q, max_seqlen_k;
+  fa_tensor workspace;          /* optional uint8, >= fa_backward_workspace_size() bytes, on the
+                                   device of q; absent: the backend allocates and frees it itself */
+} fa_backward_args;
+
+/* Attention of new queries against a KV cache, with an optional append of new keys/values. */
+typedef struct fa_kvcache_args {
+  fa_tensor q;              /* (B, Sq, Hq, D) */
+  fa_tensor k_cache;        /* contiguous (B, S_cache, Hk, D) or paged (num_blocks, block_size, Hk, D) */
+  fa_tensor v_cache;        /* like k_cache, last dim Dv */
+  fa_tensor block_table;    /* optional int32 (B, max_blocks): present = paged cache */
+  fa_tensor cache_seqlens;  /* required int32 (B): tokens already in the cache of sequence b */
+  fa_tensor k_new, v_new;   /* optional (B, S_new, Hk, D/Dv): written at cache_seqlens[b].. first */
+  fa_tensor rotary_cos, rotary_sin; /* optional (S_rotary, rotary_dim / 2), dtype of q: rotary
+                                       embedding of q and k_new at their absolute positions */
+  int32_t rotary_interleaved; /* nonzero: rotate pairs (0,1),(2,3)..; zero: halves (GPT-NeoX) */
+  fa_tensor out;            /* (B, Sq, Hq, Dv) */
+  fa_tensor lse;            /* optional float32 (B, Hq, Sq) */
+  int32_t num_splits;       /* split-KV: 0 = chosen by the backend (see fa_plan_kvcache) */
+  fa_tensor workspace;      /* optional uint8, >= plan.workspace_bytes; absent: allocated inside */
+} fa_kvcache_args;
+
+typedef struct fa_kvcache_plan {
+  int32_t num_splits;       /* splits of the key range the backend will use */
+  int64_t workspace_bytes;  /* workspace that fa_kvcache needs with this plan */
+} fa_kvcache_plan;
+
+/* A status and its message. Every entry point takes an optional fa_error* (may be NULL). */
+typedef struct fa_error {
+  fa_status code;
+  char message[1024];
+} fa_error;
+
+FA_API void fa_options_init(fa_options* options);
+/* A dense row-major (contiguous) view: strides derived from shape. */
+FA_API fa_tensor fa_tensor_contiguous(void* data, int32_t ndim, const int64_t* shape, fa_dtype dtype,
+                                      fa_device_kind device, int32_t device_id);
+
+FA_API fa_status fa_forward(const fa_forward_args* args, const fa_options* options, fa_error* error);
+FA_API fa_status fa_backward(const fa_backward_args* args, const fa_options* options, fa_error* error);
+FA_API fa_status fa_backward_workspace_size(const fa_backward_args* args, const fa_options* options,
+                                            int64_t* bytes, fa_error* error);
+/* Plans split-KV once per batch shape (host only, no device access); fa_kvcache then runs with
+   args->num_splits = plan.num_splits and a workspace of plan.workspace_bytes, allocating nothing. */
+FA_API fa_status fa_plan_kvcache(const fa_kvcache_args* args, const fa_options* options,
+                                 fa_kvcache_plan* plan, fa_error* error);
+FA_API fa_status fa_kvcache(const fa_kvcache_args* args, const fa_options* options, fa_error* error);
+
+FA_API const char* fa_status_name(fa_status status);
+FA_API const char* fa_version(void);
+/* A human-readable description of this build: backends, compiled CUDA head dims and dtypes. */
+FA_API const char* fa_build_info(void);
+/* Number of visible CUDA devices (0 when the build has no CUDA or no GPU is present). */
+FA_API int32_t fa_cuda_device_count(void);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* FLASHATTN_FLASHATTN_H_ */

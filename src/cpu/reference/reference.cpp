@@ -1,0 +1,292 @@
+#include "cpu/reference/reference.hpp"
+
+#include <cmath>
+#include <limits>
+
+#include "core/dtype.hpp"
+#include "core/mask.hpp"
+#include "core/philox.hpp"
+
+namespace flashattn::cpu::reference {
+namespace {
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+bool visible(const HeadProblem& p, int i, int j) {
+  return WindowMask(p.window_left, p.window_right, p.seqlen_q, p.seqlen_k).visible(i, j);
+}
+
+// Scaled, soft-capped, ALiBi-biased score of (i, j); also d(score)/d(scale * q.k) for backward.
+double score(const HeadProblem& p, int i, int j, double* dscore_draw) {
+  double dot = 0;
+  for (int d = 0; d < p.head_dim; ++d) dot += p.q[size_t(i) * p.head_dim + d] * p.k[size_t(j) * p.head_dim + d];
+  double s = p.scale * dot;
+  double derivative = 1;
+  if (p.softcap > 0) {
+    const double t = std::tanh(s / p.softcap);
+    s = p.softcap * t;
+    derivative = 1 - t * t;
+  }
+  s -= p.alibi_slope * std::abs(double(i) + (p.seqlen_k - p.seqlen_q) - j);
+  if (dscore_draw) *dscore_draw = derivative;
+  return s;
+}
+
+// Softmax probabilities P [sq, sk] (undropped; 0 where masked) and the lse of each row.
+void probabilities(const HeadProblem& p, std::vector<double>* probs, std::vector<double>* lse,
+                   std::vector<double>* dscore_draw) {
+  const int sq = p.seqlen_q, sk = p.seqlen_k;
+  probs->assign(size_t(sq) * sk, 0.0);
+  lse->assign(sq, kNegInf);
+  if (dscore_draw) dscore_draw->assign(size_t(sq) * sk, 0.0);
+  std::vector<double> row(sk);
+  for (int i = 0; i < sq; ++i) {
+    double row_max = kNegInf;
+    for (int j = 0; j < sk; ++j) {
+      if (!visible(p, i, j)) continue;
+      row[j] = score(p, i, j, dscore_draw ? &(*dscore_draw)[size_t(i) * sk + j] : nullptr);
+      row_max = std::max(row_max, row[j]);
+    }
+    if (row_max == kNegInf) continue;  // no visible key: P = 0, lse = -inf
+    double sum = 0;
+    for (int j = 0; j < sk; ++j)
+      if (visible(p, i, j)) sum += std::exp(row[j] - row_max);
+    for (int j = 0; j < sk; ++j)
+      if (visible(p, i, j)) (*probs)[size_t(i) * sk + j] = std::exp(row[j] - row_max) / sum;
+    (*lse)[i] = row_max + std::log(sum);
+  }
+}
+
+}  // namespace
+
+double dropout_multiplier(const HeadProblem& p, int i, int j) {
+  if (p.dropout_p <= 0) return 1.0;
+  const uint32_t threshold = dropout_threshold_u16(float(p.dropout_p));
+  const bool keep = dropout_keep(p.seed, p.offset, p.dropout_bh, uint32_t(i), uint32_t(j), threshold);
+  return keep ? 1.0 / (1.0 - p.dropout_p) : 0.0;
+}
+
+HeadResult attend(const HeadProblem& p) {
+  std::vector<double> probs;
+  HeadResult result;
+  probabilities(p, &probs, &result.lse, nullptr);
+  const int sq = p.seqlen_q, sk = p.seqlen_k, dv = p.head_dim_v;
+  result.out.assign(size_t(sq) * dv, 0.0);
+  for (int i = 0; i < sq; ++i)
+    for (int j = 0; j < sk; ++j) {
+      const double weight = probs[size_t(i) * sk + j] * dropout_multiplier(p, i, j);
+      if (weight == 0) continue;
+      for (int d = 0; d < dv; ++d) result.out[size_t(i) * dv + d] += weight * p.v[size_t(j) * dv + d];
+    }
+  return result;
+}
+
+// With Z = dropout multiplier and P the softmax:  out = (P * Z) v.
+//   dv    = (P * Z)^T dout
+//   dP    = (dout v^T) * Z
+//   dS    = P * (dP - rowsum(P * dP))       gradient of the transformed score
+//   dU    = dS * d(transform)/d(scale q.k)  (softcap's tanh'; ALiBi is a constant shift)
+//   dq    = scale * dU k,   dk = scale * dU^T q
+HeadGradients attend_backward(const HeadProblem& p, const std::vector<double>& dout) {
+  std::vector<double> probs, lse, dscore_draw;
+  probabilities(p, &probs, &lse, &dscore_draw);
+  const int sq = p.seqlen_q, sk = p.seqlen_k, d = p.head_dim, dv = p.head_dim_v;
+  HeadGradients g;
+  g.dq.assign(size_t(sq) * d, 0.0);
+  g.dk.assign(size_t(sk) * d, 0.0);
+  g.dv.assign(size_t(sk) * dv, 0.0);
+  std::vector<double> dp(sk);
+  for (int i = 0; i < sq; ++i) {
+    double row_dot = 0;  // rowsum(P * dP)
+    for (int j = 0; j < sk; ++j) {
+      const double prob = probs[size_t(i) * sk + j];
+      if (prob == 0) { dp[j] = 0; continue; }
+      const double z = dropout_multiplier(p, i, j);
+      double dov = 0;
+      for (int e = 0; e < dv; ++e) dov += dout[size_t(i) * dv + e] * p.v[size_t(j) * dv + e];
+      dp[j] = dov * z;
+      row_dot += prob * dp[j];
+      for (int e = 0; e < dv; ++e) g.dv[size_t(j) * dv + e] += prob * z * dout[size_t(i) * dv + e];
+    }
+    for (int j = 0; j < sk; ++j) {
+      const double prob = probs[size_t(i) * sk + j];
+      if (prob == 0) continue;
+      const double du = prob * (dp[j] - row_dot) * dscore_draw[size_t(i) * sk + j] * p.scale;
+      for (int e = 0; e < d; ++e) {
+        g.dq[size_t(i) * d + e] += du * p.k[size_t(j) * d + e];
+        g.dk[size_t(j) * d + e] += du * p.q[size_t(i) * d + e];
+      }
+    }
+  }
+  return g;
+}
+
+namespace {
+
+// Gathers / scatters between strided tensors of any dtype and float64 row-major matrices.
+struct HeadIndex {
+  const AttentionParams* p;
+  int b, h, hk;
+  SequenceExtent e;
+};
+
+std::vector<double> load_q_like(const HeadIndex& x, const void* base, int64_t bs, int64_t rs, int64_t hs,
+                                int cols) {
+  std::vector<double> m(size_t(x.e.seqlen_q) * cols);
+  for (int i = 0; i < x.e.seqlen_q; ++i) {
+    const int64_t row = q_offset(*x.p, bs, rs, hs, x.b, x.e, i, x.h);
+    for (int c = 0; c < cols; ++c) m[size_t(i) * cols + c] = load_as_float(base, row + c, x.p->dtype);
+  }
+  return m;
+}
+
+std::vector<double> load_kv(const HeadIndex& x, const void* base, int64_t bs, int64_t rs, int64_t hs,
+                            int cols) {
+  std::vector<double> m(size_t(x.e.seqlen_k) * cols);
+  for (int j = 0; j < x.e.seqlen_k; ++j) {
+    const int64_t row = kv_offset(*x.p, bs, rs, hs, x.b, x.e, j, x.hk);
+    for (int c = 0; c < cols; ++c) m[size_t(j) * cols + c] = load_as_float(base, row + c, x.p->dtype);
+  }
+  return m;
+}
+
+void store_q_like(const HeadIndex& x, void* base, int64_t bs, int64_t rs, int64_t hs, int cols,
+                  const std::vector<double>& m) {
+  for (int i = 0; i < x.e.seqlen_q; ++i) {
+    const int64_t row = q_offset(*x.p, bs, rs, hs, x.b, x.e, i, x.h);
+    for (int c = 0; c < cols; ++c) store_from_float(base, row + c, x.p->dtype, float(m[size_t(i) * cols + c]));
+  }
+}
+
+HeadProblem make_problem(const HeadIndex& x) {
+  const AttentionParams& p = *x.p;
+  HeadProblem hp;
+  hp.seqlen_q = x.e.seqlen_q;
+  hp.seqlen_k = x.e.seqlen_k;
+  hp.head_dim = p.head_dim;
+  hp.head_dim_v = p.head_dim_v;
+  hp.q = load_q_like(x, p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride, p.head_dim);
+  hp.k = load_kv(x, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, p.head_dim);
+  hp.v = load_kv(x, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride, p.head_dim_v);
+  hp.scale = p.softmax_scale;
+  hp.window_left = p.window_left;
+  hp.window_right = p.window_right;
+  hp.softcap = p.softcap;
+  hp.alibi_slope = alibi_slope(p, x.b, x.h);
+  hp.dropout_p = p.dropout_p;
+  hp.seed = p.dropout_seed;
+  hp.offset = p.dropout_offset;
+  hp.dropout_bh = uint32_t(x.b * p.heads_q + x.h);
+  return hp;
+}
+
+HeadIndex head_index(const AttentionParams& p, int bh) {
+  HeadIndex x;
+  x.p = &p;
+  x.b = bh / p.heads_q;
+  x.h = bh % p.heads_q;
+  x.hk = x.h / (p.heads_q / p.heads_k);
+  x.e = sequence_extent(p, x.b);
+  return x;
+}
+
+void store_result(const HeadIndex& x, const HeadResult& r) {
+  const AttentionParams& p = *x.p;
+  store_q_like(x, p.out, p.out_batch_stride, p.out_row_stride, p.out_head_stride, p.head_dim_v, r.out);
+  if (p.lse)
+    for (int i = 0; i < x.e.seqlen_q; ++i) p.lse[lse_offset(p, x.b, x.e, i, x.h)] = float(r.lse[i]);
+}
+
+// x' = rotary(x) at `position`: GPT-NeoX halves, or interleaved pairs.
+void rotate(const KvcacheParams& p, int position, double* x) {
+  const int half = p.rotary_dim / 2;
+  for (int d = 0; d < half; ++d) {
+    const double c = load_as_float(p.rotary_cos, position * p.rotary_cos_row_stride + d, p.dtype);
+    const double s = load_as_float(p.rotary_sin, position * p.rotary_sin_row_stride + d, p.dtype);
+    const int a = p.rotary_interleaved ? 2 * d : d;
+    const int b = p.rotary_interleaved ? 2 * d + 1 : d + half;
+    const double x0 = x[a], x1 = x[b];
+    x[a] = x0 * c - x1 * s;
+    x[b] = x0 * s + x1 * c;
+  }
+}
+
+}  // namespace
+
+Status forward(const AttentionParams& p) {
+  const int heads = p.batch * p.heads_q;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(p.num_threads)
+  for (int bh = 0; bh < heads; ++bh) {
+    const HeadIndex x = head_index(p, bh);
+    store_result(x, attend(make_problem(x)));
+  }
+  return Status();
+}
+
+Status backward(const BackwardParams& p) {
+  // Parallel over (b, key head): the query heads of one group accumulate into the same dk/dv.
+  const int groups = p.batch * p.heads_k;
+  const int group_size = p.heads_q / p.heads_k;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(p.num_threads)
+  for (int bg = 0; bg < groups; ++bg) {
+    const int b = bg / p.heads_k, hk = bg % p.heads_k;
+    const SequenceExtent e = sequence_extent(p, b);
+    std::vector<double> dk(size_t(e.seqlen_k) * p.head_dim, 0.0), dv(size_t(e.seqlen_k) * p.head_dim_v, 0.0);
+    for (int h = hk * group_size; h < (hk + 1) * group_size; ++h) {
+      const HeadIndex x = head_index(p, b * p.heads_q + h);
+      const std::vector<double> dout =
+          load_q_like(x, p.dout, p.dout_batch_stride, p.dout_row_stride, p.dout_head_stride, p.head_dim_v);
+      const HeadGradients g = attend_backward(make_problem(x), dout);
+      store_q_like(x, p.dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride, p.head_dim, g.dq);
+      for (size_t n = 0; n < dk.size(); ++n) dk[n] += g.dk[n];
+      for (size_t n = 0; n < dv.size(); ++n) dv[n] += g.dv[n];
+    }
+    for (int j = 0; j < e.seqlen_k; ++j) {
+      const int64_t k_row = kv_offset(p, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, b, e, j, hk);
+      const int64_t v_row = kv_offset(p, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, b, e, j, hk);
+      for (int c = 0; c < p.head_dim; ++c) store_from_float(p.dk, k_row + c, p.dtype, float(dk[size_t(j) * p.head_dim + c]));
+      for (int c = 0; c < p.head_dim_v; ++c) store_from_float(p.dv, v_row + c, p.dtype, float(dv[size_t(j) * p.head_dim_v + c]));
+    }
+  }
+  return Status();
+}
+
+Status kvcache(const KvcacheParams& p) {
+  // 1. Append: new rows go to positions cache_seqlens[b] + t, rotated there when rotary is on.
+  for (int b = 0; b < p.batch; ++b) {
+    const int cached = p.cache_seqlens[b];
+    SequenceExtent e{0, 0, p.seqlen_q, cached + p.seqlen_new};
+    for (int t = 0; t < p.seqlen_new; ++t)
+      for (int hk = 0; hk < p.heads_k; ++hk) {
+        std::vector<double> row(p.head_dim);
+        const int64_t src = b * p.k_new_batch_stride + t * p.k_new_row_stride + hk * p.k_new_head_stride;
+        for (int c = 0; c < p.head_dim; ++c) row[c] = load_as_float(p.k_new, src + c, p.dtype);
+        if (p.rotary_dim > 0) rotate(p, cached + t, row.data());
+        const int64_t dst = kv_offset(p, p.k_batch_stride, p.k_row_stride, p.k_head_stride, b, e, cached + t, hk);
+        for (int c = 0; c < p.head_dim; ++c) store_from_float(const_cast<void*>(p.k), dst + c, p.dtype, float(row[c]));
+        const int64_t vsrc = b * p.v_new_batch_stride + t * p.v_new_row_stride + hk * p.v_new_head_stride;
+        const int64_t vdst = kv_offset(p, p.v_batch_stride, p.v_row_stride, p.v_head_stride, b, e, cached + t, hk);
+        for (int c = 0; c < p.head_dim_v; ++c)
+          store_from_float(const_cast<void*>(p.v), vdst + c, p.dtype, load_as_float(p.v_new, vsrc + c, p.dtype));
+      }
+  }
+  // 2. Attend over the first cache_seqlens[b] + seqlen_new keys. Rotary positions of the queries:
+  //    cached + i when causal or windowed (each query is a new token), else all at `cached`
+  //    (flash_attn's convention for non-causal decode).
+  const bool per_token_positions = p.window_left >= 0 || p.window_right >= 0;
+  const int heads = p.batch * p.heads_q;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(p.num_threads)
+  for (int bh = 0; bh < heads; ++bh) {
+    HeadIndex x = head_index(p, bh);
+    const int cached = p.cache_seqlens[x.b];
+    x.e.seqlen_k = cached + p.seqlen_new;
+    HeadProblem hp = make_problem(x);
+    if (p.rotary_dim > 0)
+      for (int i = 0; i < x.e.seqlen_q; ++i)
+        rotate(p, per_token_positions ? cached + i : cached, &hp.q[size_t(i) * p.head_dim]);
+    store_result(x, attend(hp));
+  }
+  return Status();
+}
+
+}  // namespace flashattn::cpu::reference
