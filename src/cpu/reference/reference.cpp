@@ -12,6 +12,15 @@ namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
+// Identity, except in the naive same-precision baseline (tests), where it rounds to the dtype.
+double rounded(const HeadProblem& p, double x) {
+  if (!p.emulate) return x;
+  float r = float(x);
+  if (p.emulate_dtype == FA_FLOAT16) r = to_float(to_f16(r));
+  if (p.emulate_dtype == FA_BFLOAT16) r = to_float(to_bf16(r));
+  return r;
+}
+
 bool visible(const HeadProblem& p, int i, int j) {
   return WindowMask(p.window_left, p.window_right, p.seqlen_q, p.seqlen_k).visible(i, j);
 }
@@ -20,7 +29,7 @@ bool visible(const HeadProblem& p, int i, int j) {
 double score(const HeadProblem& p, int i, int j, double* dscore_draw) {
   double dot = 0;
   for (int d = 0; d < p.head_dim; ++d) dot += p.q[size_t(i) * p.head_dim + d] * p.k[size_t(j) * p.head_dim + d];
-  double s = p.scale * dot;
+  double s = rounded(p, p.scale * dot);
   double derivative = 1;
   if (p.softcap > 0) {
     const double t = std::tanh(s / p.softcap);
@@ -52,7 +61,7 @@ void probabilities(const HeadProblem& p, std::vector<double>* probs, std::vector
     for (int j = 0; j < sk; ++j)
       if (visible(p, i, j)) sum += std::exp(row[j] - row_max);
     for (int j = 0; j < sk; ++j)
-      if (visible(p, i, j)) (*probs)[size_t(i) * sk + j] = std::exp(row[j] - row_max) / sum;
+      if (visible(p, i, j)) (*probs)[size_t(i) * sk + j] = rounded(p, std::exp(row[j] - row_max) / sum);
     (*lse)[i] = row_max + std::log(sum);
   }
 }
@@ -104,14 +113,14 @@ HeadGradients attend_backward(const HeadProblem& p, const std::vector<double>& d
       const double z = dropout_multiplier(p, i, j);
       double dov = 0;
       for (int e = 0; e < dv; ++e) dov += dout[size_t(i) * dv + e] * p.v[size_t(j) * dv + e];
-      dp[j] = dov * z;
+      dp[j] = rounded(p, dov * z);
       row_dot += prob * dp[j];
       for (int e = 0; e < dv; ++e) g.dv[size_t(j) * dv + e] += prob * z * dout[size_t(i) * dv + e];
     }
     for (int j = 0; j < sk; ++j) {
       const double prob = probs[size_t(i) * sk + j];
       if (prob == 0) continue;
-      const double du = prob * (dp[j] - row_dot) * dscore_draw[size_t(i) * sk + j] * p.scale;
+      const double du = rounded(p, prob * (dp[j] - row_dot) * dscore_draw[size_t(i) * sk + j]) * p.scale;
       for (int e = 0; e < d; ++e) {
         g.dq[size_t(i) * d + e] += du * p.k[size_t(j) * d + e];
         g.dk[size_t(j) * d + e] += du * p.q[size_t(i) * d + e];
@@ -158,7 +167,7 @@ void store_q_like(const HeadIndex& x, void* base, int64_t bs, int64_t rs, int64_
   }
 }
 
-HeadProblem make_problem(const HeadIndex& x) {
+HeadProblem make_problem(const HeadIndex& x, bool emulate = false) {
   const AttentionParams& p = *x.p;
   HeadProblem hp;
   hp.seqlen_q = x.e.seqlen_q;
@@ -177,6 +186,8 @@ HeadProblem make_problem(const HeadIndex& x) {
   hp.seed = p.dropout_seed;
   hp.offset = p.dropout_offset;
   hp.dropout_bh = uint32_t(x.b * p.heads_q + x.h);
+  hp.emulate = emulate;
+  hp.emulate_dtype = p.dtype;
   return hp;
 }
 
@@ -213,17 +224,19 @@ void rotate(const KvcacheParams& p, int position, double* x) {
 
 }  // namespace
 
-Status forward(const AttentionParams& p) {
+namespace {
+
+Status forward_impl(const AttentionParams& p, bool emulate) {
   const int heads = p.batch * p.heads_q;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(p.num_threads)
   for (int bh = 0; bh < heads; ++bh) {
     const HeadIndex x = head_index(p, bh);
-    store_result(x, attend(make_problem(x)));
+    store_result(x, attend(make_problem(x, emulate)));
   }
   return Status();
 }
 
-Status backward(const BackwardParams& p) {
+Status backward_impl(const BackwardParams& p, bool emulate) {
   // Parallel over (b, key head): the query heads of one group accumulate into the same dk/dv.
   const int groups = p.batch * p.heads_k;
   const int group_size = p.heads_q / p.heads_k;
@@ -236,7 +249,7 @@ Status backward(const BackwardParams& p) {
       const HeadIndex x = head_index(p, b * p.heads_q + h);
       const std::vector<double> dout =
           load_q_like(x, p.dout, p.dout_batch_stride, p.dout_row_stride, p.dout_head_stride, p.head_dim_v);
-      const HeadGradients g = attend_backward(make_problem(x), dout);
+      const HeadGradients g = attend_backward(make_problem(x, emulate), dout);
       store_q_like(x, p.dq, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride, p.head_dim, g.dq);
       for (size_t n = 0; n < dk.size(); ++n) dk[n] += g.dk[n];
       for (size_t n = 0; n < dv.size(); ++n) dv[n] += g.dv[n];
@@ -250,6 +263,13 @@ Status backward(const BackwardParams& p) {
   }
   return Status();
 }
+
+}  // namespace
+
+Status forward(const AttentionParams& p) { return forward_impl(p, false); }
+Status backward(const BackwardParams& p) { return backward_impl(p, false); }
+Status forward_naive_same_precision(const AttentionParams& p) { return forward_impl(p, true); }
+Status backward_naive_same_precision(const BackwardParams& p) { return backward_impl(p, true); }
 
 Status kvcache(const KvcacheParams& p) {
   // 1. Append: new rows go to positions cache_seqlens[b] + t, rotated there when rotary is on.

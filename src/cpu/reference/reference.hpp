@@ -23,6 +23,10 @@ struct HeadProblem {
   double dropout_p;               // 0 off
   uint64_t seed, offset;
   uint32_t dropout_bh;            // b * Hq + h: the head's index in the Philox counter
+  // Test baseline only: round scores, probabilities and score gradients to this dtype, as a naive
+  // same-precision computation (e.g. torch math attention in bf16) would. FA_FLOAT32 + !emulate = exact.
+  bool emulate = false;
+  fa_dtype emulate_dtype = FA_FLOAT32;
 };
 
 struct HeadResult {
@@ -44,6 +48,11 @@ double dropout_multiplier(const HeadProblem& problem, int i, int j);
 Status forward(const AttentionParams& params);
 // Gradients from the float64 recomputation: params.out and params.lse are not read.
 Status backward(const BackwardParams& params);
+
+// The naive same-precision baseline of the test tolerance rule: the same computation with scores,
+// probabilities and score gradients rounded to params.dtype (not an oracle; tests only).
+Status forward_naive_same_precision(const AttentionParams& params);
+Status backward_naive_same_precision(const BackwardParams& params);
 // Appends (with rotary) into the cache, then attends. Splits are irrelevant here.
 Status kvcache(const KvcacheParams& params);
 
