@@ -1,1 +1,764 @@
-int main(){return 0;}
+// The `flashattn` command: info / run / bench on random inputs, through the public C++ API.
+//
+//   flashattn info                      version, backends, devices, compiled kernels
+//   flashattn run [options]             one problem: time, TFLOP/s, GB/s, memory; --check vs float64
+//   flashattn bench [options]           flash vs the textbook path over sequence lengths: time and
+//                                       peak memory per length (table + JSON); shows O(S) vs O(S^2)
+// `flashattn <command> --help` lists each command's options.
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <cblas.h>
+#include <omp.h>
+
+#include "core/dtype.hpp"
+#include "flashattn/flashattn.hpp"
+
+#if defined(FLASHATTN_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+namespace {
+
+using flashattn::Status;
+
+// ---------------------------------------------------------------------------------------------
+// Command-line parsing: --key value, --key=value, --flag.
+class Args {
+ public:
+  Args(int argc, char** argv, int first) {
+    for (int i = first; i < argc; ++i) {
+      std::string a = argv[i];
+      if (a.rfind("--", 0) != 0) {
+        bad_.push_back(a);
+        continue;
+      }
+      a = a.substr(2);
+      const size_t eq = a.find('=');
+      if (eq != std::string::npos) {
+        values_[a.substr(0, eq)] = a.substr(eq + 1);
+      } else if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) {
+        values_[a] = argv[++i];
+      } else {
+        values_[a] = "";
+      }
+    }
+  }
+  bool has(const std::string& k) const { return values_.count(k) > 0; }
+  std::string str(const std::string& k, const std::string& def) {
+    used_.push_back(k);
+    return has(k) ? values_.at(k) : def;
+  }
+  long long integer(const std::string& k, long long def) {
+    const std::string v = str(k, "");
+    if (v.empty()) return def;
+    char* end = nullptr;
+    const long long x = std::strtoll(v.c_str(), &end, 10);
+    if (*end != '\0') fail("--" + k + ": expected an integer, got '" + v + "'");
+    return x;
+  }
+  double real(const std::string& k, double def) {
+    const std::string v = str(k, "");
+    if (v.empty()) return def;
+    char* end = nullptr;
+    const double x = std::strtod(v.c_str(), &end);
+    if (*end != '\0') fail("--" + k + ": expected a number, got '" + v + "'");
+    return x;
+  }
+  bool flag(const std::string& k) {
+    used_.push_back(k);
+    return has(k);
+  }
+  // Rejects options nobody asked for (typos must not be ignored silently).
+  void finish() const {
+    for (const std::string& b : bad_) fail("unexpected argument '" + b + "'");
+    for (const auto& kv : values_)
+      if (std::find(used_.begin(), used_.end(), kv.first) == used_.end()) fail("unknown option --" + kv.first);
+  }
+  [[noreturn]] static void fail(const std::string& message) {
+    std::fprintf(stderr, "flashattn: %s (see --help)\n", message.c_str());
+    std::exit(2);
+  }
+
+ private:
+  std::map<std::string, std::string> values_;
+  std::vector<std::string> used_;
+  std::vector<std::string> bad_;
+};
+
+fa_dtype parse_dtype(const std::string& s) {
+  if (s == "f32" || s == "fp32" || s == "float32") return FA_FLOAT32;
+  if (s == "f16" || s == "fp16" || s == "float16") return FA_FLOAT16;
+  if (s == "bf16" || s == "bfloat16") return FA_BFLOAT16;
+  Args::fail("--dtype: expected f32, f16 or bf16, got '" + s + "'");
+}
+
+fa_backend parse_backend(const std::string& s) {
+  if (s == "auto") return FA_BACKEND_AUTO;
+  if (s == "reference" || s == "cpu_reference") return FA_BACKEND_CPU_REFERENCE;
+  if (s == "cpu" || s == "flash" || s == "cpu_flash") return FA_BACKEND_CPU_FLASH;
+  if (s == "standard" || s == "cpu_standard") return FA_BACKEND_CPU_STANDARD;
+  if (s == "cuda") return FA_BACKEND_CUDA;
+  Args::fail("--backend: expected auto, cpu, standard, reference or cuda, got '" + s + "'");
+}
+
+const char* backend_label(fa_backend b) {
+  switch (b) {
+    case FA_BACKEND_CPU_REFERENCE: return "cpu_reference";
+    case FA_BACKEND_CPU_FLASH: return "cpu_flash";
+    case FA_BACKEND_CPU_STANDARD: return "cpu_standard";
+    case FA_BACKEND_CUDA: return "cuda";
+    default: return "auto";
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory: host or device buffers, and the process's peak resident set.
+
+struct Buffer {
+  void* data = nullptr;
+  int64_t bytes = 0;
+  bool device = false;
+  Buffer() = default;
+  Buffer(int64_t n, bool on_device) : bytes(n), device(on_device) {
+    if (device) {
+#if defined(FLASHATTN_WITH_CUDA)
+      if (cudaMalloc(&data, size_t(std::max<int64_t>(n, 16))) != cudaSuccess)
+        Args::fail("cudaMalloc of " + std::to_string(n) + " bytes failed");
+#endif
+    } else {
+      data = std::malloc(size_t(std::max<int64_t>(n, 16)));
+      if (data == nullptr) Args::fail("out of host memory");
+    }
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  Buffer(Buffer&& o) noexcept { *this = std::move(o); }
+  Buffer& operator=(Buffer&& o) noexcept {
+    std::swap(data, o.data);
+    std::swap(bytes, o.bytes);
+    std::swap(device, o.device);
+    return *this;
+  }
+  ~Buffer() {
+    if (data == nullptr) return;
+#if defined(FLASHATTN_WITH_CUDA)
+    if (device) {
+      cudaFree(data);
+      return;
+    }
+#endif
+    std::free(data);
+  }
+  void upload(const std::vector<uint8_t>& host) {
+#if defined(FLASHATTN_WITH_CUDA)
+    if (device) {
+      cudaMemcpy(data, host.data(), host.size(), cudaMemcpyHostToDevice);
+      return;
+    }
+#endif
+    std::memcpy(data, host.data(), host.size());
+  }
+  std::vector<uint8_t> download() const {
+    std::vector<uint8_t> host(static_cast<size_t>(bytes));
+#if defined(FLASHATTN_WITH_CUDA)
+    if (device) {
+      cudaMemcpy(host.data(), data, host.size(), cudaMemcpyDeviceToHost);
+      return host;
+    }
+#endif
+    std::memcpy(host.data(), data, host.size());
+    return host;
+  }
+};
+
+void device_synchronize(bool device) {
+#if defined(FLASHATTN_WITH_CUDA)
+  if (device) cudaDeviceSynchronize();
+#endif
+}
+
+// Peak resident set of this process (VmHWM), reset on request through /proc/self/clear_refs.
+bool reset_peak_rss() {
+  std::ofstream f("/proc/self/clear_refs");
+  if (!f) return false;
+  f << "5";
+  return bool(f);
+}
+int64_t peak_rss_bytes() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::atoll(line.c_str() + 6) * 1024;
+  rusage u;
+  getrusage(RUSAGE_SELF, &u);
+  return int64_t(u.ru_maxrss) * 1024;
+}
+int64_t current_rss_bytes() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::atoll(line.c_str() + 6) * 1024;
+  return 0;
+}
+
+std::string rate(double flop_per_s) {
+  char s[32];
+  if (flop_per_s >= 1e12) std::snprintf(s, sizeof(s), "%.1f TFLOP/s", flop_per_s / 1e12);
+  else std::snprintf(s, sizeof(s), "%.2f GFLOP/s", flop_per_s / 1e9);
+  return s;
+}
+
+std::string human_bytes(double b) {
+  if (b < 0) return "n/a";
+  char s[32];
+  if (b >= 1073741824.0) std::snprintf(s, sizeof(s), "%.2f GiB", b / 1073741824.0);
+  else if (b >= 1048576.0) std::snprintf(s, sizeof(s), "%.1f MiB", b / 1048576.0);
+  else std::snprintf(s, sizeof(s), "%.1f KiB", b / 1024.0);
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// One attention problem with random inputs.
+
+struct Shape {
+  int batch = 1, seqlen_q = 1024, seqlen_k = 1024, heads_q = 16, heads_k = 16, head_dim = 128, head_dim_v = 128;
+  fa_dtype dtype = FA_FLOAT32;
+};
+
+struct Problem {
+  Shape shape;
+  bool device = false;
+  std::vector<uint8_t> q_host, k_host, v_host, dout_host;
+  Buffer q, k, v, out, lse, dout, dq, dk, dv;
+
+  static int64_t elements(const Shape& s, bool query_side, bool value) {
+    return int64_t(s.batch) * (query_side ? s.seqlen_q : s.seqlen_k) * (query_side ? s.heads_q : s.heads_k) *
+           (value ? s.head_dim_v : s.head_dim);
+  }
+  int64_t element_size() const { return flashattn::dtype_size(shape.dtype); }
+
+  void init(const Shape& s, bool on_device, uint64_t seed, bool with_backward) {
+    shape = s;
+    device = on_device;
+    std::mt19937_64 rng(seed);
+    auto random = [&](int64_t count) {
+      std::vector<uint8_t> host(size_t(count * element_size()));
+      std::normal_distribution<float> normal(0.f, 1.f);
+      for (int64_t n = 0; n < count; ++n) flashattn::store_from_float(host.data(), n, shape.dtype, normal(rng));
+      return host;
+    };
+    q_host = random(elements(s, true, false));
+    k_host = random(elements(s, false, false));
+    v_host = random(elements(s, false, true));
+    q = Buffer(int64_t(q_host.size()), device);
+    k = Buffer(int64_t(k_host.size()), device);
+    v = Buffer(int64_t(v_host.size()), device);
+    q.upload(q_host);
+    k.upload(k_host);
+    v.upload(v_host);
+    out = Buffer(elements(s, true, true) * element_size(), device);
+    lse = Buffer(int64_t(s.batch) * s.heads_q * s.seqlen_q * 4, device);
+    if (with_backward) {
+      dout_host = random(elements(s, true, true));
+      dout = Buffer(int64_t(dout_host.size()), device);
+      dout.upload(dout_host);
+      dq = Buffer(q.bytes, device);
+      dk = Buffer(k.bytes, device);
+      dv = Buffer(v.bytes, device);
+    }
+  }
+
+  fa_tensor view(Buffer& b, std::initializer_list<int64_t> dims, fa_dtype dtype) {
+    return flashattn::tensor(b.data, dims, dtype, device ? FA_DEVICE_CUDA : FA_DEVICE_CPU, 0);
+  }
+  fa_forward_args forward_args() {
+    const Shape& s = shape;
+    fa_forward_args a{};
+    a.q = view(q, {s.batch, s.seqlen_q, s.heads_q, s.head_dim}, s.dtype);
+    a.k = view(k, {s.batch, s.seqlen_k, s.heads_k, s.head_dim}, s.dtype);
+    a.v = view(v, {s.batch, s.seqlen_k, s.heads_k, s.head_dim_v}, s.dtype);
+    a.out = view(out, {s.batch, s.seqlen_q, s.heads_q, s.head_dim_v}, s.dtype);
+    a.lse = view(lse, {s.batch, s.heads_q, s.seqlen_q}, FA_FLOAT32);
+    return a;
+  }
+  fa_backward_args backward_args() {
+    const Shape& s = shape;
+    const fa_forward_args f = forward_args();
+    fa_backward_args a{};
+    a.q = f.q, a.k = f.k, a.v = f.v, a.out = f.out, a.lse = f.lse;
+    a.dout = view(dout, {s.batch, s.seqlen_q, s.heads_q, s.head_dim_v}, s.dtype);
+    a.dq = view(dq, {s.batch, s.seqlen_q, s.heads_q, s.head_dim}, s.dtype);
+    a.dk = view(dk, {s.batch, s.seqlen_k, s.heads_k, s.head_dim}, s.dtype);
+    a.dv = view(dv, {s.batch, s.seqlen_k, s.heads_k, s.head_dim_v}, s.dtype);
+    return a;
+  }
+  int64_t forward_io_bytes() const {  // each input read once, each output written once
+    return q.bytes + k.bytes + v.bytes + out.bytes + lse.bytes;
+  }
+  int64_t backward_io_bytes() const {
+    return q.bytes + k.bytes + v.bytes + out.bytes + lse.bytes + dout.bytes + dq.bytes + dk.bytes + dv.bytes;
+  }
+};
+
+// Visible (query, key) pairs of one head of the problem under the options' mask.
+double visible_pairs(const Shape& s, const fa_options& o) {
+  const int right = o.causal ? 0 : o.window_right;
+  const int left = o.window_left;
+  double pairs = 0;
+  for (int i = 0; i < s.seqlen_q; ++i) {
+    const long long aligned = i + (long long)s.seqlen_k - s.seqlen_q;
+    const long long lo = left >= 0 ? std::max(0LL, aligned - left) : 0;
+    const long long hi = right >= 0 ? std::min<long long>(s.seqlen_k - 1, aligned + right) : s.seqlen_k - 1;
+    if (hi >= lo) pairs += double(hi - lo + 1);
+  }
+  return pairs;
+}
+// FLOPs of the forward: two GEMMs over the visible pairs (2 * (D + Dv) per pair).
+double forward_flops(const Shape& s, const fa_options& o) {
+  return 2.0 * (s.head_dim + s.head_dim_v) * visible_pairs(s, o) * s.batch * s.heads_q;
+}
+
+struct Timing {
+  double median_s = 0, min_s = 0;
+  int iterations = 0;
+};
+
+Timing time_call(const std::function<Status()>& call, bool device, int warmup, int iterations, double max_seconds) {
+  for (int w = 0; w < warmup; ++w) {
+    const Status s = call();
+    if (!s.ok()) Args::fail(s.to_string());
+  }
+  device_synchronize(device);
+  std::vector<double> times;
+  const auto start_all = std::chrono::steady_clock::now();
+  for (int it = 0; it < iterations; ++it) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const Status s = call();
+    device_synchronize(device);
+    const auto t1 = std::chrono::steady_clock::now();
+    if (!s.ok()) Args::fail(s.to_string());
+    times.push_back(std::chrono::duration<double>(t1 - t0).count());
+    if (std::chrono::duration<double>(t1 - start_all).count() > max_seconds) break;
+  }
+  std::sort(times.begin(), times.end());
+  Timing t;
+  t.iterations = int(times.size());
+  t.median_s = times[times.size() / 2];
+  t.min_s = times.front();
+  return t;
+}
+
+// cblas_sgemm rate of this machine with the given threads (the CPU's matrix ceiling for fp32).
+double measure_sgemm_gflops(int threads, int n) {
+  std::vector<float> a(size_t(n) * n), b(size_t(n) * n), c(size_t(n) * n);
+  std::mt19937 rng(1);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (float& x : a) x = u(rng);
+  for (float& x : b) x = u(rng);
+  std::vector<double> times;
+  omp_set_num_threads(threads);
+  for (int it = 0; it < 4; ++it) {
+    const auto t0 = std::chrono::steady_clock::now();
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, n, 1.f, a.data(), n, b.data(), n, 0.f, c.data(), n);
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(times.begin(), times.end());
+  return 2.0 * n * double(n) * n / times[1] / 1e9;  // second best of 4 (first is warm-up)
+}
+
+// Options shared by run and bench.
+struct CommonOptions {
+  Shape shape;
+  fa_options options;
+  fa_backend backend = FA_BACKEND_AUTO;
+  uint64_t seed = 0;
+};
+
+void add_common_help(std::string& h) {
+  h +=
+      "  --batch B            sequences (default 1)\n"
+      "  --heads H            query heads (default 16)\n"
+      "  --heads-k HK         key/value heads, divides H (default H)\n"
+      "  --head-dim D         (default 128); --head-dim-v DV (default D)\n"
+      "  --dtype T            f32 | f16 | bf16 (default f32)\n"
+      "  --backend NAME       auto | cpu | standard | reference | cuda (default: auto)\n"
+      "  --threads N          CPU threads (default: all)\n"
+      "  --causal             causal mask, bottom-right aligned\n"
+      "  --window L,R         sliding window (-1 = unbounded)\n"
+      "  --softcap C          soft-capping of scores\n"
+      "  --alibi              ALiBi with the standard geometric slopes\n"
+      "  --dropout P          dropout probability (seeded Philox)\n"
+      "  --scale S            softmax scale (default 1/sqrt(D))\n"
+      "  --seed N             input seed (default: time-based; printed)\n";
+}
+
+CommonOptions parse_common(Args& a) {
+  CommonOptions c;
+  c.shape.batch = int(a.integer("batch", 1));
+  c.shape.heads_q = int(a.integer("heads", 16));
+  c.shape.heads_k = int(a.integer("heads-k", c.shape.heads_q));
+  c.shape.head_dim = int(a.integer("head-dim", 128));
+  c.shape.head_dim_v = int(a.integer("head-dim-v", c.shape.head_dim));
+  c.shape.dtype = parse_dtype(a.str("dtype", "f32"));
+  c.backend = parse_backend(a.str("backend", "auto"));
+  fa_options_init(&c.options);
+  c.options.backend = c.backend;
+  c.options.num_threads = int(a.integer("threads", 0));
+  c.options.causal = a.flag("causal");
+  const std::string window = a.str("window", "");
+  if (!window.empty() && std::sscanf(window.c_str(), "%d,%d", &c.options.window_left, &c.options.window_right) != 2)
+    Args::fail("--window: expected L,R, got '" + window + "'");
+  c.options.softcap = float(a.real("softcap", 0));
+  c.options.dropout_p = float(a.real("dropout", 0));
+  c.options.softmax_scale = float(a.real("scale", 0));
+  c.seed = uint64_t(a.integer("seed", (long long)(std::chrono::steady_clock::now().time_since_epoch().count() & 0xffffffff)));
+  c.options.dropout_seed = c.seed;
+  return c;
+}
+
+std::vector<float> alibi_slopes(int heads) {
+  std::vector<float> s(static_cast<size_t>(heads));
+  for (int h = 0; h < heads; ++h) s[size_t(h)] = std::pow(2.f, -8.f * float(h + 1) / float(heads));
+  return s;
+}
+
+bool is_device_backend(const CommonOptions& c) { return c.backend == FA_BACKEND_CUDA; }
+
+// ---------------------------------------------------------------------------------------------
+// flashattn run
+
+// Float64 reference on batch entry 0 and the first key/value head group (a sample that keeps the
+// check affordable at long sequence lengths), against the run's output.
+void check_against_reference(Problem& p, const fa_options& options, bool backward) {
+  const Shape& s = p.shape;
+  const int group = s.heads_q / s.heads_k;
+  const int64_t es = p.element_size();
+  // Host copies of batch 0, heads [0, group) / key head 0, contiguous.
+  auto slice = [&](const std::vector<uint8_t>& full, int rows, int heads_total, int heads, int dim) {
+    std::vector<uint8_t> part(size_t(int64_t(rows) * heads * dim * es));
+    for (int r = 0; r < rows; ++r)
+      std::memcpy(&part[size_t(int64_t(r) * heads * dim * es)], &full[size_t(int64_t(r) * heads_total * dim * es)],
+                  size_t(int64_t(heads) * dim * es));
+    return part;
+  };
+  std::vector<uint8_t> q = slice(p.q_host, s.seqlen_q, s.heads_q, group, s.head_dim);
+  std::vector<uint8_t> k = slice(p.k_host, s.seqlen_k, s.heads_k, 1, s.head_dim);
+  std::vector<uint8_t> v = slice(p.v_host, s.seqlen_k, s.heads_k, 1, s.head_dim_v);
+  std::vector<uint8_t> out(size_t(int64_t(s.seqlen_q) * group * s.head_dim_v * es));
+  std::vector<float> lse(size_t(int64_t(group) * s.seqlen_q));
+  fa_forward_args a{};
+  a.q = flashattn::tensor(q.data(), {1, s.seqlen_q, group, s.head_dim}, s.dtype);
+  a.k = flashattn::tensor(k.data(), {1, s.seqlen_k, 1, s.head_dim}, s.dtype);
+  a.v = flashattn::tensor(v.data(), {1, s.seqlen_k, 1, s.head_dim_v}, s.dtype);
+  a.out = flashattn::tensor(out.data(), {1, s.seqlen_q, group, s.head_dim_v}, s.dtype);
+  a.lse = flashattn::tensor(lse.data(), {1, group, s.seqlen_q}, FA_FLOAT32);
+  fa_options ref = options;
+  ref.backend = FA_BACKEND_CPU_REFERENCE;
+  ref.stats = nullptr;
+  ref.stream = nullptr;
+  // ALiBi slopes: the first `group` heads of the run's slopes (host copy held by the caller).
+  const Status st = flashattn::forward(a, ref);
+  if (!st.ok()) Args::fail("reference: " + st.to_string());
+  const std::vector<uint8_t> got_out = p.out.download();
+  const std::vector<uint8_t> got_lse = p.lse.download();
+  double max_abs = 0, diff2 = 0, ref2 = 0, lse_max = 0;
+  int64_t nonfinite = 0;
+  for (int i = 0; i < s.seqlen_q; ++i)
+    for (int h = 0; h < group; ++h)
+      for (int d = 0; d < s.head_dim_v; ++d) {
+        const double r = flashattn::load_as_float(out.data(), (int64_t(i) * group + h) * s.head_dim_v + d, s.dtype);
+        const double g = flashattn::load_as_float(got_out.data(), (int64_t(i) * s.heads_q + h) * s.head_dim_v + d, s.dtype);
+        if (!std::isfinite(g)) ++nonfinite;
+        max_abs = std::max(max_abs, std::abs(g - r));
+        diff2 += (g - r) * (g - r);
+        ref2 += r * r;
+      }
+  for (int h = 0; h < group; ++h)
+    for (int i = 0; i < s.seqlen_q; ++i) {
+      const double r = lse[size_t(int64_t(h) * s.seqlen_q + i)];
+      const double g = reinterpret_cast<const float*>(got_lse.data())[int64_t(h) * s.seqlen_q + i];
+      if (std::isinf(r) && r == g) continue;
+      lse_max = std::max(lse_max, std::abs(g - r));
+    }
+  std::printf("check (batch 0, heads 0..%d vs float64 reference): out max_abs %.3e rel_l2 %.3e, lse max_abs %.3e%s\n",
+              group - 1, max_abs, std::sqrt(diff2) / std::max(std::sqrt(ref2), 1e-30), lse_max,
+              nonfinite ? " NON-FINITE VALUES" : "");
+  if (backward) std::printf("check: gradients are checked by the test suite (ctest), not by `run`\n");
+}
+
+int command_run(int argc, char** argv) {
+  Args a(argc, argv, 2);
+  if (a.flag("help")) {
+    std::string h =
+        "flashattn run: one attention problem on random inputs.\n"
+        "  --seqlen S           query and key length (default 1024); or --seqlen-q / --seqlen-k\n";
+    add_common_help(h);
+    h +=
+        "  --backward           also time the backward pass\n"
+        "  --iters N            timed iterations (default 5); --warmup N (default 1)\n"
+        "  --check              compare with the float64 reference (batch 0, first head group)\n"
+        "  --json FILE          also write the result as JSON\n";
+    std::fputs(h.c_str(), stdout);
+    return 0;
+  }
+  CommonOptions c = parse_common(a);
+  const int seqlen = int(a.integer("seqlen", 1024));
+  c.shape.seqlen_q = int(a.integer("seqlen-q", seqlen));
+  c.shape.seqlen_k = int(a.integer("seqlen-k", seqlen));
+  const bool backward = a.flag("backward");
+  const int iters = int(a.integer("iters", 5));
+  const int warmup = int(a.integer("warmup", 1));
+  const bool check = a.flag("check");
+  const bool with_alibi = a.flag("alibi");
+  const std::string json = a.str("json", "");
+  a.finish();
+
+  const bool device = is_device_backend(c);
+  std::vector<float> slopes_host;
+  Buffer slopes;
+  if (with_alibi) {
+    slopes_host = alibi_slopes(c.shape.heads_q);
+    slopes = Buffer(int64_t(slopes_host.size()) * 4, device);
+    std::vector<uint8_t> bytes(slopes_host.size() * 4);
+    std::memcpy(bytes.data(), slopes_host.data(), bytes.size());
+    slopes.upload(bytes);
+    c.options.alibi_slopes = flashattn::tensor(slopes.data, {c.shape.heads_q}, FA_FLOAT32, device ? FA_DEVICE_CUDA : FA_DEVICE_CPU);
+  }
+  Problem p;
+  reset_peak_rss();
+  const int64_t rss_before = current_rss_bytes();
+  p.init(c.shape, device, c.seed, backward);
+  fa_stats stats{};
+  c.options.stats = &stats;
+  fa_forward_args fa = p.forward_args();
+  const Timing t = time_call([&] { return flashattn::forward(fa, c.options); }, device, warmup, iters, 120);
+  const double flops = forward_flops(c.shape, c.options);
+  std::printf("flashattn run: B=%d Sq=%d Sk=%d Hq=%d Hk=%d D=%d Dv=%d %s%s%s backend=%s seed=%llu\n", c.shape.batch,
+              c.shape.seqlen_q, c.shape.seqlen_k, c.shape.heads_q, c.shape.heads_k, c.shape.head_dim, c.shape.head_dim_v,
+              flashattn::dtype_name(c.shape.dtype), c.options.causal ? " causal" : "", c.options.dropout_p > 0 ? " dropout" : "",
+              backend_label(c.backend), (unsigned long long)c.seed);
+  std::printf("forward:  %.3f ms (median of %d, min %.3f ms)  %s  %.1f GB/s  kernel: %s\n", t.median_s * 1e3, t.iterations,
+              t.min_s * 1e3, rate(flops / t.median_s).c_str(), p.forward_io_bytes() / t.median_s / 1e9, stats.kernel);
+  const int64_t fwd_scratch = stats.scratch_bytes_peak;
+  Timing tb;
+  int64_t bwd_scratch = 0;
+  if (backward) {
+    fa_backward_args ba = p.backward_args();
+    tb = time_call([&] { return flashattn::backward(ba, c.options); }, device, warmup, iters, 120);
+    bwd_scratch = stats.scratch_bytes_peak;
+    std::printf("backward: %.3f ms (median of %d)  %s (2.5x forward FLOPs)  %.1f GB/s  kernel: %s\n", tb.median_s * 1e3,
+                tb.iterations, rate(2.5 * flops / tb.median_s).c_str(), p.backward_io_bytes() / tb.median_s / 1e9, stats.kernel);
+  }
+  const int64_t rss_peak = peak_rss_bytes();
+  std::printf("memory: inputs+outputs %s, scratch peak forward %s%s%s, process peak RSS %s (+%s over start)\n",
+              human_bytes(double(backward ? p.backward_io_bytes() : p.forward_io_bytes())).c_str(),
+              human_bytes(double(fwd_scratch)).c_str(), backward ? " backward " : "",
+              backward ? human_bytes(double(bwd_scratch)).c_str() : "", human_bytes(double(rss_peak)).c_str(),
+              human_bytes(double(rss_peak - rss_before)).c_str());
+  if (check) {
+    flashattn::Status st = flashattn::forward(fa, c.options);  // fresh output for the comparison
+    device_synchronize(device);
+    if (!st.ok()) Args::fail(st.to_string());
+    fa_options ref = c.options;
+    if (with_alibi) ref.alibi_slopes = flashattn::tensor(slopes_host.data(), {c.shape.heads_q}, FA_FLOAT32);
+    check_against_reference(p, ref, backward);
+  }
+  if (!json.empty()) {
+    std::ofstream f(json);
+    f << "{\"B\":" << c.shape.batch << ",\"Sq\":" << c.shape.seqlen_q << ",\"Sk\":" << c.shape.seqlen_k
+      << ",\"Hq\":" << c.shape.heads_q << ",\"Hk\":" << c.shape.heads_k << ",\"D\":" << c.shape.head_dim
+      << ",\"dtype\":\"" << flashattn::dtype_name(c.shape.dtype) << "\",\"causal\":" << (c.options.causal ? "true" : "false")
+      << ",\"backend\":\"" << backend_label(c.backend) << "\",\"forward_ms\":" << t.median_s * 1e3
+      << ",\"forward_tflops\":" << flops / t.median_s / 1e12 << ",\"forward_scratch_bytes\":" << fwd_scratch;
+    if (backward) f << ",\"backward_ms\":" << tb.median_s * 1e3 << ",\"backward_tflops\":" << 2.5 * flops / tb.median_s / 1e12;
+    f << "}\n";
+  }
+  return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// flashattn bench
+
+struct BenchRow {
+  int seqlen;
+  const char* path;
+  double ms = 0, gflops = 0;
+  int64_t scratch = 0, rss_peak_delta = 0, io = 0;
+  bool skipped = false;
+  std::string kernel;
+};
+
+int command_bench(int argc, char** argv) {
+  Args a(argc, argv, 2);
+  if (a.flag("help")) {
+    std::string h =
+        "flashattn bench: flash vs the textbook (standard) path over sequence lengths, on one backend.\n"
+        "Prints time and peak memory per length (a progress line each), then a table; --json writes it.\n"
+        "  --seqlens LIST       comma-separated lengths (default 1024,2048,4096,8192,16384)\n";
+    add_common_help(h);
+    h +=
+        "  --paths LIST         flash,standard (default both on the CPU; cuda runs flash only)\n"
+        "  --iters N            timed iterations per point (default 3, capped at ~20 s per point)\n"
+        "  --json FILE          write all rows and the machine's sgemm rate as JSON\n";
+    std::fputs(h.c_str(), stdout);
+    return 0;
+  }
+  CommonOptions c = parse_common(a);
+  std::vector<int> seqlens;
+  {
+    std::stringstream ss(a.str("seqlens", "1024,2048,4096,8192,16384"));
+    std::string item;
+    while (std::getline(ss, item, ',')) seqlens.push_back(std::atoi(item.c_str()));
+  }
+  const bool device = is_device_backend(c);
+  const std::string paths = a.str("paths", device ? "flash" : "flash,standard");
+  const int iters = int(a.integer("iters", 3));
+  const std::string json = a.str("json", "");
+  if (a.flag("alibi")) Args::fail("--alibi: not offered by bench (use run)");
+  a.finish();
+  const int threads = c.options.num_threads > 0 ? c.options.num_threads : omp_get_num_procs();
+  c.options.num_threads = threads;
+
+  double sgemm = 0;
+  if (!device) {
+    std::printf("measuring cblas_sgemm (2048^3, %d threads)... ", threads);
+    std::fflush(stdout);
+    sgemm = measure_sgemm_gflops(threads, 2048);
+    std::printf("%.1f GFLOP/s\n", sgemm);
+  }
+  std::vector<BenchRow> rows;
+  for (int s : seqlens) {
+    for (const char* path : {"flash", "standard"}) {
+      if (paths.find(path) == std::string::npos) continue;
+      BenchRow r;
+      r.seqlen = s;
+      r.path = path;
+      Shape shape = c.shape;
+      shape.seqlen_q = shape.seqlen_k = s;
+      fa_options o = c.options;
+      o.backend = std::string(path) == "standard" ? FA_BACKEND_CPU_STANDARD : c.backend;
+      if (o.backend == FA_BACKEND_AUTO) o.backend = FA_BACKEND_CPU_FLASH;
+      fa_stats stats{};
+      o.stats = &stats;
+      std::printf("[%zu/%zu] S=%-6d %-8s ... ", rows.size() + 1, seqlens.size() * (paths.find(',') != std::string::npos ? 2 : 1),
+                  s, path);
+      std::fflush(stdout);
+      reset_peak_rss();
+      const int64_t rss_before = current_rss_bytes();
+      Problem p;
+      p.init(shape, device, c.seed + uint64_t(s), false);
+      fa_forward_args fa = p.forward_args();
+      const Timing t = time_call([&] { return flashattn::forward(fa, o); }, device, 1, iters, 20);
+      r.ms = t.median_s * 1e3;
+      r.gflops = forward_flops(shape, o) / t.median_s / 1e9;
+      r.scratch = stats.scratch_bytes_peak;
+      r.io = p.forward_io_bytes();
+      r.rss_peak_delta = peak_rss_bytes() - rss_before;
+      r.kernel = stats.kernel;
+      std::printf("%9.2f ms  %8.1f GFLOP/s  scratch %-10s  peak RSS +%s\n", r.ms, r.gflops, human_bytes(double(r.scratch)).c_str(),
+                  human_bytes(double(r.rss_peak_delta)).c_str());
+      rows.push_back(r);
+    }
+  }
+  std::printf("\nflashattn bench: %s, D=%d, H=%d (Hk=%d), B=%d, %s%s, %d threads, backend %s\n",
+              flashattn::dtype_name(c.shape.dtype), c.shape.head_dim, c.shape.heads_q, c.shape.heads_k, c.shape.batch,
+              c.options.causal ? "causal" : "non-causal", c.options.dropout_p > 0 ? ", dropout" : "", threads,
+              backend_label(c.backend));
+  std::printf("%8s | %12s %10s %12s | %12s %10s %12s | %8s %9s\n", "S", "flash ms", "GFLOP/s", "scratch", "standard ms", "GFLOP/s",
+              "scratch", "speedup", "mem ratio");
+  for (int s : seqlens) {
+    const BenchRow* f = nullptr;
+    const BenchRow* st = nullptr;
+    for (const BenchRow& r : rows)
+      if (r.seqlen == s) (std::string(r.path) == "flash" ? f : st) = &r;
+    auto cell = [](const BenchRow* r, char* buf, size_t n) {
+      if (!r) std::snprintf(buf, n, "%12s %10s %12s", "-", "-", "-");
+      else std::snprintf(buf, n, "%12.2f %10.1f %12s", r->ms, r->gflops, human_bytes(double(r->scratch)).c_str());
+    };
+    char fb[64], sb[64];
+    cell(f, fb, sizeof(fb));
+    cell(st, sb, sizeof(sb));
+    char ratio[32] = "-", mem[32] = "-";
+    if (f && st) {
+      std::snprintf(ratio, sizeof(ratio), "%.2fx", st->ms / f->ms);
+      std::snprintf(mem, sizeof(mem), "%.0fx", double(st->scratch) / std::max<double>(1.0, double(f->scratch)));
+    }
+    std::printf("%8d | %s | %s | %8s %9s\n", s, fb, sb, ratio, mem);
+  }
+  if (sgemm > 0) {
+    double best = 0;
+    for (const BenchRow& r : rows)
+      if (std::string(r.path) == "flash") best = std::max(best, r.gflops);
+    std::printf("cblas_sgemm in this run: %.1f GFLOP/s; best flash forward %.1f GFLOP/s = %.0f%% of sgemm\n", sgemm, best,
+                100.0 * best / sgemm);
+  }
+  if (!json.empty()) {
+    std::ofstream f(json);
+    f << "{\n  \"dtype\": \"" << flashattn::dtype_name(c.shape.dtype) << "\", \"D\": " << c.shape.head_dim << ", \"H\": "
+      << c.shape.heads_q << ", \"Hk\": " << c.shape.heads_k << ", \"B\": " << c.shape.batch
+      << ", \"causal\": " << (c.options.causal ? "true" : "false") << ", \"threads\": " << threads
+      << ", \"backend\": \"" << backend_label(c.backend) << "\", \"sgemm_gflops\": " << sgemm << ",\n  \"rows\": [\n";
+    for (size_t n = 0; n < rows.size(); ++n) {
+      const BenchRow& r = rows[n];
+      f << "    {\"S\": " << r.seqlen << ", \"path\": \"" << r.path << "\", \"ms\": " << r.ms << ", \"gflops\": " << r.gflops
+        << ", \"scratch_bytes\": " << r.scratch << ", \"io_bytes\": " << r.io << ", \"peak_rss_delta_bytes\": " << r.rss_peak_delta
+        << ", \"kernel\": \"" << r.kernel << "\"}" << (n + 1 < rows.size() ? "," : "") << "\n";
+    }
+    f << "  ]\n}\n";
+    std::printf("wrote %s\n", json.c_str());
+  }
+  return 0;
+}
+
+int command_info(int argc, char** argv) {
+  Args a(argc, argv, 2);
+  if (a.flag("help")) {
+    std::puts("flashattn info: version, backends, CUDA devices, compiled kernels (head dims, dtypes).");
+    return 0;
+  }
+  a.finish();
+  std::fputs(fa_build_info(), stdout);
+  std::printf("cpu: %d hardware threads; BLAS: %s\n", omp_get_num_procs(), openblas_get_config());
+  if (fa_cuda_device_count() == 0) std::puts("no GPU found: the CPU backends are used (cpu_flash by default)");
+  return 0;
+}
+
+void usage() {
+  std::puts(
+      "flashattn: exact, IO-aware attention (FlashAttention) - command-line tool\n"
+      "usage: flashattn <command> [options]\n"
+      "  info     version, backends, devices, compiled kernels\n"
+      "  run      one problem on random inputs: time, TFLOP/s, GB/s, memory; --check vs float64 reference\n"
+      "  bench    flash vs textbook attention over sequence lengths: time and peak memory (table + JSON)\n"
+      "`flashattn <command> --help` for the options of a command.");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::string(argv[1]) == "--help" || std::string(argv[1]) == "-h" || std::string(argv[1]) == "help") {
+    usage();
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string command = argv[1];
+  if (command == "info") return command_info(argc, argv);
+  if (command == "run") return command_run(argc, argv);
+  if (command == "bench") return command_bench(argc, argv);
+  std::fprintf(stderr, "flashattn: unknown command '%s'\n", command.c_str());
+  usage();
+  return 2;
+}

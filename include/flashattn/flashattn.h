@@ -93,7 +93,8 @@ typedef enum fa_backend {
 
 /* Optional per-call report, filled when options->stats is set. */
 typedef struct fa_stats {
-  int64_t scratch_bytes_peak; /* most memory the call held beyond its arguments (host or device) */
+  int64_t scratch_bytes_peak; /* most memory the call held beyond its arguments (host or device);
+                                 -1 where the backend does not track it (cpu_reference) */
   int32_t num_splits;         /* split-KV splits used (kvcache), else 1 */
   char kernel[128];           /* the backend path / kernel configuration that ran */
 } fa_stats;

@@ -70,7 +70,7 @@ Status forward(const fa_forward_args& args, const fa_options& options) {
   FA_RETURN_IF_ERROR(resolve_backend(options, p.device, p.device_id, &backend));
   switch (backend) {
     case FA_BACKEND_CPU_REFERENCE:
-      report(p, "cpu_reference", 0, 1);
+      report(p, "cpu_reference", -1, 1);
       return cpu::reference::forward(p);
     case FA_BACKEND_CPU_FLASH: return cpu::flash::forward(p);
     case FA_BACKEND_CPU_STANDARD: FA_RETURN_IF_ERROR(standard_supports(p)); return cpu::standard::forward(p);
@@ -86,7 +86,7 @@ Status backward(const fa_backward_args& args, const fa_options& options) {
   FA_RETURN_IF_ERROR(resolve_backend(options, p.device, p.device_id, &backend));
   switch (backend) {
     case FA_BACKEND_CPU_REFERENCE:
-      report(p, "cpu_reference", 0, 1);
+      report(p, "cpu_reference", -1, 1);
       return cpu::reference::backward(p);
     case FA_BACKEND_CPU_FLASH: return cpu::flash::backward(p);
     case FA_BACKEND_CPU_STANDARD: return FA_UNSUPPORTED("options.backend: cpu_standard implements the forward pass only");
@@ -130,7 +130,7 @@ Status kvcache(const fa_kvcache_args& args, const fa_options& options) {
   FA_RETURN_IF_ERROR(resolve_backend(options, p.device, p.device_id, &backend));
   switch (backend) {
     case FA_BACKEND_CPU_REFERENCE:
-      report(p, "cpu_reference", 0, 1);
+      report(p, "cpu_reference", -1, 1);
       return cpu::reference::kvcache(p);
     case FA_BACKEND_CPU_FLASH: return cpu::flash::kvcache(p);
     case FA_BACKEND_CPU_STANDARD: return FA_UNSUPPORTED("options.backend: cpu_standard does not implement KV-cache attention");
