@@ -24,7 +24,7 @@
  *   A row with no visible key gives out = 0 and lse = -inf.
  *   dropout: probabilities are kept with probability 1 - p and kept values scaled by 1 / (1 - p);
  *            the keep bit of (b, h, i, j) is a pure function of (seed, offset, b, h, i, j) through
- *            Philox4x32-10 (see docs/DROPOUT.md), the same on every backend.
+ *            Philox4x32-10 (defined in src/core/philox.hpp), the same on every backend.
  *
  * Errors: every entry point validates shapes, dtypes, devices, strides, alignment and feature
  * support before touching memory and returns a status; the message names the argument and the rule.
