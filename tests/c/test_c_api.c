@@ -1,0 +1,80 @@
+/* The C ABI used from C (C99): the header compiles as C, options default correctly, a forward call
+   runs on the CPU reference and on the default CPU backend, and errors come back with a message. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "flashattn/flashattn.h"
+
+static int failures = 0;
+#define CHECK(cond, ...)                                        \
+  do {                                                          \
+    if (!(cond)) {                                              \
+      fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);      \
+      fprintf(stderr, __VA_ARGS__);                             \
+      fprintf(stderr, "\n");                                    \
+      ++failures;                                               \
+    }                                                           \
+  } while (0)
+
+int main(void) {
+  enum { B = 1, S = 33, H = 2, D = 16 };
+  const int64_t shape[4] = {B, S, H, D};
+  const int64_t lse_shape[3] = {B, H, S};
+  float *q = malloc(sizeof(float) * B * S * H * D), *k = malloc(sizeof(float) * B * S * H * D);
+  float *v = malloc(sizeof(float) * B * S * H * D), *out = malloc(sizeof(float) * B * S * H * D);
+  float *out_ref = malloc(sizeof(float) * B * S * H * D), *lse = malloc(sizeof(float) * B * H * S);
+  unsigned seed = 12345u;
+  for (int n = 0; n < B * S * H * D; ++n) {
+    seed = seed * 1103515245u + 12345u;
+    q[n] = (float)((seed >> 9) % 2001) / 1000.0f - 1.0f;
+    seed = seed * 1103515245u + 12345u;
+    k[n] = (float)((seed >> 9) % 2001) / 1000.0f - 1.0f;
+    seed = seed * 1103515245u + 12345u;
+    v[n] = (float)((seed >> 9) % 2001) / 1000.0f - 1.0f;
+  }
+  fa_options options;
+  fa_options_init(&options);
+  CHECK(options.window_left == -1 && options.window_right == -1, "fa_options_init windows");
+  options.causal = 1;
+
+  fa_forward_args args;
+  memset(&args, 0, sizeof(args));
+  args.q = fa_tensor_contiguous(q, 4, shape, FA_FLOAT32, FA_DEVICE_CPU, 0);
+  args.k = fa_tensor_contiguous(k, 4, shape, FA_FLOAT32, FA_DEVICE_CPU, 0);
+  args.v = fa_tensor_contiguous(v, 4, shape, FA_FLOAT32, FA_DEVICE_CPU, 0);
+  args.out = fa_tensor_contiguous(out_ref, 4, shape, FA_FLOAT32, FA_DEVICE_CPU, 0);
+  args.lse = fa_tensor_contiguous(lse, 3, lse_shape, FA_FLOAT32, FA_DEVICE_CPU, 0);
+  CHECK(args.q.strides[0] == S * H * D && args.q.strides[3] == 1, "contiguous strides");
+
+  fa_error error;
+  options.backend = FA_BACKEND_CPU_REFERENCE;
+  CHECK(fa_forward(&args, &options, &error) == FA_OK, "reference forward: %s", error.message);
+
+  /* the default backend (CPU flash) agrees with the reference */
+  options.backend = FA_BACKEND_AUTO;
+  args.out = fa_tensor_contiguous(out, 4, shape, FA_FLOAT32, FA_DEVICE_CPU, 0);
+  for (int n = 0; n < B * S * H * D; ++n) out[n] = NAN;
+  fa_status status = fa_forward(&args, &options, &error);
+  CHECK(status == FA_OK, "default forward: %s", error.message);
+  double diff = 0, norm = 0;
+  for (int n = 0; n < B * S * H * D; ++n) {
+    diff += (out[n] - out_ref[n]) * (double)(out[n] - out_ref[n]);
+    norm += out_ref[n] * (double)out_ref[n];
+  }
+  CHECK(status != FA_OK || sqrt(diff / norm) < 1e-5, "flash vs reference rel error %g", sqrt(diff / norm));
+
+  /* an error names the argument and the rule */
+  args.k.shape[2] = 3;
+  args.v.shape[2] = 3;
+  status = fa_forward(&args, &options, &error);
+  CHECK(status == FA_ERROR_INVALID_ARGUMENT, "expected invalid argument, got %s", fa_status_name(status));
+  CHECK(strstr(error.message, "k: dimension 2 (Hk) must divide") != NULL, "message: %s", error.message);
+  CHECK(strcmp(fa_status_name(FA_ERROR_NOT_COMPILED), "NOT_COMPILED") == 0, "status name");
+  CHECK(fa_version()[0] != '\0' && fa_build_info()[0] != '\0', "version / build info");
+
+  free(q), free(k), free(v), free(out), free(out_ref), free(lse);
+  if (failures == 0) printf("test_c_api: all checks passed\n");
+  return failures == 0 ? 0 : 1;
+}
