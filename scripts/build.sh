@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_dir=${BUILD_DIR:-build}
-cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@" > "$build_dir.configure.log" 2>&1 || {
-  cat "$build_dir.configure.log"; exit 1; }
-grep -E "^-- flashattn:" "$build_dir.configure.log" || true
+mkdir -p "$build_dir"
+cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@" > "$build_dir/configure.log" 2>&1 || {
+  cat "$build_dir/configure.log"; exit 1; }
+grep -E "^-- flashattn:" "$build_dir/configure.log" || true
 cmake --build "$build_dir" --parallel "${JOBS:-$(nproc)}"
