@@ -1,0 +1,92 @@
+"""Call overhead of flashattn.torch (and flashattn.jax) on a tiny input, against
+torch.nn.functional.scaled_dot_product_attention on the same tensors.
+
+    python python/bench_overhead.py [--device cpu|cuda] [--iterations N]
+
+Prints microseconds per call (median of 7 repetitions of N calls). The tiny problem (B = Sq = Sk
+= Hq = 1, D = 64) makes the attention itself negligible: what is measured is the Python wrapper,
+the torch.library dispatch, the DLPack hand-over of each tensor and the C ABI's validation.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import flashattn
+import flashattn.torch as fat
+
+
+def per_call_us(fn, iterations):
+    for _ in range(max(10, iterations // 10)):
+        fn()
+    samples = []
+    for _ in range(7):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(iterations):
+            fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) / iterations * 1e6)
+    return statistics.median(samples)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="float32 on the CPU, bfloat16 on CUDA by default")
+    parser.add_argument("--iterations", type=int, default=2000)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    q, k, v = (torch.randn(1, 1, 1, 64, device=args.device, dtype=dtype) for _ in range(3))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # SDPA's (B, H, S, D) views of the same memory
+    out = torch.empty_like(q)
+    lse = torch.empty(1, 1, 1, device=args.device, dtype=torch.float32)
+    stream = fat._stream(q)
+    backend = flashattn.backend_id("auto")
+    rows = [
+        ("torch SDPA (F.scaled_dot_product_attention)", lambda: F.scaled_dot_product_attention(qt, kt, vt)),
+        ("flashattn.torch.flash_attn_func", lambda: fat.flash_attn_func(q, k, v)),
+        ("  torch.ops.flashattn.fwd (custom op, no wrapper)",
+         lambda: fat._fwd(q, k, v, None, None, 0.0, False, -1, -1, 0.0, 0.0, False, backend)),
+        ("  flashattn._ext.forward (DLPack + C ABI only)",
+         lambda: flashattn._ext.forward(q, k, v, out, lse, None, None, 0, 0, None, None, None, 0.0, False, -1, -1, 0.0,
+                                        0.0, 0, 0, backend, 0, stream)),
+        ("  flashattn._ext.forward, float64 oracle, 1 thread",
+         lambda: flashattn._ext.forward(q, k, v, out, lse, None, None, 0, 0, None, None, None, 0.0, False, -1, -1, 0.0,
+                                        0.0, 0, 0, flashattn.backend_id("reference"), 1, stream)),
+        ("  DLPack of 3 tensors (q.__dlpack__())", lambda: (q.__dlpack__(), k.__dlpack__(), v.__dlpack__())),
+    ]
+    print(f"flashattn {flashattn.__version__}, torch {torch.__version__}, device {args.device}, {dtype}, "
+          f"q/k/v (1, 1, 1, 64), {torch.get_num_threads()} torch threads")
+    for name, fn in rows:
+        try:
+            print(f"{name:55s} {per_call_us(fn, args.iterations):8.1f} us/call")
+        except flashattn.FlashAttnError as e:
+            print(f"{name:55s} unavailable: {e}")
+    try:
+        import jax
+        import jax.numpy as jnp
+
+        import flashattn.jax as fj
+
+        platform = "gpu" if args.device == "cuda" else "cpu"
+        dev = jax.devices(platform)[0]
+        jq = jax.device_put(jnp.asarray(q.float().cpu().numpy(), jnp.float32 if args.device == "cpu" else jnp.bfloat16), dev)
+        f_ours = jax.jit(lambda q: fj.dot_product_attention(q, q, q))
+        f_nn = jax.jit(lambda q: jax.nn.dot_product_attention(q, q, q))
+        for name, f in (("jax.nn.dot_product_attention (jit)", f_nn), ("flashattn.jax.dot_product_attention (jit)", f_ours)):
+            try:
+                print(f"{name:55s} {per_call_us(lambda: f(jq).block_until_ready(), args.iterations):8.1f} us/call")
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"{name:55s} unavailable: {str(e).splitlines()[0]}")
+    except ImportError as e:
+        print(f"jax: skipped ({e})")
+
+
+if __name__ == "__main__":
+    main()

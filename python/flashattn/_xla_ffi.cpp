@@ -1,0 +1,389 @@
+// XLA FFI handlers: attention forward and backward as XLA custom calls (CPU and CUDA), for
+// flashattn.jax. Built when CMake found the XLA FFI headers that ship inside jaxlib
+// (jax.ffi.include_dir()); otherwise add_xla_ffi_targets() only records that they are absent.
+//
+// Operands (row-major, XLA's default layout; names as in flashattn.jax):
+//   forward  q (B, Sq, Hq, D), k (B, Sk, Hk, D), v (B, Sk, Hk, Dv), alibi_slopes (B, Hq) f32,
+//            rng (4) u32 = (seed lo, seed hi, offset lo, offset hi)
+//            -> out (B, Sq, Hq, Dv), lse (B, Hq, Sq) f32
+//   backward q, k, v, out, lse, dout, alibi_slopes, rng -> dq, dk, dv
+// alibi_slopes is read only when the attribute has_alibi is set (otherwise a (0,) placeholder),
+// rng only when dropout_p > 0.
+//
+// jax.vmap: flashattn.jax calls these with vmap_method="expand_dims", so under vmap every operand
+// gains leading "vmap" dimensions, each either the full vmapped extent or 1 (not mapped: read by
+// every vmap entry). The handlers loop over the vmap index and call the C ABI once per entry with
+// views at that entry's offset (a batched operand) or at offset 0 (a broadcast one).
+#include <nanobind/nanobind.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "_ext_common.hpp"
+#include "flashattn/flashattn.h"
+
+namespace nb = nanobind;
+
+#if defined(FLASHATTN_WITH_XLA_FFI)
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(FLASHATTN_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace flashattn::python {
+namespace {
+
+constexpr int kDenseRank = 4;  // q, k, v, out, dout, dq, dk, dv
+constexpr int kLseRank = 3;
+constexpr int kAlibiRank = 2;
+constexpr int kRngRank = 1;
+constexpr int kRngWords = 4;
+
+ffi::Error to_ffi_error(const CallError& e) {
+  ffi::ErrorCode code = ffi::ErrorCode::kInternal;
+  switch (e.code) {
+    case FA_ERROR_INVALID_ARGUMENT: code = ffi::ErrorCode::kInvalidArgument; break;
+    case FA_ERROR_UNSUPPORTED:
+    case FA_ERROR_NOT_COMPILED: code = ffi::ErrorCode::kUnimplemented; break;
+    case FA_ERROR_OUT_OF_MEMORY: code = ffi::ErrorCode::kResourceExhausted; break;
+    default: break;
+  }
+  return ffi::Error(code, "flashattn: " + e.message);
+}
+
+fa_dtype to_fa_dtype(ffi::DataType t, const char* name) {
+  switch (t) {
+    case ffi::DataType::F32: return FA_FLOAT32;
+    case ffi::DataType::F16: return FA_FLOAT16;
+    case ffi::DataType::BF16: return FA_BFLOAT16;
+    case ffi::DataType::U32: return FA_INT32;  // rng words: same width, read as raw bits
+    default: fail(FA_ERROR_INVALID_ARGUMENT, std::string(name) + ": dtype must be float32, float16 or bfloat16");
+  }
+}
+
+// One operand of the custom call: `core_rank` trailing dimensions are the tensor the C ABI sees;
+// the leading ones are vmap dimensions (see the file comment).
+struct Operand {
+  const char* name;
+  char* data;
+  size_t element_bytes;
+  fa_dtype dtype;
+  std::vector<int64_t> core_shape;
+  std::vector<int64_t> vmap_extent;  // per leading dimension: the full extent or 1
+  std::vector<int64_t> vmap_stride;  // in elements; 0 where the extent is 1 (broadcast)
+};
+
+Operand operand(const char* name, void* data, ffi::DataType type, ffi::Span<const int64_t> dims, int core_rank) {
+  Operand o;
+  o.name = name;
+  o.data = static_cast<char*>(data);
+  o.element_bytes = ffi::ByteWidth(type);
+  o.dtype = to_fa_dtype(type, name);
+  const int rank = int(dims.size());
+  if (rank < core_rank)
+    fail(FA_ERROR_INVALID_ARGUMENT, std::string(name) + ": expected " + std::to_string(core_rank) +
+                                        " dimensions, got " + std::to_string(rank));
+  const int lead = rank - core_rank;
+  o.core_shape.assign(dims.begin() + lead, dims.end());
+  int64_t stride = 1;
+  for (int d = core_rank - 1; d >= 0; --d) stride *= o.core_shape[d];
+  o.vmap_extent.assign(dims.begin(), dims.begin() + lead);
+  o.vmap_stride.assign(lead, 0);
+  for (int d = lead - 1; d >= 0; --d) {
+    o.vmap_stride[d] = o.vmap_extent[d] == 1 ? 0 : stride;
+    stride *= o.vmap_extent[d];
+  }
+  return o;
+}
+
+Operand operand(const char* name, const ffi::AnyBuffer& b, int core_rank) {
+  return operand(name, b.untyped_data(), b.element_type(), b.dimensions(), core_rank);
+}
+
+Operand operand(const char* name, ffi::Result<ffi::AnyBuffer>& b, int core_rank) {
+  return operand(name, b->untyped_data(), b->element_type(), b->dimensions(), core_rank);
+}
+
+// The vmap extents of the call: those of the first output (outputs always carry all of them).
+// Every operand must agree with them dimension by dimension (or be 1 there).
+std::vector<int64_t> vmap_extents(const Operand& reference, const std::vector<const Operand*>& operands) {
+  for (const Operand* o : operands) {
+    if (o->vmap_extent.size() != reference.vmap_extent.size())
+      fail(FA_ERROR_INVALID_ARGUMENT, std::string(o->name) + ": has " + std::to_string(o->vmap_extent.size()) +
+                                          " leading vmap dimensions, expected " +
+                                          std::to_string(reference.vmap_extent.size()));
+    for (size_t d = 0; d < o->vmap_extent.size(); ++d)
+      if (o->vmap_extent[d] != 1 && o->vmap_extent[d] != reference.vmap_extent[d])
+        fail(FA_ERROR_INVALID_ARGUMENT, std::string(o->name) + ": vmap dimension " + std::to_string(d) +
+                                            " has extent " + std::to_string(o->vmap_extent[d]) + ", expected " +
+                                            std::to_string(reference.vmap_extent[d]) + " or 1");
+  }
+  return reference.vmap_extent;
+}
+
+// fa_tensor of operand `o` at vmap entry `index` (multi-index over the vmap dimensions).
+fa_tensor view_at(const Operand& o, const std::vector<int64_t>& index, fa_device_kind device, int device_id) {
+  int64_t offset = 0;
+  for (size_t d = 0; d < index.size(); ++d) offset += index[d] * o.vmap_stride[d];
+  char* data = o.data + offset * int64_t(o.element_bytes);
+  if (data == nullptr) data = static_cast<char*>(empty_tensor_address());  // zero-size buffers
+  return fa_tensor_contiguous(data, int32_t(o.core_shape.size()), o.core_shape.data(), o.dtype, device, device_id);
+}
+
+// Calls `body(index)` for every vmap entry (once, with an empty index, outside vmap).
+template <typename Body>
+void for_each_vmap_entry(const std::vector<int64_t>& extents, Body body) {
+  int64_t count = 1;
+  for (int64_t e : extents) count *= e;
+  std::vector<int64_t> index(extents.size(), 0);
+  for (int64_t n = 0; n < count; ++n) {
+    int64_t rest = n;
+    for (int d = int(extents.size()) - 1; d >= 0; --d) {
+      index[d] = rest % extents[d];
+      rest /= extents[d];
+    }
+    body(index);
+  }
+}
+
+// Reads the 4 rng words at vmap entry `index` into (seed, offset); copies from the device when
+// the buffer lives there (a blocking 16-byte copy on the call's stream, only when dropout is on).
+void read_rng(const Operand& rng, const std::vector<int64_t>& index, fa_device_kind device, void* stream,
+              uint64_t* seed, uint64_t* offset) {
+  if (rng.core_shape.size() != 1 || rng.core_shape[0] != kRngWords || rng.element_bytes != 4)
+    fail(FA_ERROR_INVALID_ARGUMENT, "dropout_rng: expected 4 uint32 words (seed lo, seed hi, offset lo, offset hi)");
+  const fa_tensor t = view_at(rng, index, FA_DEVICE_CPU, 0);
+  uint32_t words[kRngWords];
+  if (device == FA_DEVICE_CPU) {
+    std::memcpy(words, t.data, sizeof(words));
+  } else {
+#if defined(FLASHATTN_WITH_CUDA)
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    if (cudaMemcpyAsync(words, t.data, sizeof(words), cudaMemcpyDeviceToHost, s) != cudaSuccess ||
+        cudaStreamSynchronize(s) != cudaSuccess)
+      fail(FA_ERROR_DEVICE, "dropout_rng: copying the seed words to the host failed");
+#else
+    fail(FA_ERROR_NOT_COMPILED, "dropout_rng: this build of the extension has no CUDA");
+#endif
+  }
+  *seed = uint64_t(words[0]) | (uint64_t(words[1]) << 32);
+  *offset = uint64_t(words[2]) | (uint64_t(words[3]) << 32);
+}
+
+struct Attrs {
+  float softmax_scale;
+  int32_t causal, window_left, window_right;
+  float softcap, dropout_p;
+  int32_t has_alibi, deterministic, backend;
+};
+
+fa_options options_at(const Attrs& a, const Operand& alibi, const Operand& rng, const std::vector<int64_t>& index,
+                      fa_device_kind device, int device_id, void* stream) {
+  CallOptions o;
+  o.softmax_scale = a.softmax_scale;
+  o.causal = a.causal != 0;
+  o.window_left = a.window_left;
+  o.window_right = a.window_right;
+  o.softcap = a.softcap;
+  o.dropout_p = a.dropout_p;
+  if (a.dropout_p > 0.f) read_rng(rng, index, device, stream, &o.dropout_seed, &o.dropout_offset);
+  o.deterministic = a.deterministic != 0;
+  o.backend = a.backend;
+  o.stream = stream;
+  fa_tensor slopes;
+  std::memset(&slopes, 0, sizeof(slopes));
+  if (a.has_alibi) slopes = view_at(alibi, index, device, device_id);
+  return to_fa_options(o, slopes, nullptr);
+}
+
+ffi::Error forward(fa_device_kind device, void* stream, int device_id, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                   ffi::AnyBuffer v, ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer rng,
+                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, const Attrs& attrs) {
+  try {
+    const Operand o_out = operand("out", out, kDenseRank), o_lse = operand("lse", lse, kLseRank);
+    const Operand o_q = operand("q", q, kDenseRank), o_k = operand("k", k, kDenseRank), o_v = operand("v", v, kDenseRank);
+    const Operand o_alibi = operand("alibi_slopes", alibi_slopes, attrs.has_alibi ? kAlibiRank : 1);
+    const Operand o_rng = operand("dropout_rng", rng, kRngRank);
+    std::vector<const Operand*> all = {&o_q, &o_k, &o_v, &o_lse};
+    if (attrs.has_alibi) all.push_back(&o_alibi);
+    if (attrs.dropout_p > 0.f) all.push_back(&o_rng);
+    const std::vector<int64_t> extents = vmap_extents(o_out, all);
+    for_each_vmap_entry(extents, [&](const std::vector<int64_t>& index) {
+      fa_forward_args args;
+      std::memset(&args, 0, sizeof(args));
+      args.q = view_at(o_q, index, device, device_id);
+      args.k = view_at(o_k, index, device, device_id);
+      args.v = view_at(o_v, index, device, device_id);
+      args.out = view_at(o_out, index, device, device_id);
+      args.lse = view_at(o_lse, index, device, device_id);
+      const fa_options options = options_at(attrs, o_alibi, o_rng, index, device, device_id, stream);
+      fa_error error{};
+      check(fa_forward(&args, &options, &error), error);
+    });
+  } catch (const CallError& e) {
+    return to_ffi_error(e);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error backward(fa_device_kind device, void* stream, int device_id, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                    ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
+                    ffi::AnyBuffer alibi_slopes, ffi::AnyBuffer rng, ffi::Result<ffi::AnyBuffer> dq,
+                    ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, const Attrs& attrs) {
+  try {
+    const Operand o_dq = operand("dq", dq, kDenseRank), o_dk = operand("dk", dk, kDenseRank),
+                  o_dv = operand("dv", dv, kDenseRank);
+    const Operand o_q = operand("q", q, kDenseRank), o_k = operand("k", k, kDenseRank), o_v = operand("v", v, kDenseRank);
+    const Operand o_out = operand("out", out, kDenseRank), o_lse = operand("lse", lse, kLseRank),
+                  o_dout = operand("dout", dout, kDenseRank);
+    const Operand o_alibi = operand("alibi_slopes", alibi_slopes, attrs.has_alibi ? kAlibiRank : 1);
+    const Operand o_rng = operand("dropout_rng", rng, kRngRank);
+    std::vector<const Operand*> all = {&o_dk, &o_dv, &o_q, &o_k, &o_v, &o_out, &o_lse, &o_dout};
+    if (attrs.has_alibi) all.push_back(&o_alibi);
+    if (attrs.dropout_p > 0.f) all.push_back(&o_rng);
+    const std::vector<int64_t> extents = vmap_extents(o_dq, all);
+    for_each_vmap_entry(extents, [&](const std::vector<int64_t>& index) {
+      fa_backward_args args;
+      std::memset(&args, 0, sizeof(args));
+      args.q = view_at(o_q, index, device, device_id);
+      args.k = view_at(o_k, index, device, device_id);
+      args.v = view_at(o_v, index, device, device_id);
+      args.out = view_at(o_out, index, device, device_id);
+      args.lse = view_at(o_lse, index, device, device_id);
+      args.dout = view_at(o_dout, index, device, device_id);
+      args.dq = view_at(o_dq, index, device, device_id);
+      args.dk = view_at(o_dk, index, device, device_id);
+      args.dv = view_at(o_dv, index, device, device_id);
+      const fa_options options = options_at(attrs, o_alibi, o_rng, index, device, device_id, stream);
+      fa_error error{};
+      check(fa_backward(&args, &options, &error), error);
+    });
+  } catch (const CallError& e) {
+    return to_ffi_error(e);
+  }
+  return ffi::Error::Success();
+}
+
+// ---- bindings: one CPU and one CUDA handler per entry point ----
+
+Attrs attrs_of(float softmax_scale, int32_t causal, int32_t window_left, int32_t window_right, float softcap,
+               float dropout_p, int32_t has_alibi, int32_t deterministic, int32_t backend) {
+  return Attrs{softmax_scale, causal, window_left, window_right, softcap, dropout_p, has_alibi, deterministic, backend};
+}
+
+ffi::Error forward_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer alibi, ffi::AnyBuffer rng,
+                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, float softmax_scale,
+                       int32_t causal, int32_t window_left, int32_t window_right, float softcap, float dropout_p,
+                       int32_t has_alibi, int32_t backend) {
+  return forward(FA_DEVICE_CPU, nullptr, 0, q, k, v, alibi, rng, out, lse,
+                 attrs_of(softmax_scale, causal, window_left, window_right, softcap, dropout_p, has_alibi, 0, backend));
+}
+
+ffi::Error backward_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse,
+                        ffi::AnyBuffer dout, ffi::AnyBuffer alibi, ffi::AnyBuffer rng, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float softmax_scale,
+                        int32_t causal, int32_t window_left, int32_t window_right, float softcap, float dropout_p,
+                        int32_t has_alibi, int32_t deterministic, int32_t backend) {
+  return backward(FA_DEVICE_CPU, nullptr, 0, q, k, v, out, lse, dout, alibi, rng, dq, dk, dv,
+                  attrs_of(softmax_scale, causal, window_left, window_right, softcap, dropout_p, has_alibi,
+                           deterministic, backend));
+}
+
+#if defined(FLASHATTN_WITH_CUDA)
+ffi::Error forward_cuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                        ffi::AnyBuffer alibi, ffi::AnyBuffer rng, ffi::Result<ffi::AnyBuffer> out,
+                        ffi::Result<ffi::AnyBuffer> lse, float softmax_scale, int32_t causal, int32_t window_left,
+                        int32_t window_right, float softcap, float dropout_p, int32_t has_alibi, int32_t backend) {
+  return forward(FA_DEVICE_CUDA, stream, device_ordinal, q, k, v, alibi, rng, out, lse,
+                 attrs_of(softmax_scale, causal, window_left, window_right, softcap, dropout_p, has_alibi, 0, backend));
+}
+
+ffi::Error backward_cuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                         ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer alibi,
+                         ffi::AnyBuffer rng, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                         ffi::Result<ffi::AnyBuffer> dv, float softmax_scale, int32_t causal, int32_t window_left,
+                         int32_t window_right, float softcap, float dropout_p, int32_t has_alibi,
+                         int32_t deterministic, int32_t backend) {
+  return backward(FA_DEVICE_CUDA, stream, device_ordinal, q, k, v, out, lse, dout, alibi, rng, dq, dk, dv,
+                  attrs_of(softmax_scale, causal, window_left, window_right, softcap, dropout_p, has_alibi,
+                           deterministic, backend));
+}
+#endif
+
+}  // namespace
+}  // namespace flashattn::python
+
+// The attribute names are the keyword arguments flashattn.jax passes to jax.ffi.ffi_call.
+#define FA_FFI_FORWARD_OPERANDS                                                                        \
+  .Arg<ffi::AnyBuffer>() /* q */.Arg<ffi::AnyBuffer>() /* k */.Arg<ffi::AnyBuffer>() /* v */           \
+      .Arg<ffi::AnyBuffer>() /* alibi_slopes */.Arg<ffi::AnyBuffer>() /* rng */                        \
+      .Ret<ffi::AnyBuffer>() /* out */.Ret<ffi::AnyBuffer>() /* lse */
+#define FA_FFI_BACKWARD_OPERANDS                                                                       \
+  .Arg<ffi::AnyBuffer>() /* q */.Arg<ffi::AnyBuffer>() /* k */.Arg<ffi::AnyBuffer>() /* v */           \
+      .Arg<ffi::AnyBuffer>() /* out */.Arg<ffi::AnyBuffer>() /* lse */.Arg<ffi::AnyBuffer>() /* dout */ \
+      .Arg<ffi::AnyBuffer>() /* alibi_slopes */.Arg<ffi::AnyBuffer>() /* rng */                        \
+      .Ret<ffi::AnyBuffer>() /* dq */.Ret<ffi::AnyBuffer>() /* dk */.Ret<ffi::AnyBuffer>() /* dv */
+#define FA_FFI_COMMON_ATTRS                                                                            \
+  .Attr<float>("softmax_scale").Attr<int32_t>("causal").Attr<int32_t>("window_left")                   \
+      .Attr<int32_t>("window_right").Attr<float>("softcap").Attr<float>("dropout_p")                   \
+      .Attr<int32_t>("has_alibi")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnForwardCpu, flashattn::python::forward_cpu,
+                              ffi::Ffi::Bind() FA_FFI_FORWARD_OPERANDS FA_FFI_COMMON_ATTRS.Attr<int32_t>("backend"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnBackwardCpu, flashattn::python::backward_cpu,
+                              ffi::Ffi::Bind() FA_FFI_BACKWARD_OPERANDS FA_FFI_COMMON_ATTRS
+                                  .Attr<int32_t>("deterministic")
+                                  .Attr<int32_t>("backend"));
+#if defined(FLASHATTN_WITH_CUDA)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnForwardCuda, flashattn::python::forward_cuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Ctx<ffi::DeviceOrdinal>() FA_FFI_FORWARD_OPERANDS FA_FFI_COMMON_ATTRS
+                                  .Attr<int32_t>("backend"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnBackwardCuda, flashattn::python::backward_cuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Ctx<ffi::DeviceOrdinal>() FA_FFI_BACKWARD_OPERANDS FA_FFI_COMMON_ATTRS
+                                  .Attr<int32_t>("deterministic")
+                                  .Attr<int32_t>("backend"));
+#endif
+
+namespace flashattn::python {
+
+nb::object handler_capsule(XLA_FFI_Handler* handler) {
+  // jax.ffi.register_ffi_target takes a PyCapsule holding the handler's address (no name).
+  return nb::steal(PyCapsule_New(reinterpret_cast<void*>(handler), nullptr, nullptr));
+}
+
+void add_xla_ffi_targets(nb::module_& m) {
+  nb::dict targets;
+  nb::dict forward, backward;
+  forward["cpu"] = handler_capsule(FlashattnForwardCpu);
+  backward["cpu"] = handler_capsule(FlashattnBackwardCpu);
+#if defined(FLASHATTN_WITH_CUDA)
+  forward["CUDA"] = handler_capsule(FlashattnForwardCuda);
+  backward["CUDA"] = handler_capsule(FlashattnBackwardCuda);
+#endif
+  targets["flashattn_forward"] = forward;
+  targets["flashattn_backward"] = backward;
+  m.attr("xla_ffi_targets") = targets;
+  m.attr("has_xla_ffi") = true;
+}
+
+}  // namespace flashattn::python
+
+#else  // !FLASHATTN_WITH_XLA_FFI
+
+namespace flashattn::python {
+void add_xla_ffi_targets(nb::module_& m) {
+  m.attr("xla_ffi_targets") = nb::dict();
+  m.attr("has_xla_ffi") = false;
+}
+}  // namespace flashattn::python
+
+#endif

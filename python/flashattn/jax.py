@@ -1,0 +1,234 @@
+"""flashattn for JAX: dot_product_attention as XLA FFI custom calls (CPU and CUDA).
+
+Same layout and argument names as jax.nn.dot_product_attention, for the subset it supports::
+
+    from flashattn.jax import dot_product_attention
+    out = dot_product_attention(query, key, value, is_causal=True)   # (B, T, N, H) arrays
+
+- query (B, T, N, H) or (T, N, H); key/value (B, S, K, H) with N % K == 0 (GQA: query head n
+  reads key head n // (N // K), as in jax.nn); value may have its own head size.
+- scale (default 1/sqrt(H)), is_causal, local_window_size (int w = (w, w), or (left, right)),
+  return_residual (also returns the log-sum-exp, (B, T, N) float32, without gradient).
+- Masks follow jax.nn: query i sees key j when j <= i (is_causal) and i - left <= j <= i + right
+  (local_window_size), counted from the top-left corner. flashattn's kernels align masks to the
+  bottom-right corner (as flash_attn does); the two agree when T == S and this module translates
+  when T != S. A combination that the kernels cannot express (is_causal with T < S) raises an
+  error rather than computing something else. One documented difference: a query row with no
+  visible key at all (possible with windows when T > S) gives 0, where jax.nn gives the mean of
+  the value rows.
+- Extra keyword arguments: alibi_slopes (N) or (B, N) float32 (bias -slope * |i + S - T - j|,
+  flash_attn's convention, so -slope * |i - j| when T == S; no gradient flows to the slopes), softcap (> 0: scores become
+  softcap * tanh(scores / softcap)), dropout_rate with dropout_rng (a jax.random key; the keep
+  mask is flashattn's Philox mask, regenerated in backward), deterministic (backward), backend
+  ("auto", or "reference" for the float64 oracle on the CPU).
+- Not supported (an error names them): bias, mask, query_seq_lengths, key_value_seq_lengths,
+  implementation other than None.
+
+jax.grad works through a custom VJP (the backward kernel recomputes from the saved log-sum-exp),
+jax.jit traces the custom calls, and jax.vmap maps over any leading axes (the handlers loop over
+the mapped entries; unmapped operands are read in place, not copied).
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flashattn import InvalidArgumentError, UnsupportedError, _ext, backend_id
+
+__all__ = ["dot_product_attention"]
+
+if not _ext.has_xla_ffi:
+    raise ImportError(
+        "flashattn.jax: this build of flashattn has no XLA FFI handlers (jaxlib was not importable when the "
+        "extension was built). Rebuild in an environment with jax installed: pip install --no-build-isolation ."
+    )
+
+for _name, _by_platform in _ext.xla_ffi_targets.items():
+    for _platform, _capsule in _by_platform.items():
+        jax.ffi.register_ffi_target(_name, _capsule, platform=_platform)
+
+_RNG_WORDS = 4  # uint32: seed lo, seed hi, offset lo, offset hi
+
+
+class _Config(NamedTuple):
+    """Static (hashable) attributes of one attention call, in the C ABI's terms."""
+
+    softmax_scale: float  # 0: 1/sqrt(D)
+    causal: bool  # window_right = 0 came from causal with T == S
+    window_left: int  # -1: unbounded (bottom-right aligned, as in flashattn.h)
+    window_right: int
+    softcap: float
+    dropout_p: float
+    has_alibi: bool
+    deterministic: bool
+    backend: int
+
+    def attributes(self):
+        # Typed as the handlers bind them (float -> f32, int/bool -> i32 attributes).
+        return dict(
+            softmax_scale=np.float32(self.softmax_scale),
+            causal=np.int32(self.causal),
+            window_left=np.int32(self.window_left),
+            window_right=np.int32(self.window_right),
+            softcap=np.float32(self.softcap),
+            dropout_p=np.float32(self.dropout_p),
+            has_alibi=np.int32(self.has_alibi),
+            backend=np.int32(self.backend),
+        )
+
+
+def _forward_call(q, k, v, slopes, rng, cfg):
+    b, t, n, _ = q.shape
+    out_type = jax.ShapeDtypeStruct(q.shape[:-1] + (v.shape[-1],), q.dtype)
+    lse_type = jax.ShapeDtypeStruct((b, n, t), jnp.float32)
+    call = jax.ffi.ffi_call("flashattn_forward", (out_type, lse_type), vmap_method="expand_dims")
+    return call(q, k, v, slopes, rng, **cfg.attributes())
+
+
+def _backward_call(q, k, v, out, lse, dout, slopes, rng, cfg):
+    types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    call = jax.ffi.ffi_call("flashattn_backward", types, vmap_method="expand_dims")
+    return call(q, k, v, out, lse, dout, slopes, rng, deterministic=np.int32(cfg.deterministic), **cfg.attributes())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _attention(q, k, v, slopes, rng, cfg):
+    return _forward_call(q, k, v, slopes, rng, cfg)
+
+
+def _attention_fwd(q, k, v, slopes, rng, cfg):
+    out, lse = _forward_call(q, k, v, slopes, rng, cfg)
+    return (out, lse), (q, k, v, out, lse, slopes, rng)
+
+
+def _attention_bwd(cfg, residuals, cotangents):
+    q, k, v, out, lse, slopes, rng = residuals
+    dout, _ = cotangents  # the lse output is wrapped in stop_gradient by the caller: its cotangent is 0
+    dq, dk, dv = _backward_call(q, k, v, out, lse, dout.astype(out.dtype), slopes, rng, cfg)
+    # Slopes are wrapped in stop_gradient by the caller (no gradient, as in flash_attn); the rng
+    # words are integers, whose cotangent type is float0.
+    return dq, dk, dv, jnp.zeros_like(slopes), np.zeros(rng.shape, dtype=jax.dtypes.float0)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _bottom_right_window(t, s, is_causal, local_window_size):
+    """jax.nn's top-left mask (i - left <= j <= i + right, and j <= i when causal) as flashattn's
+    bottom-right window: j >= i + (s - t) - window_left, j <= i + (s - t) + window_right."""
+    if local_window_size is None:
+        left = right = None  # unbounded
+    elif isinstance(local_window_size, (int, np.integer)):
+        left = right = int(local_window_size)
+    else:
+        try:
+            left, right = (int(x) for x in local_window_size)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(
+                f"local_window_size: must be an int or a pair (left, right), got {local_window_size!r}"
+            ) from None
+    if (left is not None and left < 0) or (right is not None and right < 0):
+        raise InvalidArgumentError(f"local_window_size: must be >= 0, got {local_window_size!r}")
+    if is_causal:
+        right = 0 if right is None else min(right, 0)
+    shift = s - t  # the diagonal of the bottom-right alignment, measured from the top-left one
+    window_left = -1 if left is None else left + shift
+    window_right = -1 if right is None else right - shift
+    if window_right < -1 or (right is not None and window_right < 0):
+        raise UnsupportedError(
+            f"is_causal/local_window_size: jax.nn aligns masks to the top-left corner (query i sees keys j <= i"
+            f"{' + ' + str(right) if right else ''}); with T = {t} < S = {s} that mask is not expressible by "
+            f"flashattn's kernels, which align to the bottom-right (as flash_attn does)")
+    if left is not None and window_left < 0:
+        raise UnsupportedError(
+            f"local_window_size: a left window of {left} with T = {t} > S = {s} is not expressible by flashattn's "
+            f"bottom-right aligned windows (it needs a left window of {window_left})")
+    causal = bool(is_causal) and shift == 0 and window_right == 0
+    return causal, window_left, window_right
+
+
+def _not_supported(name, value):
+    if value is not None:
+        raise UnsupportedError(f"{name}: not supported by flashattn.jax.dot_product_attention (pass None)")
+
+
+def dot_product_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    scale=None,
+    is_causal=False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size=None,
+    implementation=None,
+    return_residual=False,
+    alibi_slopes=None,
+    softcap=0.0,
+    dropout_rate=0.0,
+    dropout_rng=None,
+    deterministic=False,
+    backend=None,
+):
+    """Scaled dot-product attention (see the module docstring), softmax(scale * q k^T + masks) v."""
+    _not_supported("bias", bias)
+    _not_supported("mask", mask)
+    _not_supported("query_seq_lengths", query_seq_lengths)
+    _not_supported("key_value_seq_lengths", key_value_seq_lengths)
+    _not_supported("implementation", implementation)
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    unbatched = query.ndim == 3
+    if unbatched:  # (T, N, H), as jax.nn accepts
+        query, key, value = query[None], key[None], value[None]
+    dropout_rate = float(dropout_rate)
+    if dropout_rate > 0.0 and dropout_rng is None:
+        raise InvalidArgumentError("dropout_rng: a jax.random key is required when dropout_rate > 0")
+    t = query.shape[1] if query.ndim == 4 else 0
+    s = key.shape[1] if key.ndim == 4 else 0
+    causal, window_left, window_right = _bottom_right_window(t, s, is_causal, local_window_size)
+
+    slopes_shape = None
+    if alibi_slopes is not None:
+        alibi_slopes = jax.lax.stop_gradient(jnp.asarray(alibi_slopes))
+        slopes_shape = list(alibi_slopes.shape)
+        if alibi_slopes.dtype != jnp.float32:
+            raise InvalidArgumentError(f"alibi_slopes: dtype must be float32, got {alibi_slopes.dtype}")
+    cfg = _Config(
+        softmax_scale=0.0 if scale is None else float(scale),
+        causal=causal,
+        window_left=window_left,
+        window_right=window_right,
+        softcap=float(softcap),
+        dropout_p=dropout_rate,
+        has_alibi=alibi_slopes is not None,
+        deterministic=bool(deterministic),
+        backend=backend_id(backend),
+    )
+    # Every rule of the library, checked on shapes and dtypes while tracing: a bad call raises
+    # InvalidArgumentError (a ValueError) here, with the library's message, before any data exists.
+    _ext.check_dense(list(query.shape), list(key.shape), list(value.shape), str(query.dtype), str(key.dtype),
+                     str(value.dtype), slopes_shape, cfg.softmax_scale, cfg.causal, cfg.window_left,
+                     cfg.window_right, cfg.softcap, cfg.dropout_p)
+
+    if alibi_slopes is not None:
+        # The handlers read slopes as (B, N) (one layout, so that vmap can map either form).
+        alibi_slopes = jnp.broadcast_to(alibi_slopes, (query.shape[0], query.shape[2]))
+    else:
+        alibi_slopes = jnp.zeros((0,), jnp.float32)  # placeholder, not read
+    if dropout_rate > 0.0:
+        rng = jax.random.bits(dropout_rng, (_RNG_WORDS,), jnp.uint32)
+    else:
+        rng = jnp.zeros((_RNG_WORDS,), jnp.uint32)  # placeholder, not read
+    out, lse = _attention(query, key, value, alibi_slopes, rng, cfg)
+    if unbatched:
+        out, lse = out[0], lse[0]
+    if return_residual:
+        # (B, N, T) -> jax.nn's (B, T, N); no gradient flows through it (see _attention_bwd).
+        return out, jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2))
+    return out

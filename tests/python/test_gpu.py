@@ -1,0 +1,134 @@
+"""The CUDA paths of flashattn.torch and flashattn.jax on a GPU (skipped without one).
+
+Oracle: torch math SDPA in float64 on the same inputs (outputs and gradients); tolerance: at most
+3x the error of the same math done naively in the kernel's precision (bf16/fp16) plus a tiny
+absolute term. Also torch.compile(fullgraph=True) and jax.jit(jax.grad(...)) on the GPU, and the
+CPU backend's dropout mask reproduced bit for bit by the GPU.
+"""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+import torch.nn.functional as F  # noqa: E402
+
+import flashattn  # noqa: E402
+import flashattn.torch as fat  # noqa: E402
+from oracle import rel_l2  # noqa: E402
+
+if not flashattn._ext.has_cuda:
+    pytest.skip("this build of flashattn has no CUDA backend", allow_module_level=True)
+
+DTYPES = [torch.bfloat16, torch.float16]
+FACTOR, ABS = 3.0, 1e-6
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    monkeypatch.setattr(fat, "_poison_outputs", True)
+
+
+def sdpa(q, k, v, causal, dtype=None):
+    """torch math SDPA in (B, S, H, D) layout, GQA by repetition, causal bottom-right aligned."""
+    if dtype is not None:
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    hq, hk = q.shape[2], k.shape[2]
+    k = k.repeat_interleave(hq // hk, dim=2)
+    v = v.repeat_interleave(hq // hk, dim=2)
+    sq, sk = q.shape[1], k.shape[1]
+    mask = None
+    if causal:
+        i = torch.arange(sq, device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        mask = j <= i + sk - sq
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    return out.transpose(1, 2)
+
+
+def check(actual, exact, naive, what):
+    err = rel_l2(actual.detach().double().cpu().numpy(), exact.detach().cpu().numpy())
+    base = rel_l2(naive.detach().double().cpu().numpy(), exact.detach().cpu().numpy())
+    assert not torch.isnan(actual).any(), f"{what}: NaN"
+    assert err <= FACTOR * base + ABS, f"{what}: error {err:.3g} > {FACTOR} x naive {base:.3g} + {ABS}"
+
+
+SHAPES = [(2, 1, 1, 4, 4, 64), (2, 17, 127, 8, 2, 128), (1, 1000, 1000, 4, 4, 64), (1, 127, 4097, 2, 1, 128)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_backward_against_sdpa_float64(dtype, shape, causal):
+    b, sq, sk, hq, hk, d = shape
+    gen = torch.Generator(device="cuda").manual_seed(hash(shape) % 2**31)
+    q = torch.randn(b, sq, hq, d, device="cuda", generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(b, sk, hk, d, device="cuda", generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(b, sk, hk, d, device="cuda", generator=gen).to(dtype).requires_grad_()
+    dout = torch.randn(b, sq, hq, d, device="cuda", generator=gen).to(dtype)
+    out = fat.flash_attn_func(q, k, v, causal=causal)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    exact = sdpa(q64, k64, v64, causal)
+    exact_grads = torch.autograd.grad(exact, (q64, k64, v64), dout.double())
+    qn, kn, vn = (x.detach().requires_grad_() for x in (q, k, v))
+    naive = sdpa(qn, kn, vn, causal)
+    naive_grads = torch.autograd.grad(naive, (qn, kn, vn), dout)
+    check(out, exact, naive, "out")
+    for name, a, e, n in zip(("dq", "dk", "dv"), grads, exact_grads, naive_grads):
+        check(a, e, n, name)
+
+
+def test_dropout_mask_matches_cpu_bit_for_bit():
+    # q = 0 makes every visible key equally likely and v = identity rows turn out[i, j] into
+    # keep(i, j) / ((1 - p) * Sk): the keep bits themselves, read back from the GPU and the CPU.
+    b, sq, sk, h, p = 2, 96, 64, 4, 0.2
+    q = torch.zeros(b, sq, h, 64, dtype=torch.float16)
+    k = torch.randn(b, sk, h, 64).half()
+    v = torch.eye(sk).reshape(1, sk, 1, sk).expand(b, sk, h, sk).contiguous().half()
+    torch.manual_seed(3)
+    cpu = fat.flash_attn_func(q, k, v, dropout_p=p, backend="reference")
+    torch.manual_seed(3)
+    gpu = fat.flash_attn_func(q.cuda(), k.cuda(), v.cuda(), dropout_p=p).cpu()
+    keep_cpu = (cpu.float() * (1 - p) * sk).round()
+    keep_gpu = (gpu.float() * (1 - p) * sk).round()
+    assert set(keep_cpu.unique().tolist()) <= {0.0, 1.0}
+    assert torch.equal(keep_cpu, keep_gpu)
+
+
+def test_torch_compile_fullgraph_on_gpu():
+    q, k, v = (torch.randn(2, 128, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    f = torch.compile(lambda q, k, v: fat.flash_attn_func(q, k, v, causal=True), fullgraph=True)
+    out = f(q, k, v)
+    out.float().sum().backward()
+    eager = fat.flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(out, eager)
+
+
+def test_jax_jit_grad_on_gpu():
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("jax has no GPU backend here")
+    fj = pytest.importorskip("flashattn.jax")
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 128, 4, 64)), jnp.bfloat16) for _ in range(3))
+
+    def loss(q, k, v):
+        return fj.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32).sum()
+
+    def loss_nn(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32).sum()
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    q64, k64, v64 = (torch.from_numpy(np.asarray(x.astype(jnp.float32))).double().requires_grad_() for x in (q, k, v))
+    exact = torch.autograd.grad(sdpa(q64, k64, v64, True).sum(), (q64, k64, v64))
+    naive = jax.grad(loss_nn, argnums=(0, 1, 2))(q, k, v)
+    for name, a, e, n in zip(("dq", "dk", "dv"), grads, exact, naive):
+        err = rel_l2(np.asarray(a.astype(jnp.float32)), e.numpy())
+        base = rel_l2(np.asarray(n.astype(jnp.float32)), e.numpy())
+        assert err <= FACTOR * base + ABS, f"{name}: {err:.3g} vs naive {base:.3g}"
