@@ -110,7 +110,7 @@ struct KvcacheParams : AttentionParams {
   int rotary_dim;                // 0 when absent; even, <= D
   int seqlen_rotary;
   bool rotary_interleaved;
-  int num_splits;                // >= 1, resolved
+  int num_splits;                // 0 = chosen by the backend (its plan), else >= 1
   void* workspace;
   int64_t workspace_bytes;
 };

@@ -1,20 +1,120 @@
-// Host side of the CUDA backend: chooses a kernel configuration and launches it.
-// (Kernels arrive with the sm80 issue; until then every entry point says they are not compiled.)
+// Host side of the CUDA backend: CUDA-specific rules and the kernel choice (dispatch.cpp, plain C++),
+// then the launch of the chosen row of the generated kernel table on the tensors' device and stream.
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "cuda/common/check.hpp"
+#include "cuda/decode/kvcache.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/device_info.hpp"
+#include "cuda/dispatch.hpp"
+#include "cuda/sm80/backward_plan.hpp"
 
 namespace flashattn::cuda {
 namespace {
-Status no_kernels(const char* what) {
-  return error(FA_ERROR_NOT_COMPILED, "q: no CUDA %s kernel is compiled into this build yet", what);
+
+// Makes `device` current for the scope of a call and restores the caller's device afterwards.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cudaGetDevice(&previous_);
+    if (previous_ != device) status_ = cudaSetDevice(device);
+  }
+  ~DeviceGuard() {
+    int current = previous_;
+    cudaGetDevice(&current);
+    if (current != previous_) cudaSetDevice(previous_);
+  }
+  cudaError_t status() const { return status_; }
+
+ private:
+  int previous_ = 0;
+  cudaError_t status_ = cudaSuccess;
+};
+
+// Device attributes do not change while the process runs: read once per device.
+Status device_limits(int device, DeviceLimits* limits) {
+  static std::mutex mutex;
+  static std::vector<std::pair<int, DeviceLimits>> cache;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const auto& [ordinal, cached] : cache)
+      if (ordinal == device) {
+        *limits = cached;
+        return Status();
+      }
+  }
+  int smem = 0;
+  limits->device = device;
+  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&limits->sm_major, cudaDevAttrComputeCapabilityMajor, device));
+  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&limits->sm_minor, cudaDevAttrComputeCapabilityMinor, device));
+  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  limits->smem_per_block_optin = smem;
+  std::lock_guard<std::mutex> lock(mutex);
+  cache.emplace_back(device, *limits);
+  return Status();
 }
+
+void report(const AttentionParams& p, const KernelEntry& entry, int64_t scratch_bytes) {
+  if (p.stats == nullptr) return;
+  p.stats->scratch_bytes_peak = scratch_bytes;
+  p.stats->num_splits = 1;
+  std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s", entry.name);
+}
+
+// Common front of forward and backward: the tensors' device, its limits, and the table row.
+Status select(KernelKind kind, const AttentionParams& p, int* index) {
+  DeviceLimits limits;
+  FA_RETURN_IF_ERROR(device_limits(p.device_id, &limits));
+  return choose_kernel(kind, p, limits, index);
+}
+
 }  // namespace
 
-std::string compiled_kernels_summary() { return "kernels: none yet"; }
-Status forward(const AttentionParams&) { return no_kernels("forward"); }
-Status backward(const BackwardParams&) { return no_kernels("backward"); }
-Status backward_workspace_size(const BackwardParams&, int64_t*) { return no_kernels("backward"); }
-Status kvcache_plan(const KvcacheParams&, fa_kvcache_plan*) { return no_kernels("kvcache"); }
-Status kvcache(const KvcacheParams&) { return no_kernels("kvcache"); }
+Status forward(const AttentionParams& p) {
+  FA_RETURN_IF_ERROR(check_forward_support(p));
+  int index = -1;
+  FA_RETURN_IF_ERROR(select(KernelKind::kForward, p, &index));
+  const KernelEntry& entry = kernel_entry(index);
+  const KernelLaunch& launch = generated::kKernelLaunch[index];
+  if (launch.forward == nullptr) return error(FA_ERROR_INTERNAL, "kernel table row %s has no forward launcher", entry.name);
+  report(p, entry, 0);  // the forward allocates nothing beyond out and lse
+  DeviceGuard guard(p.device_id);
+  FA_CUDA_RETURN_IF_ERROR(guard.status());
+  return launch.forward(p, p.stream);
+}
+
+// Backward: rules and choice as for forward; the launcher (src/cuda/sm80/backward_launch.cuh) owns its
+// workspace (fp32 dQ accumulator, dot(dO, O) rows) and reports it through stats.
+Status backward(const BackwardParams& p) {
+  FA_RETURN_IF_ERROR(check_backward_support(p));
+  int index = -1;
+  FA_RETURN_IF_ERROR(select(KernelKind::kBackward, p, &index));
+  const KernelEntry& entry = kernel_entry(index);
+  const KernelLaunch& launch = generated::kKernelLaunch[index];
+  if (launch.backward == nullptr) return error(FA_ERROR_INTERNAL, "kernel table row %s has no backward launcher", entry.name);
+  report(p, entry, 0);
+  DeviceGuard guard(p.device_id);
+  FA_CUDA_RETURN_IF_ERROR(guard.status());
+  return launch.backward(p, p.stream);
+}
+
+Status backward_workspace_size(const BackwardParams& p, int64_t* bytes) {
+  FA_RETURN_IF_ERROR(check_backward_support(p));
+  int index = -1;
+  FA_RETURN_IF_ERROR(select(KernelKind::kBackward, p, &index));
+  // O(S): fp32 dQ accumulator + row statistics (+ semaphores when deterministic); src/cuda/sm80/backward_plan.hpp.
+  const KernelEntry& entry = kernel_entry(index);
+  *bytes = sm80::backward_workspace_layout(p, entry.head_dim, entry.block_m).total_bytes;
+  return Status();
+}
+
+// KV-cache (decode): split-KV kernels, paged caches, append + rotary; src/cuda/decode/kvcache.cpp.
+Status kvcache_plan(const KvcacheParams& p, fa_kvcache_plan* plan) { return decode::plan_kvcache(p, plan); }
+Status kvcache(const KvcacheParams& p) { return decode::run_kvcache(p); }
 
 }  // namespace flashattn::cuda

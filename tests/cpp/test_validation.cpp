@@ -361,6 +361,7 @@ TEST(Validation, CudaTensorsWithoutUsableGpu) {
   if (fa_cuda_device_count() > 0) GTEST_SKIP() << "a GPU is present: covered by the CUDA tests";
   DenseCall c;
   for (fa_tensor* t : {&c.fwd.q, &c.fwd.k, &c.fwd.v, &c.fwd.out, &c.fwd.lse}) t->device = FA_DEVICE_CUDA;
+  for (fa_tensor* t : {&c.fwd.q, &c.fwd.k, &c.fwd.v, &c.fwd.out}) t->dtype = FA_BFLOAT16;  // a dtype CUDA takes
   c.options.backend = FA_BACKEND_AUTO;
   c.poison();
   const Status s = forward(c.fwd, c.options);

@@ -28,15 +28,3 @@ def rng(request):
     """A numpy Generator seeded from the test's name: fresh inputs per case, reproducible reruns."""
     seed = zlib.crc32(request.node.nodeid.encode())
     return np.random.default_rng(seed)
-
-
-def placeholder_reason(call):
-    """The reason to skip when `call` hits a backend that is still a placeholder in this build
-    ("... not implemented yet"), else None. Any other error is a real failure and propagates."""
-    try:
-        call()
-    except flashattn.UnsupportedError as e:
-        if "not implemented yet" in str(e):
-            return str(e)
-        raise
-    return None

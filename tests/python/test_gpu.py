@@ -49,10 +49,21 @@ def sdpa(q, k, v, causal, dtype=None):
     return out.transpose(1, 2)
 
 
+# When every query sees exactly one key, dq and dk are identically zero (the softmax is constant);
+# a relative error is then undefined, and the kernels' fp32 rounding leaves ~1e-6. Such gradients must
+# stay at that absolute level, far below the O(1) error of a real bug.
+ZERO_GRADIENT_ABS = 1e-4
+
+
 def check(actual, exact, naive, what):
-    err = rel_l2(actual.detach().double().cpu().numpy(), exact.detach().cpu().numpy())
-    base = rel_l2(naive.detach().double().cpu().numpy(), exact.detach().cpu().numpy())
     assert not torch.isnan(actual).any(), f"{what}: NaN"
+    exact_np = exact.detach().cpu().numpy()
+    if not np.any(exact_np):
+        worst = (actual.detach().double() - exact.detach().to(actual.device)).abs().max().item()
+        assert worst <= ZERO_GRADIENT_ABS, f"{what}: exact value is 0, got max |error| {worst:.3g}"
+        return
+    err = rel_l2(actual.detach().double().cpu().numpy(), exact_np)
+    base = rel_l2(naive.detach().double().cpu().numpy(), exact_np)
     assert err <= FACTOR * base + ABS, f"{what}: error {err:.3g} > {FACTOR} x naive {base:.3g} + {ABS}"
 
 

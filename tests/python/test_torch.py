@@ -1,8 +1,7 @@
 """flashattn.torch against the float64 numpy oracle (tests/python/oracle.py), on the CPU.
 
 Backends: "reference" (the library's float64 oracle: checks the Python plumbing exactly) and
-"auto" (the CPU flash backend: checks the fast path through Python); a case on "auto" skips only
-while that backend is still a placeholder in this build. Outputs are poisoned with NaN before
+"auto" (the CPU flash backend: checks the fast path through Python). Outputs are poisoned with NaN before
 every call (flashattn.torch._poison_outputs), inputs are fresh random normals, some scaled up so
 that softmax is peaky.
 """
@@ -14,7 +13,6 @@ torch = pytest.importorskip("torch")
 
 import flashattn  # noqa: E402
 import flashattn.torch as fat  # noqa: E402
-from conftest import placeholder_reason  # noqa: E402
 from oracle import attention, rel_l2, rotary  # noqa: E402
 
 BACKENDS = ["reference", "auto"]
@@ -28,13 +26,6 @@ LOW_PRECISION_ABS = 1e-6  # plus a tiny absolute term (relative L2 units)
 def poison_outputs(monkeypatch):
     monkeypatch.setattr(fat, "_poison_outputs", True)
 
-
-def skip_if_placeholder(backend, call):
-    if backend != "auto":
-        return
-    reason = placeholder_reason(call)
-    if reason:
-        pytest.skip(f"cpu_flash placeholder in this build: {reason}")
 
 
 def randn(rng, shape, dtype, scale=1.0):
@@ -85,7 +76,12 @@ def assert_lse(actual, expected):
     finite = np.isfinite(expected)
     assert np.array_equal(np.isfinite(actual), finite), "lse: -inf exactly on rows without visible keys"
     assert (actual[~finite] == -np.inf).all()
-    assert rel_l2(actual[finite], expected[finite]) <= 1e-5
+    # lse shifts every probability of its row by the factor exp(error): judge it absolutely, relative
+    # to the tensor's magnitude max(1, max |lse|) (its float32 rounding follows the scores' magnitude;
+    # a per-row relative error is ill-conditioned where lse is near 0).
+    error = np.abs(actual[finite] - expected[finite])
+    scale = max(1.0, float(np.abs(expected[finite]).max(initial=0.0)))
+    assert error.max(initial=0.0) <= 1e-5 * scale, f"lse: max error {error.max():.3g} (scale {scale:.3g})"
 
 
 # (B, Sq, Sk, Hq, Hk, D, Dv): odd sizes, Sq != Sk both ways, GQA/MQA, partial tiles, Dv != D.
@@ -122,7 +118,6 @@ def test_forward_matches_oracle(rng, backend, dtype, shape, variant, peaky):
     if opts.pop("alibi", False):
         alibi = torch.from_numpy(rng.uniform(0.01, 0.5, (b, hq))).float()
     call = lambda: fat.flash_attn_func(q, k, v, alibi_slopes=alibi, return_attn_probs=True, backend=backend, **opts)
-    skip_if_placeholder(backend, call)
     out, lse, probs = call()
     assert probs is None
     assert out.shape == (b, sq, hq, dv) and out.dtype == dt
@@ -166,7 +161,6 @@ def test_backward_matches_oracle(rng, backend, shape, variant):
         out = fat.flash_attn_func(q, k, v, alibi_slopes=alibi, backend=backend, **opts)
         return (out,) + torch.autograd.grad(out, (q, k, v), dout)
 
-    skip_if_placeholder(backend, run)
     out, dq, dk, dv_ = run()
     _, _, grads = attention(q.detach().double().numpy(), k.detach().double().numpy(), v.detach().double().numpy(),
                             causal=opts.get("causal", False), window=opts.get("window_size", (-1, -1)),
@@ -189,7 +183,6 @@ def test_dropout_mask_bit_exact_and_reproducible(rng, backend):
         out = fat.flash_attn_func(q, k, v, dropout_p=p, causal=True, backend=backend)
         return out, torch.autograd.grad(out, q, dout)[0]
 
-    skip_if_placeholder(backend, run)
     out, dq = run()
     again, dq_again = run()
     assert torch.equal(out, again) and torch.equal(dq, dq_again), "same torch.manual_seed, same result"
@@ -238,7 +231,6 @@ def test_varlen_matches_dense_per_sequence(rng, backend):
                                                  window_size=(20, -1), return_attn_probs=True, backend=backend)
         return (out, lse) + torch.autograd.grad(out, (q, k, v), dout)
 
-    skip_if_placeholder(backend, run)
     out, lse, dq, dk, dv = run()
     assert lse.shape == (hq, sum(lengths_q))
     for s in range(len(lengths_q)):
@@ -317,7 +309,6 @@ def test_kvcache_append_rotary(rng, backend, paged, rotary_interleaved, causal):
                                            rotary_interleaved=rotary_interleaved, return_softmax_lse=True,
                                            backend=backend)
 
-    skip_if_placeholder(backend, run)
     out, lse = run()
     assert out.shape == (b, sq, hq, d) and lse.shape == (b, hq, sq)
     for s in range(b):

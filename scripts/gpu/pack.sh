@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Packs what the GPU machine needs from this machine into the ignored folder .gpucarry/ (the device
+# tool carries at most 64 MiB, so everything travels xz-compressed):
+#   bins.tar.xz   the static test, benchmark and tool binaries of BUILD_DIR (see run_gpu.sh)
+#   blas.tar.xz   OpenBLAS (OpenMP build) with its Fortran runtime and cblas.h, for building the
+#                 Python package there (the GPU machine has no OpenBLAS)
+#   scripts/gpu/pack.sh BUILD_DIR
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+build=${1:?usage: pack.sh BUILD_DIR}
+mkdir -p .gpucarry
+tar -C "$build" -cf - tests/cpp/flashattn_tests bench/flashattn_cuda_bench bench/flashattn_decode_bench tools/flashattn | xz -T2 -6 > .gpucarry/bins.tar.xz
+blas=$(mktemp -d)
+cp -L /usr/lib/x86_64-linux-gnu/openblas-openmp/libopenblas.so.0 /usr/lib/x86_64-linux-gnu/libgfortran.so.5 \
+      /usr/lib/x86_64-linux-gnu/libquadmath.so.0 "$blas/"
+cp /usr/include/x86_64-linux-gnu/openblas-openmp/{cblas.h,openblas_config.h} "$blas/"
+tar -C "$blas" -cf - . | xz -T2 -6 > .gpucarry/blas.tar.xz
+rm -rf "$blas"
+ls -la .gpucarry

@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# The one script of the GPU machine: GPU tests (+ compute-sanitizer memcheck and racecheck on a
+# subset), our benchmark beside the peers' in the same run, the memory sweep (ours and torch's math
+# path), the decode benchmark, and optionally the Python package's GPU tests. Writes logs and JSON
+# into the folder it is given; everything is packed into OUT_DIR/results.tgz at the end (the device
+# tool returns at most 8 files), with the short summary also as OUT_DIR/summary.txt.
+#
+#   scripts/gpu/run_gpu.sh OUT_DIR [BUILD_DIR] [--quick]
+#
+# BUILD_DIR holds binaries built on the development machine with static runtimes (the GPU machine has
+# no OpenBLAS or GoogleTest), sm_90a only to keep them small:
+#   cmake -S . -B build-gpu -G Ninja -DFLASHATTN_CUDA=ON -DFLASHATTN_CUDA_ARCHS=90a-real \
+#         -DFLASHATTN_BLAS_STATIC=ON -DFLASHATTN_STATIC_RUNTIME=ON
+#   ninja -C build-gpu flashattn_tests flashattn_cuda_bench flashattn_cli
+# and carried compressed (the device tool carries at most 64 MiB) in the ignored folder .gpucarry/:
+#   scripts/gpu/pack.sh build-gpu        (writes .gpucarry/bins.tar.xz and .gpucarry/blas.tar.xz)
+# The script unpacks .gpucarry/bins.tar.xz into BUILD_DIR when the binaries are not there.
+#
+# --quick: the D = 128 bf16 points of the sweep only.
+# Environment (all optional):
+#   FA_GPU_TESTS       gtest filter of the GPU tests (default 'Cuda*')
+#   FA_SKIP_TESTS=1    no tests;  FA_SKIP_BENCH=1  no benchmarks;  FA_SKIP_PEERS=1  no peer timings
+#   FA_SANITIZE_TESTS  gtest filter run under compute-sanitizer memcheck
+#   FA_RACECHECK_TESTS gtest filter run under compute-sanitizer racecheck
+#   FA_MEMORY=1        the peak-memory sweep (ours: flashattn_cuda_bench --memory; torch: peers.py --memory)
+#   FA_DECODE=1        the decode benchmark (flashattn_decode_bench; FA_DECODE_ARGS) beside torch's decode
+#   FA_PYTHON=1        build the Python package here (pip, no network: CUDA for sm_90a, OpenBLAS from
+#                      .gpucarry/blas.tar.xz) and run tests/python and python/bench_overhead.py
+#   FA_BENCH_ARGS, FA_PEERS_ARGS   extra arguments;  FA_TEST_TIMEOUT (seconds, default 300)
+set -uo pipefail
+out=${1:?usage: run_gpu.sh OUT_DIR [BUILD_DIR] [--quick]}
+build=${2:-build-gpu}
+quick=${3:-}
+here=$(cd "$(dirname "$0")/../.." && pwd)
+work="$out/run"
+mkdir -p "$work"
+sweep=()
+peer_sweep=()
+if [[ "$quick" == "--quick" ]]; then
+  sweep=(--dtypes bf16 --dims 128)
+  peer_sweep=(--dims 128)
+fi
+if [[ ! -x "$build/tests/cpp/flashattn_tests" && -f "$here/.gpucarry/bins.tar.xz" ]]; then
+  mkdir -p "$build"
+  python3 -c "import tarfile,sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$here/.gpucarry/bins.tar.xz" "$build"
+fi
+summary="$work/summary.txt"
+note() { echo "$*" | tee -a "$summary"; }
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
+  nvcc --version 2>/dev/null | tail -1
+  python3 -c "import torch; print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version())" 2>/dev/null
+  "$build/tools/flashattn" info 2>/dev/null || true
+} > "$work/env.txt" 2>&1
+cat "$work/env.txt" | tee -a "$summary"
+
+status=0
+if [[ "${FA_SKIP_TESTS:-0}" != "1" ]]; then
+  # GPU tests (every test also runs in CI, where the CUDA ones skip): GPU against the float64 oracle.
+  timeout "${FA_TEST_TIMEOUT:-300}" "$build/tests/cpp/flashattn_tests" --gtest_filter="${FA_GPU_TESTS:-Cuda*}" \
+      --gtest_output="json:$work/gpu_tests.json" > "$work/gpu_tests.log" 2>&1
+  status=$?
+  note "== GPU tests (exit $status)"
+  grep -E "^\[  FAILED|FA_TEST_SEED|Failure|S=128k" "$work/gpu_tests.log" | head -40 | tee -a "$summary"
+  tail -3 "$work/gpu_tests.log" | tee -a "$summary"
+fi
+if [[ -n "${FA_SANITIZE_TESTS:-}" ]]; then
+  # Out-of-bounds and misaligned accesses of the kernels (slow: small tests only).
+  timeout 150 compute-sanitizer --tool memcheck --print-limit 20 "$build/tests/cpp/flashattn_tests" \
+      --gtest_filter="$FA_SANITIZE_TESTS" > "$work/memcheck.log" 2>&1
+  note "== compute-sanitizer memcheck (exit $?): $FA_SANITIZE_TESTS"
+  grep -E "ERROR SUMMARY|Invalid|^\[  PASSED|^\[  FAILED" "$work/memcheck.log" | head -20 | tee -a "$summary"
+fi
+if [[ -n "${FA_RACECHECK_TESTS:-}" ]]; then
+  # Shared-memory hazards between threads of a block (slower still: one or two small tests).
+  timeout 200 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 20 \
+      "$build/tests/cpp/flashattn_tests" --gtest_filter="$FA_RACECHECK_TESTS" > "$work/racecheck.log" 2>&1
+  note "== compute-sanitizer racecheck (exit $?): $FA_RACECHECK_TESTS"
+  grep -E "RACECHECK SUMMARY|ERROR SUMMARY|hazard|^\[  PASSED|^\[  FAILED" "$work/racecheck.log" | head -20 | tee -a "$summary"
+fi
+
+if [[ "${FA_SKIP_BENCH:-0}" != "1" ]]; then
+  # Our sweep, then the peers' on the same shapes, then the side-by-side table.
+  timeout 240 "$build/bench/flashattn_cuda_bench" --json "$work/bench_ours.json" "${sweep[@]}" ${FA_BENCH_ARGS:-} \
+      > "$work/bench.log" 2>&1
+  if [[ "${FA_SKIP_PEERS:-0}" != "1" ]]; then
+    PYTHONUNBUFFERED=1 timeout 300 python3 "$here/bench/peers.py" --json "$work/bench_peers.json" "${peer_sweep[@]}" \
+        ${FA_PEERS_ARGS:-} > "$work/peers.log" 2>&1 || tail -5 "$work/peers.log"
+    note "== forward / backward TFLOP/s: ours beside the peers (same run)"
+    python3 "$here/bench/compare.py" "$work/bench_ours.json" "$work/bench_peers.json" 2>&1 | tee -a "$summary"
+  else
+    cat "$work/bench.log" | tee -a "$summary"
+  fi
+fi
+if [[ "${FA_MEMORY:-0}" == "1" ]]; then
+  note "== peak device memory of forward + backward (B=1, H=16, D=128, bf16)"
+  timeout 120 "$build/bench/flashattn_cuda_bench" --memory --json "$work/memory_ours.json" 2>&1 | tee -a "$summary"
+  PYTHONUNBUFFERED=1 timeout 150 python3 "$here/bench/peers.py" --memory --json "$work/memory_peers.json" 2>&1 \
+      | tee -a "$summary"
+fi
+if [[ "${FA_DECODE:-0}" == "1" ]]; then
+  # K/V bytes read per second beside a streaming read of the same run, and torch SDPA decode (cuDNN, FA2).
+  decode_args=(${FA_DECODE_ARGS:---batches 1,16,256 --caches 4096,32768,131072})
+  note "== decode (${decode_args[*]})"
+  timeout 200 "$build/bench/flashattn_decode_bench" --json "$work/decode_ours.json" "${decode_args[@]}" \
+      > "$work/decode_bench.log" 2>&1
+  tail -25 "$work/decode_bench.log" | tee -a "$summary"
+  PYTHONUNBUFFERED=1 timeout 150 python3 "$here/bench/peers_decode.py" --json "$work/decode_peers.json" "${decode_args[@]}" \
+      > "$work/decode_peers.log" 2>&1 || tail -5 "$work/decode_peers.log"
+  python3 "$here/bench/compare_decode.py" "$work/decode_ours.json" "$work/decode_peers.json" 2>&1 | tee -a "$summary"
+fi
+if [[ "${FA_PYTHON:-0}" == "1" ]]; then
+  note "== Python package on the GPU"
+  blas="$work/blas"
+  mkdir -p "$blas"
+  python3 -c "import tarfile,sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$here/.gpucarry/blas.tar.xz" "$blas"
+  export LD_LIBRARY_PATH="$blas${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  start=$(date +%s)
+  CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout 420 python3 -m pip install --no-build-isolation --no-deps --no-index -q \
+      --target "$work/site" -C build-dir="$work/pybuild" \
+      -C cmake.define.FLASHATTN_CUDA=ON -C cmake.define.FLASHATTN_CUDA_ARCHS=90a-real \
+      -C cmake.define.FLASHATTN_BLAS_LIBRARY="$blas/libopenblas.so.0" \
+      -C cmake.define.FLASHATTN_BLAS_INCLUDE_DIR="$blas" "$here" > "$work/pip.log" 2>&1
+  note "pip install (exit $?, $(( $(date +%s) - start )) s)"
+  tail -5 "$work/pip.log" | tee -a "$summary"
+  export PYTHONPATH="$work/site"
+  (cd "$here" && PYTHONUNBUFFERED=1 timeout 300 python3 -m pytest tests/python -q -p no:cacheprovider \
+      > "$work/pytest.log" 2>&1)
+  note "pytest (exit $?)"
+  grep -E "passed|failed|error" "$work/pytest.log" | tail -5 | tee -a "$summary"
+  (cd "$here" && timeout 120 python3 -P python/bench_overhead.py --device cuda 2>&1 | tail -15 | tee -a "$summary")
+  rm -rf "$work/site" "$work/pybuild" "$blas"
+fi
+cp "$summary" "$out/summary.txt"
+tar -czf "$out/results.tgz" -C "$out" run && rm -rf "$work"
+exit $status

@@ -1,0 +1,69 @@
+// Tile sizes of the CPU flash kernels.
+//
+// Affects speed only, never results beyond float rounding order: any entry computes the same
+// attention (the tests run several head dims, hence several entries). Measured on the 2-core
+// AMD EPYC dev machine (AVX-512, 1 MiB L2 per core, OpenBLAS 0.3.21 with its Cooper Lake kernels),
+// one thread, S = 2048, fp32; differences under ~5% were within the noise of a shared machine.
+#pragma once
+
+namespace flashattn::cpu::flash {
+
+struct TileConfig {
+  int block_q;  // query rows per tile (Br): the M of the score GEMM and of O += P V
+  int block_k;  // keys per tile (Bc): the N of S = Q K^T and the K of O += P V
+};
+
+struct TileConfigEntry {
+  int max_head_dim;  // the entry applies to head dims <= this (the first that fits wins)
+  TileConfig forward;
+  TileConfig backward;
+};
+
+// One thread's forward working set is about 4 * (Br * D + 2 * Bc * D + Br * Bc + Br * Dv) bytes
+// (1.3 MiB at 512 x 256, D = 128: L2 plus the shared L3). OpenBLAS packs both operands on every
+// call, so per query tile it packs all of K and V once more: larger Br means fewer packings of K/V
+// per FLOP (packing was ~20% of the forward at Br = 128, D = 128); larger Bc packs the Q and P
+// tiles fewer times. Larger Br also means fewer tiles to share among threads and more masked work
+// on a causal diagonal (causal S = 4096 measured the same for Br = 128, 256 and 512).
+// Measured per core-second of CPU time (immune to other jobs on the shared machine), one thread,
+// fp32, S = 4096 forward / 2048 backward; sgemm 4096^3 ran at 97 in the same units:
+//   forward   D =  64:  Br x Bc = 128x256: 67   256x128: 70   256x256: 72   512x128: 72   512x256: 71
+//             D = 128:  128x256: 74   256x128: 80   256x256: 81   512x128: 83   512x256: 85
+//             D = 256:  128x256: 79   256x128: 86   256x256: 86   512x128: 88   512x256: 87
+//   backward (7 GEMMs per tile pair, FLOPs counted as 2.5x forward), D = 64 / 128 / 256:
+//             64x64: 50 / 58 / 51   128x128: 55 / 56 / 57   256x128: 57 / 60 / 60
+// Head dims above 256 were not tuned; their tiles are kept small for the cache.
+constexpr TileConfigEntry kTileConfigs[] = {
+    {64, {256, 256}, {256, 128}},
+    {128, {512, 256}, {256, 128}},
+    {256, {512, 128}, {256, 128}},
+    {1024, {32, 64}, {32, 32}},  // validate.cpp's bound
+};
+constexpr int kTileConfigCount = int(sizeof(kTileConfigs) / sizeof(kTileConfigs[0]));
+
+constexpr bool tile_table_is_valid() {
+  for (int n = 0; n < kTileConfigCount; ++n) {
+    const TileConfigEntry& e = kTileConfigs[n];
+    if (n > 0 && e.max_head_dim <= kTileConfigs[n - 1].max_head_dim) return false;  // increasing
+    for (const TileConfig& t : {e.forward, e.backward})
+      if (t.block_q < 1 || t.block_q > 512 || t.block_k < 1 || t.block_k > 1024) return false;
+  }
+  return kTileConfigs[kTileConfigCount - 1].max_head_dim >= 1024;  // covers every valid head dim
+}
+static_assert(tile_table_is_valid(), "tile table: head dims increasing up to 1024, tiles in [1, 512] x [1, 1024]");
+
+constexpr const TileConfigEntry& tile_config_entry(int head_dim) {
+  for (const TileConfigEntry& e : kTileConfigs)
+    if (head_dim <= e.max_head_dim) return e;
+  return kTileConfigs[kTileConfigCount - 1];
+}
+
+// Tiles for a problem with q/k head dim D and v head dim Dv (the larger decides).
+inline TileConfig forward_tiles(int head_dim, int head_dim_v) {
+  return tile_config_entry(head_dim > head_dim_v ? head_dim : head_dim_v).forward;
+}
+inline TileConfig backward_tiles(int head_dim, int head_dim_v) {
+  return tile_config_entry(head_dim > head_dim_v ? head_dim : head_dim_v).backward;
+}
+
+}  // namespace flashattn::cpu::flash

@@ -1,0 +1,35 @@
+// The small kernels around the decode attention kernel (src/cuda/decode/decode_aux.cu), one launch function
+// each. Plain C++ declarations (`stream` is a cudaStream_t); the dtype comes from args.p.dtype.
+#pragma once
+
+#include <cstdint>
+
+#include "core/status.hpp"
+#include "cuda/decode/decode_work.hpp"
+
+namespace flashattn::cuda::decode {
+
+// Append: k_new / v_new rows written at cache rows cache_seqlens[b] + t (paged or not), k_new rotated at that
+// position when rotary is on. Runs before the attention kernel on the same stream. Sequences whose
+// cache_seqlens entry is out of range, and rows whose block id is not a block of the cache, are not written.
+Status launch_append(const DecodeArgs& args, void* stream);
+
+// Combine: merges the per-split partials (out_s, lse_s) of every m-block that used two or more splits:
+//   lse = log(sum_s exp(lse_s)),  out = sum_s exp(lse_s - lse) out_s,  in split order (deterministic).
+Status launch_combine(const DecodeArgs& args, void* stream);
+
+// The checked mode's guard (src/cuda/decode/kvcache.cpp): finds the first (sequence, block-table column) that
+// is invalid: cache_seqlens[b] outside [0, capacity - S_new] (column -1), or a block id outside
+// [0, num_blocks) among the first ceil((cache_seqlens[b] + S_new) / block_size) columns. Writes
+// kGuardAllValid, or guard_key(b, column) of the smallest such pair, to *status (device memory).
+constexpr unsigned long long kGuardAllValid = ~0ull;
+FA_HD unsigned long long guard_key(int b, int column) {
+  return (static_cast<unsigned long long>(b) << 32) | static_cast<unsigned int>(column + 1);
+}
+FA_HD void guard_entry(unsigned long long key, int* b, int* column) {
+  *b = static_cast<int>(key >> 32);
+  *column = static_cast<int>(key & 0xFFFFFFFFull) - 1;
+}
+Status launch_guard(const DecodeArgs& args, unsigned long long* status, void* stream);
+
+}  // namespace flashattn::cuda::decode

@@ -1,0 +1,486 @@
+// The split-KV decode attention kernel (flash-decoding on mma.sync tensor cores; our own code). Runs on
+// sm_80 and later (compiled as sm_80 and sm_90a machine code).
+//
+// One CTA per (m-block, split) x K/V head x sequence (grid: m_blocks * num_splits, Hk, B). Its M dimension
+// is kBlockM "packed rows": the G = Hq / Hk query heads of the K/V head times the new tokens, row
+// r = i * G + g (decode_work.hpp), so each K/V tile is read from memory once for the whole group. Decode is
+// memory-bound: the kernel's job is to stream the split's K/V tiles at HBM bandwidth.
+//   loads      K/V tiles of kBlockN keys through a kStages-deep cp.async ring (swizzled shared memory,
+//              common/smem_tile.cuh); paged caches look up each key row's block id, one tile ahead, so the
+//              id's latency never stalls the copies (power-of-two block sizes take shifts, others divide)
+//   S = Q K^T  the kWarps warps split each tile's keys (kWarpKeys each); every warp owns all kBlockM rows
+//   mask       core/mask.hpp's WindowMask (causal within the new tokens, sliding window, the key count), only
+//              on warp slices that straddle a boundary; softcap / ALiBi through ScoreTransform when enabled
+//   softmax    online, per warp, exp2 with the scale and log2(e) folded into one multiplier
+//   O += P V   P stays in registers (accumulator layout = A-operand layout); V via ldmatrix.trans
+// Epilogue: the warps' (max, sum, O) are merged through shared memory; then either the final output (out in
+// the dtype, lse) when the sequence uses one split, or the split's normalised fp32 partial and its LSE for
+// the combine kernel (combine_kernel.cuh).
+//
+// Index safety without host checks (cache_seqlens and block_table are device memory): a sequence whose
+// cache_seqlens entry is outside [0, capacity - S_new] gets NaN in out and lse and nothing is read for it; a
+// block id outside [0, num_blocks) is never dereferenced (its rows load as zeros) and makes the CTA's result
+// NaN. The opt-in checked mode (FLASHATTN_KVCACHE_CHECK=1, src/cuda/decode/kvcache.cpp) reports both as
+// errors before any kernel writes.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/mask.hpp"
+#include "core/params.hpp"
+#include "cuda/common/ptx.cuh"
+#include "cuda/common/smem_tile.cuh"
+#include "cuda/decode/cache_rows.cuh"
+#include "cuda/decode/decode_config.cuh"
+#include "cuda/decode/decode_work.hpp"
+
+namespace flashattn::cuda::decode {
+
+constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * kLog2e)
+constexpr float kLn2 = 0.6931471805599453f;    // ln(2): converts a log2-domain LSE back to natural log
+
+template <typename C>
+__global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_constant__ DecodeArgs args) {
+  using Element = typename C::Element;
+  constexpr int kBlockM = C::kBlockM;
+  constexpr int kBlockN = C::kBlockN;
+  constexpr int kHeadDim = C::kHeadDim;
+  constexpr int kThreads = C::kThreads;
+  constexpr int kWarps = C::kWarps;
+  constexpr int kStages = C::kStages;
+  constexpr int kWarpKeys = C::kWarpKeys;
+  constexpr int kMTiles = kBlockM / 16;       // m16 row tiles (every warp owns all of them)
+  constexpr int kNTiles = kWarpKeys / 8;      // n8 key tiles of this warp's slice of S
+  constexpr int kDTiles = kHeadDim / 8;       // n8 column tiles of O
+  constexpr int kQKSteps = kHeadDim / 16;     // k16 steps of S = Q K^T
+  constexpr int kPVSteps = kWarpKeys / 16;    // k16 steps of O += P V
+  using QTile = SwizzledTile<kBlockM, kHeadDim>;
+  using KVTile = SwizzledTile<kBlockN, kHeadDim>;
+  static_assert(kDTiles % 2 == 0 && kNTiles % 2 == 0, "ldmatrix.x4 loads two n8 tiles at once");
+  // K/V loads: the threads sweep one column block (KVTile::kBlockCols) at a time, kRowsPerPass rows per pass.
+  constexpr int kChunksPerBlockRow = KVTile::kChunksPerBlockRow;
+  constexpr int kRowsPerPass = kThreads / kChunksPerBlockRow;
+  constexpr int kPasses = kBlockN / kRowsPerPass;
+  constexpr int kColBlocks = kHeadDim / KVTile::kBlockCols;
+  static_assert(kThreads % kChunksPerBlockRow == 0 && kRowsPerPass % 8 == 0 && kBlockN % kRowsPerPass == 0,
+                "K/V loads in passes of whole swizzle periods");
+  // Epilogue: per-warp O (fp32, rows padded by kMergePad floats: conflict-free float2 stores) and (max, sum).
+  constexpr int kMergePad = 8;
+  constexpr int kMergeRow = kHeadDim + kMergePad;
+  constexpr int kMergeBytes = kWarps * kBlockM * kMergeRow * 4 + kWarps * kBlockM * 8;
+  static_assert(kMergeBytes <= kStages * 2 * KVTile::kBytes, "the warp merge reuses the K/V stages");
+
+  const KvcacheParams& p = args.p;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const uint32_t q_smem = smem_address(smem);
+  const uint32_t kv_smem = q_smem + QTile::kBytes;  // stage s: K at kv_smem + 2 s KVTile::kBytes, V after it
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int quad_row = lane >> 2;  // accumulator row (and row + 8) of this thread in an m16 tile
+  const int quad_col = lane & 3;   // accumulator columns 2 quad_col, 2 quad_col + 1 of an n8 tile
+
+  const int m_block = int(blockIdx.x) % args.m_blocks;  // neighbouring CTAs share a split: its K/V stays in L2
+  const int split = int(blockIdx.x) / args.m_blocks;
+  const int hk = blockIdx.y;
+  const int b = blockIdx.z;
+  const int group = args.group;
+
+  Element* out_gmem = static_cast<Element*>(p.out);
+  const int d_chunks = p.head_dim / 8;  // D may be below the bucket kHeadDim: the rest is zero-filled
+  const int cached = p.cache_seqlens[b];
+  const int seqlen_k = cached + p.seqlen_new;  // keys after the append
+  const bool length_ok = cache_length_ok(cached, p.seqlen_new, p.seqlen_k);
+  const BlockRows rows = block_rows(args, m_block, length_ok ? seqlen_k : 0);
+  const SplitWork work = split_work(rows.key_begin, rows.key_end, kBlockN, args.num_splits, args.min_tiles_per_split, split);
+
+  // Direct result of a row without any key work: NaN (bad cache_seqlens entry) or empty (no visible key:
+  // out = 0, lse = -inf). Written by split 0; the combine kernel skips these m-blocks.
+  auto write_rows_directly = [&](float value, float lse_value) {
+    for (int idx = tid; idx < rows.rows * d_chunks; idx += kThreads) {
+      const int r = rows.row_begin + idx / d_chunks, chunk = idx % d_chunks;
+      const int i = r / group, h = hk * group + r % group;
+      const uint32_t packed = ElementTraits<Element>::pack(value, value);
+      const uint4 v = make_uint4(packed, packed, packed, packed);
+      *reinterpret_cast<uint4*>(out_gmem + b * p.out_batch_stride + int64_t(i) * p.out_row_stride + h * p.out_head_stride +
+                                chunk * 8) = v;
+    }
+    if (p.lse != nullptr)
+      for (int r = rows.row_begin + tid; r < rows.row_begin + rows.rows; r += kThreads) {
+        const int i = r / group, h = hk * group + r % group;
+        p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] = lse_value;
+      }
+  };
+  if (!length_ok) {
+    if (split == 0) write_rows_directly(NAN, NAN);
+    return;
+  }
+  if (split >= work.used) {  // nothing for this split; with no visible key at all, split 0 writes the empty rows
+    if (work.used == 0 && split == 0) write_rows_directly(0.f, -INFINITY);
+    return;
+  }
+  const bool direct = work.used == 1;  // the only split: write out / lse, no partials
+  const int num_tiles = work.tile_end - work.tile_begin;
+
+  const Element* q_gmem = static_cast<const Element*>(p.q);
+  const Element* k_gmem = static_cast<const Element*>(p.k);
+  const Element* v_gmem = static_cast<const Element*>(p.v);
+  const bool paged = p.block_table != nullptr;
+
+  // ---- Q: the m-block's packed rows, rotated at their positions when rotary is on ----
+  if (p.rotary_dim == 0) {
+    for (int idx = tid; idx < kBlockM * QTile::kChunksPerRow; idx += kThreads) {
+      const int row = idx / QTile::kChunksPerRow, chunk = idx % QTile::kChunksPerRow;
+      const int r = rows.row_begin + row;
+      const bool valid = row < rows.rows && chunk < d_chunks;
+      const int i = r / group, h = hk * group + r % group;
+      const Element* src = valid ? q_gmem + b * p.q_batch_stride + int64_t(i) * p.q_row_stride + h * p.q_head_stride + chunk * 8
+                                 : q_gmem;
+      cp_async_16(q_smem + QTile::chunk_offset(row, chunk), src, valid);
+    }
+  } else {
+    // Positions: cached + i when causal or windowed (each query is a new token), else all at `cached`.
+    const bool per_token_positions = p.window_left >= 0 || p.window_right >= 0;
+    for (int idx = tid; idx < kBlockM * (kHeadDim / 2); idx += kThreads) {
+      const int row = idx / (kHeadDim / 2), q = idx % (kHeadDim / 2);
+      const int r = rows.row_begin + row;
+      const int i = r / group, h = hk * group + r % group;
+      const bool valid = row < rows.rows && q < p.head_dim / 2;
+      const RotaryPair pair = valid ? rotary_pair(p, q) : RotaryPair{2 * q, 2 * q + 1, false};
+      float x0 = 0.f, x1 = 0.f;
+      if (valid) {
+        const Element* src = q_gmem + b * p.q_batch_stride + int64_t(i) * p.q_row_stride + h * p.q_head_stride;
+        x0 = float(src[pair.first]);
+        x1 = float(src[pair.second]);
+        if (pair.rotated) rotate_pair<Element>(p, per_token_positions ? cached + i : cached, q, &x0, &x1);
+      }
+      *reinterpret_cast<Element*>(smem + QTile::chunk_offset(row, pair.first / 8) + (pair.first % 8) * 2) = Element(x0);
+      *reinterpret_cast<Element*>(smem + QTile::chunk_offset(row, pair.second / 8) + (pair.second % 8) * 2) = Element(x1);
+    }
+  }
+
+  // ---- K/V tile loads: thread (row_lane, chunk_lane) copies rows row_lane + pass * kRowsPerPass ----
+  const int row_lane = tid / kChunksPerBlockRow;
+  const int chunk_lane = tid % kChunksPerBlockRow;
+  const uint32_t load_lane = KVTile::lane_offset(row_lane, chunk_lane);
+  bool bad_block_id = false;  // this thread met a block id outside the cache (the CTA's result becomes NaN)
+  // Block ids of this thread's rows of key tile n (paged only; rows past the key count are never looked up).
+  auto fetch_page_ids = [&](int n, int32_t (&ids)[kPasses]) {
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int j = n * kBlockN + row_lane + pass * kRowsPerPass;
+      ids[pass] = (paged && j < seqlen_k) ? page_id_of(args, b, j) : 0;
+    }
+  };
+  auto issue_tile = [&](int n, int stage, const int32_t (&ids)[kPasses]) {
+    const uint32_t k_tile = kv_smem + uint32_t(stage) * 2u * KVTile::kBytes;
+    const uint32_t v_tile = k_tile + KVTile::kBytes;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int j = n * kBlockN + row_lane + pass * kRowsPerPass;
+      int64_t k_offset = 0, v_offset = 0;
+      bool row_valid = j < seqlen_k;  // rows past the keys load as zeros (and are masked)
+      if (row_valid && !cache_row_offsets(args, b, hk, j, ids[pass], &k_offset, &v_offset)) {
+        bad_block_id = true;
+        row_valid = false;
+      }
+#pragma unroll
+      for (int block = 0; block < kColBlocks; ++block) {
+        const int chunk = block * kChunksPerBlockRow + chunk_lane;
+        const bool valid = row_valid && chunk < d_chunks;
+        const uint32_t to = KVTile::offset(load_lane, pass * kRowsPerPass, block * kChunksPerBlockRow);
+        cp_async_16(k_tile + to, valid ? k_gmem + k_offset + chunk * 8 : k_gmem, valid);
+        cp_async_16(v_tile + to, valid ? v_gmem + v_offset + chunk * 8 : v_gmem, valid);
+      }
+    }
+  };
+
+  // ---- prologue: Q (above) and the first kStages - 1 tiles, one commit group each (empty ones too, so
+  // that "wait until kStages - 2 groups are pending" always means "tile it has landed") ----
+  int32_t page_ids[kPasses];
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < num_tiles) {
+      fetch_page_ids(work.tile_begin + s, page_ids);
+      issue_tile(work.tile_begin + s, s, page_ids);
+    }
+    cp_async_commit();
+  }
+  if (kStages - 1 < num_tiles) fetch_page_ids(work.tile_begin + kStages - 1, page_ids);  // one tile ahead
+
+  // Scores reach the softmax as s * score_log2_scale in log2 units. Fast path: s is the raw q.k and the scale
+  // is folded into the multiplier. With softcap / ALiBi (or a negative scale, whose sign would flip the max)
+  // s is first transformed into natural-log units.
+  const bool natural_units = p.softcap > 0.f || p.alibi_slopes != nullptr || p.softmax_scale < 0.f;
+  const float score_log2_scale = natural_units ? kLog2e : p.softmax_scale * kLog2e;
+  const WindowMask mask(p.window_left, p.window_right, p.seqlen_q, seqlen_k);
+
+  // This thread's accumulator rows (mt, half): their query and, for ALiBi, their head's transform.
+  int row_query[kMTiles][2];
+  ScoreTransform transform[kMTiles][2];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = rows.row_begin + mt * 16 + quad_row + 8 * half;  // padding rows (>= rows.rows) are never stored
+      row_query[mt][half] = r / group;
+      transform[mt][half] = ScoreTransform{p.softcap, alibi_slope(p, b, hk * group + r % group), seqlen_k - p.seqlen_q};
+    }
+
+  float o_acc[kMTiles][kDTiles][4];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o_acc[mt][dt][c] = 0.f;
+  float row_max[kMTiles][2];  // running max of s over this warp's keys so far (-inf: none visible yet)
+  float row_sum[kMTiles][2];  // running sum of exp2(s * scale - max), this thread's columns only
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      row_max[mt][half] = -INFINITY;
+      row_sum[mt][half] = 0.f;
+    }
+
+  // Per-lane parts of the ldmatrix addresses (SwizzledTile::offset): A (Q) rows lane % 16, chunk lane / 16;
+  // B (K) keys lane % 8 + 8 (lane / 16), chunk (lane / 8) % 2; B (V, transposed) keys lane % 8 + 8 ((lane / 8)
+  // % 2), chunk lane / 16; K and V shifted to this warp's key slice (a multiple of 16 rows: same swizzle).
+  const uint32_t q_lane = QTile::lane_offset(lane & 15, lane >> 4);
+  const uint32_t k_lane = KVTile::offset(KVTile::lane_offset((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1), warp * kWarpKeys, 0);
+  const uint32_t v_lane = KVTile::offset(KVTile::lane_offset((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4), warp * kWarpKeys, 0);
+
+  for (int it = 0; it < num_tiles; ++it) {
+    cp_async_wait<kStages - 2>();  // this thread's copies of tile `it` (and Q) have landed
+    __syncthreads();               // everyone's have; and every warp is done with tile it - 1, whose stage is refilled now
+    const int ahead = it + kStages - 1;
+    if (ahead < num_tiles) issue_tile(work.tile_begin + ahead, ahead % kStages, page_ids);
+    cp_async_commit();
+    if (ahead + 1 < num_tiles) fetch_page_ids(work.tile_begin + ahead + 1, page_ids);  // used next iteration
+
+    const int stage = it % kStages;
+    const uint32_t k_tile = kv_smem + uint32_t(stage) * 2u * KVTile::kBytes;
+    const uint32_t v_tile = k_tile + KVTile::kBytes;
+    const int slice0 = (work.tile_begin + it) * kBlockN + warp * kWarpKeys;  // first key of this warp's slice
+    // Warp-uniform: skip slices that no row of the m-block sees (past the keys, or outside the window).
+    if (slice0 >= rows.key_end || slice0 + kWarpKeys <= rows.key_begin) continue;
+
+    // ---- S = Q K^T (fp32) over this warp's keys ----
+    float s_acc[kMTiles][kNTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) s_acc[mt][nt][c] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kQKSteps; ++ks) {
+      uint32_t q_frag[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(q_frag[mt], q_smem + QTile::offset(q_lane, mt * 16, 2 * ks));
+#pragma unroll
+      for (int np = 0; np < kNTiles / 2; ++np) {
+        // B for key tiles 2np, 2np + 1: matrices (keys +0..7, chunk 2ks), (+0..7, 2ks+1), (+8..15, 2ks), (+8..15, 2ks+1)
+        uint32_t k_frag[4];
+        ldmatrix_x4(k_frag, k_tile + KVTile::offset(k_lane, np * 16, 2 * ks));
+        const uint32_t b_lo[2] = {k_frag[0], k_frag[1]};
+        const uint32_t b_hi[2] = {k_frag[2], k_frag[3]};
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_m16n8k16<Element>(s_acc[mt][2 * np], q_frag[mt], b_lo);
+          mma_m16n8k16<Element>(s_acc[mt][2 * np + 1], q_frag[mt], b_hi);
+        }
+      }
+    }
+
+    // ---- score transform and mask (uniform branches: only when enabled / on boundary slices) ----
+    if (natural_units) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            s_acc[mt][nt][c] = transform[mt][c >> 1](s_acc[mt][nt][c] * p.softmax_scale, row_query[mt][c >> 1],
+                                                     slice0 + nt * 8 + 2 * quad_col + (c & 1));
+    }
+    const bool slice_needs_mask =
+        slice0 + kWarpKeys > seqlen_k || !mask.tile_fully_visible(rows.query_begin, rows.query_end, slice0, slice0 + kWarpKeys);
+    if (slice_needs_mask) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          // Row i sees keys [key_begin(i), key_end(i + 1)) (clamped to the keys): two compares per score,
+          // against offsets relative to this thread's first column.
+          const int i = row_query[mt][half];
+          const int first_col = slice0 + 2 * quad_col;
+          const int visible_begin = mask.key_begin(i) - first_col;
+          const int visible_end = mask.key_end(i + 1, seqlen_k) - first_col;
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int col = nt * 8 + e;  // compile-time
+              if (col < visible_begin || col >= visible_end) s_acc[mt][nt][2 * half + e] = -INFINITY;
+            }
+        }
+    }
+
+    // ---- online softmax: P = exp2(s * scale - max); O and the sum rescaled when the max grows ----
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+          tile_max = fmaxf(tile_max, fmaxf(s_acc[mt][nt][2 * half], s_acc[mt][nt][2 * half + 1]));
+        tile_max = quad_max(tile_max);  // the 4 threads of a quad hold the row's columns
+        const float new_max = fmaxf(row_max[mt][half], tile_max);
+        // A row that so far sees only masked keys keeps max = -inf; subtracting 0 instead gives exp2(-inf) = 0
+        // for its entries, where -inf - (-inf) would give NaN.
+        const float max_scaled = new_max == -INFINITY ? 0.f : new_max * score_log2_scale;
+        const float correction = exp2_approx(row_max[mt][half] * score_log2_scale - max_scaled);  // 0 on the first visit
+        row_max[mt][half] = new_max;
+        row_sum[mt][half] *= correction;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          o_acc[mt][dt][2 * half] *= correction;
+          o_acc[mt][dt][2 * half + 1] *= correction;
+        }
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float prob = exp2_approx(fmaf(s_acc[mt][nt][2 * half + e], score_log2_scale, -max_scaled));
+            row_sum[mt][half] += prob;
+            s_acc[mt][nt][2 * half + e] = prob;
+          }
+      }
+
+    // ---- O += P V: S accumulators become A fragments in registers; V via ldmatrix.trans ----
+#pragma unroll
+    for (int ks = 0; ks < kPVSteps; ++ks) {
+      uint32_t p_frag[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        // A of m16n8k16 (rows g, g + 8; k 2t.. and 2t + 8..) = S tiles 2ks (keys +0..7) and 2ks + 1 (+8..15)
+        p_frag[mt][0] = ElementTraits<Element>::pack(s_acc[mt][2 * ks][0], s_acc[mt][2 * ks][1]);
+        p_frag[mt][1] = ElementTraits<Element>::pack(s_acc[mt][2 * ks][2], s_acc[mt][2 * ks][3]);
+        p_frag[mt][2] = ElementTraits<Element>::pack(s_acc[mt][2 * ks + 1][0], s_acc[mt][2 * ks + 1][1]);
+        p_frag[mt][3] = ElementTraits<Element>::pack(s_acc[mt][2 * ks + 1][2], s_acc[mt][2 * ks + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < kDTiles / 2; ++dp) {
+        // B for d tiles 2dp, 2dp + 1 (transposed): matrices (keys +0..7, chunk 2dp), (+8..15, 2dp), (+0..7, 2dp+1), (+8..15, 2dp+1)
+        uint32_t v_frag[4];
+        ldmatrix_x4_trans(v_frag, v_tile + KVTile::offset(v_lane, ks * 16, 2 * dp));
+        const uint32_t b_lo[2] = {v_frag[0], v_frag[1]};
+        const uint32_t b_hi[2] = {v_frag[2], v_frag[3]};
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_m16n8k16<Element>(o_acc[mt][2 * dp], p_frag[mt], b_lo);
+          mma_m16n8k16<Element>(o_acc[mt][2 * dp + 1], p_frag[mt], b_hi);
+        }
+      }
+    }
+  }
+
+  // ---- epilogue 1: merge the warps' (max, sum, O) through the (now idle) K/V stages ----
+  cp_async_wait<0>();  // only empty groups can be pending here, but never reuse memory a copy may still target
+  const bool bad = __syncthreads_or(bad_block_id) != 0;  // also: every warp is done reading K/V
+  float* merge_o = reinterpret_cast<float*>(smem + QTile::kBytes);               // [warp][row][kMergeRow]
+  float2* merge_stats = reinterpret_cast<float2*>(merge_o + kWarps * kBlockM * kMergeRow);  // [warp][row] (max, sum)
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float sum = quad_sum(row_sum[mt][half]);
+      const float max_scaled = row_max[mt][half] == -INFINITY ? -INFINITY : row_max[mt][half] * score_log2_scale;
+      if (quad_col == 0) merge_stats[warp * kBlockM + mt * 16 + quad_row + 8 * half] = make_float2(max_scaled, sum);
+    }
+  __syncthreads();
+  float row_lse_log2[kMTiles][2];  // log2-domain LSE of the merged row (-inf: no visible key)
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = mt * 16 + quad_row + 8 * half;
+      float merged_max = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) merged_max = fmaxf(merged_max, merge_stats[w * kBlockM + row].x);
+      float merged_sum = 0.f;
+      if (merged_max != -INFINITY) {
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+          const float2 st = merge_stats[w * kBlockM + row];
+          merged_sum += st.y * exp2f(st.x - merged_max);  // exp2f(-inf) = 0 for warps that saw no key
+        }
+      }
+      // This warp's share of the normalised row: exp2(own max - merged max) / merged sum (0 for an empty row).
+      const float own_max = merge_stats[warp * kBlockM + row].x;
+      const float factor = merged_sum > 0.f ? exp2f(own_max - merged_max) / merged_sum : 0.f;
+      row_lse_log2[mt][half] = merged_sum > 0.f ? merged_max + log2f(merged_sum) : -INFINITY;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt)
+        *reinterpret_cast<float2*>(merge_o + (warp * kBlockM + row) * kMergeRow + dt * 8 + 2 * quad_col) =
+            make_float2(o_acc[mt][dt][2 * half] * factor, o_acc[mt][dt][2 * half + 1] * factor);
+    }
+  __syncthreads();
+
+  // ---- epilogue 2: sum the warps' shares and store (out in the dtype, or the split's fp32 partial) ----
+  const int64_t partial_base = int64_t(split) * int64_t(p.batch) * p.heads_q * p.seqlen_q;  // first row of this split
+  for (int idx = tid; idx < rows.rows * d_chunks; idx += kThreads) {
+    const int row = idx / d_chunks, chunk = idx % d_chunks;
+    const int r = rows.row_begin + row;
+    const int i = r / group, h = hk * group + r % group;
+    float v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float4* src = reinterpret_cast<const float4*>(merge_o + (w * kBlockM + row) * kMergeRow + chunk * 8);
+      const float4 lo = src[0], hi = src[1];
+      v[0] += lo.x, v[1] += lo.y, v[2] += lo.z, v[3] += lo.w, v[4] += hi.x, v[5] += hi.y, v[6] += hi.z, v[7] += hi.w;
+    }
+    if (bad)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = NAN;
+    if (direct) {
+      const uint4 packed = make_uint4(ElementTraits<Element>::pack(v[0], v[1]), ElementTraits<Element>::pack(v[2], v[3]),
+                                      ElementTraits<Element>::pack(v[4], v[5]), ElementTraits<Element>::pack(v[6], v[7]));
+      *reinterpret_cast<uint4*>(out_gmem + b * p.out_batch_stride + int64_t(i) * p.out_row_stride + h * p.out_head_stride +
+                                chunk * 8) = packed;
+    } else {
+      float4* dst = reinterpret_cast<float4*>(args.partial_out + (partial_base + partial_row(p, b, h, i)) * p.head_dim_v + chunk * 8);
+      dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+      dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+  }
+  // LSE (natural log) of each row: warp 0's quad leaders hold every row's merged statistics.
+  if (warp == 0 && quad_col == 0) {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = mt * 16 + quad_row + 8 * half;
+        if (row >= rows.rows) continue;
+        const int r = rows.row_begin + row;
+        const int i = r / group, h = hk * group + r % group;
+        const float lse = bad ? NAN : row_lse_log2[mt][half] * kLn2;  // -inf * ln2 = -inf for an empty row
+        if (direct) {
+          if (p.lse != nullptr) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] = lse;
+        } else {
+          args.partial_lse[partial_base + partial_row(p, b, h, i)] = lse;
+        }
+      }
+  }
+}
+
+}  // namespace flashattn::cuda::decode

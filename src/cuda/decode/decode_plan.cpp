@@ -1,0 +1,166 @@
+#include "cuda/decode/decode_plan.hpp"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+
+#include "core/dtype.hpp"
+
+namespace flashattn::cuda::decode {
+namespace {
+
+#define FA_UNSUPPORTED(...) ::flashattn::error(FA_ERROR_UNSUPPORTED, __VA_ARGS__)
+
+constexpr int64_t kCopyBytes = 16;     // cp.async and the output stores move 16 bytes
+constexpr int64_t kMaxGridYZ = 65535;  // CUDA's limit on gridDim.y (K/V heads) and gridDim.z (batch)
+
+// A strided (batch or block, row, head) tensor of 16-bit elements: its base pointer and every stride that
+// steps over more than one position must be multiples of 16 bytes.
+struct Strided {
+  const char* name;
+  const void* data;
+  int64_t strides[3];  // batch (or block), row, head, in elements
+  int64_t extents[3];
+};
+
+Status check_alignment(const Strided& t) {
+  const auto address = reinterpret_cast<uintptr_t>(t.data);
+  if (address % kCopyBytes != 0)
+    return FA_UNSUPPORTED("%s: data pointer must be 16-byte aligned for the cuda kvcache kernels (cp.async), got address %#llx",
+                          t.name, (unsigned long long)address);
+  static const char* const kWhat[3] = {"batch (or block)", "row", "head"};
+  for (int d = 0; d < 3; ++d)
+    if (t.extents[d] > 1 && (t.strides[d] * 2) % kCopyBytes != 0)
+      return FA_UNSUPPORTED("%s: %s stride %lld elements (%lld bytes) must be a multiple of 16 bytes for the cuda kvcache "
+                            "kernels (cp.async)",
+                            t.name, kWhat[d], (long long)t.strides[d], (long long)(t.strides[d] * 2));
+  return Status();
+}
+
+int64_t align_up(int64_t bytes, int64_t alignment) { return (bytes + alignment - 1) / alignment * alignment; }
+
+}  // namespace
+
+Status check_kvcache_support(const KvcacheParams& p) {
+  if (p.dtype != FA_FLOAT16 && p.dtype != FA_BFLOAT16)
+    return FA_UNSUPPORTED("q: dtype %s is not supported by the cuda kvcache kernels (float16 and bfloat16 only; the cpu "
+                          "backends take float32)",
+                          dtype_name(p.dtype));
+  if (p.head_dim_v != p.head_dim)
+    return FA_UNSUPPORTED("v_cache: head dim Dv = %d must equal q's D = %d on the cuda backend", p.head_dim_v, p.head_dim);
+  if (p.head_dim % 8 != 0)
+    return FA_UNSUPPORTED("q: head dim %d must be a multiple of 8 on the cuda backend (rows move in 16-byte chunks)",
+                          p.head_dim);
+  if (p.dropout_p > 0.f)
+    return FA_UNSUPPORTED("options.dropout_p: the cuda kvcache (decode) kernels do not implement dropout (got p = %g); "
+                          "use p = 0, or a cpu backend",
+                          double(p.dropout_p));
+  if (p.heads_k > kMaxGridYZ)
+    return FA_UNSUPPORTED("k_cache: %d K/V heads exceed the cuda kvcache limit of %lld", p.heads_k, (long long)kMaxGridYZ);
+  if (p.batch > kMaxGridYZ)
+    return FA_UNSUPPORTED("q: batch %d exceeds the cuda kvcache limit of %lld", p.batch, (long long)kMaxGridYZ);
+  if (int64_t(p.heads_q / p.heads_k) * p.seqlen_q > INT_MAX / 2)
+    return FA_UNSUPPORTED("q: Sq * Hq / Hk = %lld rows per K/V head exceed the cuda kvcache limit",
+                          (long long)(int64_t(p.heads_q / p.heads_k) * p.seqlen_q));
+  const bool paged = p.block_table != nullptr;
+  const int64_t cache_batches = paged ? p.num_blocks : p.batch;
+  const int64_t cache_rows = paged ? p.page_block_size : p.seqlen_k;
+  FA_RETURN_IF_ERROR(check_alignment({"q", p.q, {p.q_batch_stride, p.q_row_stride, p.q_head_stride}, {p.batch, p.seqlen_q, p.heads_q}}));
+  FA_RETURN_IF_ERROR(
+      check_alignment({"out", p.out, {p.out_batch_stride, p.out_row_stride, p.out_head_stride}, {p.batch, p.seqlen_q, p.heads_q}}));
+  FA_RETURN_IF_ERROR(check_alignment(
+      {"k_cache", p.k, {p.k_batch_stride, p.k_row_stride, p.k_head_stride}, {cache_batches, cache_rows, p.heads_k}}));
+  FA_RETURN_IF_ERROR(check_alignment(
+      {"v_cache", p.v, {p.v_batch_stride, p.v_row_stride, p.v_head_stride}, {cache_batches, cache_rows, p.heads_k}}));
+  if (p.k_new != nullptr) {
+    FA_RETURN_IF_ERROR(check_alignment({"k_new", p.k_new, {p.k_new_batch_stride, p.k_new_row_stride, p.k_new_head_stride},
+                                        {p.batch, p.seqlen_new, p.heads_k}}));
+    FA_RETURN_IF_ERROR(check_alignment({"v_new", p.v_new, {p.v_new_batch_stride, p.v_new_row_stride, p.v_new_head_stride},
+                                        {p.batch, p.seqlen_new, p.heads_k}}));
+  }
+  return Status();
+}
+
+int ctas_per_sm(int64_t smem_bytes, int threads, const DecodeDevice& device) {
+  constexpr int64_t kReservedSmemPerCta = 1024;  // the runtime reserves 1 KiB of shared memory per CTA
+  constexpr int kMaxThreadsPerSm = 2048;
+  int64_t by_smem = device.smem_per_sm > 0 ? device.smem_per_sm / (smem_bytes + kReservedSmemPerCta) : 1;
+  const int64_t by_threads = kMaxThreadsPerSm / std::max(threads, 1);
+  return int(std::max<int64_t>(1, std::min<int64_t>({by_smem, by_threads, kMaxCtasPerSm})));
+}
+
+int choose_num_splits(int64_t ctas, int64_t slots, int64_t capacity_tiles) {
+  if (ctas <= 0 || slots <= 0) return 1;
+  if (double(ctas) >= kFullOccupancy * double(slots)) return 1;
+  const int64_t by_length = capacity_tiles / kMinTilesPerSplit;
+  const int max_splits = int(std::min<int64_t>(kMaxSplits, std::max<int64_t>(1, by_length)));
+  // Efficiency of s splits: the fraction of CTA slots that the last wave keeps busy, waves / ceil(waves).
+  auto efficiency = [&](int s) {
+    const double waves = double(ctas) * s / double(slots);
+    return waves / std::ceil(waves);
+  };
+  double best = 0;
+  for (int s = 1; s <= max_splits; ++s) best = std::max(best, efficiency(s));
+  for (int s = 1; s <= max_splits; ++s)
+    if (efficiency(s) >= kWaveEfficiencyKept * best) return s;
+  return 1;
+}
+
+DecodePlan decode_layout(const KvcacheParams& p, int block_m, int block_n, int num_splits) {
+  DecodePlan plan;
+  plan.block_m = block_m;
+  plan.block_n = block_n;
+  const int64_t packed_rows = int64_t(p.heads_q / p.heads_k) * p.seqlen_q;
+  plan.m_blocks = int((packed_rows + block_m - 1) / block_m);
+  plan.num_splits = num_splits < 1 ? 1 : num_splits;
+  plan.partial_rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
+  if (plan.num_splits > 1 && plan.partial_rows > 0) {
+    plan.lse_bytes = align_up(plan.num_splits * plan.partial_rows * int64_t(sizeof(float)), kWorkspaceAlignment);
+    plan.out_bytes = plan.num_splits * plan.partial_rows * p.head_dim_v * int64_t(sizeof(float));
+    plan.workspace_bytes = kWorkspaceAlignment + plan.lse_bytes + plan.out_bytes;
+  }
+  return plan;
+}
+
+Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const DecodeDevice& device, DecodePlan* plan) {
+  const int64_t packed_rows = int64_t(p.heads_q / p.heads_k) * p.seqlen_q;
+  const int64_t m_blocks = (packed_rows + kernel.block_m - 1) / kernel.block_m;
+  int splits = p.num_splits;
+  if (splits <= 0) {
+    const int64_t ctas = int64_t(p.batch) * p.heads_k * m_blocks;
+    const int64_t slots = int64_t(device.sm_count) * ctas_per_sm(kernel.smem_bytes, 32 * kernel.warps, device);
+    const int64_t capacity_tiles = (int64_t(p.seqlen_k) + kernel.block_n - 1) / kernel.block_n;
+    splits = choose_num_splits(ctas, slots, capacity_tiles);
+  }
+  if (m_blocks * splits > INT_MAX)
+    return FA_UNSUPPORTED("num_splits: %d splits x %lld row blocks exceed CUDA's grid limit", splits, (long long)m_blocks);
+  *plan = decode_layout(p, kernel.block_m, kernel.block_n, splits);
+  return Status();
+}
+
+DecodeArgs make_decode_args(const KvcacheParams& p, const DecodePlan& plan, void* workspace) {
+  DecodeArgs a{};
+  a.p = p;
+  a.p.num_splits = plan.num_splits;
+  a.group = p.heads_q / p.heads_k;
+  a.packed_rows = a.group * p.seqlen_q;
+  a.block_m = plan.block_m;
+  a.block_n = plan.block_n;
+  a.m_blocks = plan.m_blocks;
+  a.num_splits = plan.num_splits;
+  a.min_tiles_per_split = kMinTilesPerSplit;
+  a.page_shift = -1;
+  if (p.block_table != nullptr && (p.page_block_size & (p.page_block_size - 1)) == 0) {
+    a.page_shift = 0;
+    while ((1 << a.page_shift) < p.page_block_size) ++a.page_shift;
+  }
+  if (plan.workspace_bytes > 0 && workspace != nullptr) {
+    const auto address = reinterpret_cast<uintptr_t>(workspace);
+    char* aligned = static_cast<char*>(workspace) + (kWorkspaceAlignment - address % kWorkspaceAlignment) % kWorkspaceAlignment;
+    a.partial_lse = reinterpret_cast<float*>(aligned);
+    a.partial_out = reinterpret_cast<float*>(aligned + plan.lse_bytes);
+  }
+  return a;
+}
+
+}  // namespace flashattn::cuda::decode

@@ -1,0 +1,78 @@
+// Host side of the CUDA KV-cache (decode) path, plain C++ (no CUDA, no device access), unit-tested without a
+// GPU in tests/cpp/test_cuda_kvcache_plan.cpp:
+//   check_kvcache_support   the CUDA-specific rules of a call (after src/api/validate.cpp)
+//   choose_num_splits       the split-KV heuristic (from batch, K/V heads, m-blocks, capacity and SM count)
+//   make_decode_plan        splits + workspace layout of a call: fa_plan_kvcache reports it, fa_kvcache runs it
+//   make_decode_args        the kernels' argument struct from the params and an aligned workspace
+//
+// The plan depends on the shapes only (B, Sq, Hq, Hk, D, capacity, S_new) and on the device, never on the
+// lengths in cache_seqlens (device memory): plan once per batch shape, run every step with the planned
+// workspace, allocation-free and CUDA-graph capturable. See decode_work.hpp for how each sequence then
+// uses as many of the planned splits as its length warrants.
+#pragma once
+
+#include <cstdint>
+
+#include "core/params.hpp"
+#include "core/status.hpp"
+#include "cuda/decode/decode_work.hpp"
+#include "cuda/kernel_entry.hpp"
+
+namespace flashattn::cuda::decode {
+
+// ---- split-KV tuning: affects speed only, never results (every split count gives the same attention up
+// to float rounding of the merge) ----
+constexpr int kMinTilesPerSplit = 2;       // a split streams >= 2 key tiles: below that its fixed cost (Q load,
+                                           // pipeline fill, partial write + combine read) outweighs the gain
+constexpr int kMaxSplits = 128;            // the heuristic's cap (an explicit num_splits may be larger)
+constexpr double kFullOccupancy = 0.8;     // at >= 80% of one wave of CTA slots without splitting: no split
+constexpr double kWaveEfficiencyKept = 0.85;  // smallest split count whose last-wave efficiency is within 85% of the best
+constexpr int kMaxCtasPerSm = 4;           // occupancy estimate cap (the kernels use <= 255 registers x 128 threads)
+constexpr int64_t kWorkspaceAlignment = 256;  // the partial buffers start 256-byte aligned in any caller workspace
+
+// What planning needs to know about the device.
+struct DecodeDevice {
+  int device = 0;                    // CUDA ordinal, for messages
+  int sm_major = 0, sm_minor = 0;
+  int sm_count = 0;                  // streaming multiprocessors
+  int64_t smem_per_block_optin = 0;  // bytes a CTA may use after cudaFuncSetAttribute
+  int64_t smem_per_sm = 0;           // bytes of shared memory per SM (occupancy)
+};
+
+// CUDA rules of a kvcache call: fp16 / bf16, Dv == D, D % 8 == 0, no dropout, 16-byte aligned base pointers
+// and strides of q, out, the caches and k_new / v_new (cp.async and the 16-byte stores), grid limits.
+Status check_kvcache_support(const KvcacheParams& p);
+
+// CTAs of `smem_bytes` shared memory and `threads` threads that fit one SM at a time (an estimate that
+// ignores registers beyond kMaxCtasPerSm).
+int ctas_per_sm(int64_t smem_bytes, int threads, const DecodeDevice& device);
+
+// Split-KV heuristic. `ctas` = B * Hk * m_blocks (CTAs without splitting); `slots` = SMs x CTAs per SM;
+// `capacity_tiles` = key tiles of the longest possible sequence. Returns 1 when the unsplit grid already
+// fills the device; else the smallest split count whose waves are nearly as full as the best one, capped
+// by kMaxSplits and by capacity_tiles / kMinTilesPerSplit.
+int choose_num_splits(int64_t ctas, int64_t slots, int64_t capacity_tiles);
+
+struct DecodePlan {
+  int block_m = 0, block_n = 0;  // of the chosen kernel
+  int m_blocks = 0;              // ceil(G * Sq / block_m)
+  int num_splits = 1;            // the explicit num_splits, or the heuristic's
+  int64_t partial_rows = 0;      // B * Hq * Sq
+  int64_t lse_bytes = 0;         // partial LSEs, rounded up to kWorkspaceAlignment (0 when num_splits == 1)
+  int64_t out_bytes = 0;         // partial outputs (0 when num_splits == 1)
+  int64_t workspace_bytes = 0;   // alignment slack + lse_bytes + out_bytes; 0 when num_splits == 1
+};
+
+// The layout of a call with a given split count on a kernel of block_m x block_n tiles (make_decode_plan's
+// second half; the launcher recomputes it from the resolved params.num_splits).
+DecodePlan decode_layout(const KvcacheParams& p, int block_m, int block_n, int num_splits);
+
+// The plan of a call on the kernel `kernel` (a kKvcache row of the generated table): p.num_splits when > 0,
+// else the heuristic's. Fails only when the grid would exceed CUDA's limits.
+Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const DecodeDevice& device, DecodePlan* plan);
+
+// The kernels' arguments. `workspace` is the caller's (or an internal) buffer of plan.workspace_bytes
+// (null when num_splits == 1); it is aligned up here.
+DecodeArgs make_decode_args(const KvcacheParams& p, const DecodePlan& plan, void* workspace);
+
+}  // namespace flashattn::cuda::decode

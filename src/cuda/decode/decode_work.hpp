@@ -1,0 +1,100 @@
+// The work partition of the CUDA KV-cache (decode) kernels: which query rows one CTA packs into the M
+// dimension of its MMAs, and which key tiles each split of a sequence's key range streams. Plain C++ with
+// FA_HD functions: the host planner, its unit tests (tests/cpp/test_cuda_kvcache_plan.cpp) and the three
+// kernels (attention, combine, guard) all call these, so they agree on the partition by construction.
+//
+// Packing (GQA): the G = Hq / Hk query heads that read one K/V head, times the Sq new tokens, are the
+// "packed rows" of one (sequence b, K/V head hk):  r = i * G + g  <->  query i, query head hk * G + g.
+// A CTA takes kBlockM consecutive packed rows (an "m-block"), so K and V are read once per group.
+//
+// Splits (flash-decoding): the key tiles [first, first + tiles) that an m-block sees are cut into runs of
+// per_split tiles; split s streams run s. The lengths live in device memory (cache_seqlens), so the host
+// plans the most splits (num_splits) from the shapes, and every kernel derives the splits a sequence really
+// uses from its length on the device: per_split = max(ceil(tiles / num_splits), min_tiles_per_split),
+// used = ceil(tiles / per_split). Short sequences thus use fewer, longer splits; every used split is
+// non-empty. used == 0 (no visible key) and used == 1 write the final output directly; used >= 2 write
+// per-split partials that the combine kernel merges through their LSEs.
+#pragma once
+
+#include <cstdint>
+
+#include "core/host_device.hpp"
+#include "core/mask.hpp"
+#include "core/params.hpp"
+
+namespace flashattn::cuda::decode {
+
+// Everything the decode kernels read, passed by value (a __grid_constant__ kernel parameter).
+struct DecodeArgs {
+  KvcacheParams p;          // validated by src/api/validate.cpp; p.seqlen_k is the cache capacity per sequence
+  int group;                // G = Hq / Hk: query heads that share one K/V head
+  int packed_rows;          // G * Sq rows per (sequence, K/V head); row r = i * G + g
+  int block_m;              // packed rows per CTA (the kernel's kBlockM)
+  int block_n;              // keys per K/V tile (the kernel's kBlockN)
+  int m_blocks;             // ceil(packed_rows / block_m)
+  int num_splits;           // the most splits of one key range (>= 1); grid.x = m_blocks * num_splits
+  int min_tiles_per_split;  // a split streams at least this many key tiles (affects speed only)
+  int page_shift;           // paged cache: log2(block size) when it is a power of two, else -1 (divisions)
+  float* partial_lse;       // [num_splits][B * Hq * Sq] natural-log LSE per split; null when num_splits == 1
+  float* partial_out;       // [num_splits][B * Hq * Sq][Dv] per-split output, already normalised
+};
+
+// The cache of sequence b holds `cached` rows before the append; the kernels accept it only in
+// [0, capacity - seqlen_new] (anything else would read or write past the sequence's cache).
+FA_HD bool cache_length_ok(int cached, int seqlen_new, int capacity) {
+  return cached >= 0 && int64_t(cached) + seqlen_new <= int64_t(capacity);
+}
+
+// Key tiles of one split. `used` is the same for every split of the m-block.
+struct SplitWork {
+  int used;        // splits with work: 0 when no key is visible to the m-block's rows
+  int tile_begin;  // this split's key tiles [tile_begin, tile_end), absolute tile indices; empty when split >= used
+  int tile_end;
+};
+
+FA_HD SplitWork split_work(int key_begin, int key_end, int block_n, int num_splits, int min_tiles_per_split, int split) {
+  SplitWork w{0, 0, 0};
+  if (key_end <= key_begin) return w;
+  const int first = key_begin / block_n;
+  const int tiles = (key_end - 1) / block_n - first + 1;
+  int per_split = (tiles + num_splits - 1) / num_splits;
+  if (per_split < min_tiles_per_split) per_split = min_tiles_per_split;
+  w.used = (tiles + per_split - 1) / per_split;
+  if (split < w.used) {
+    w.tile_begin = first + split * per_split;
+    const int end = w.tile_begin + per_split;
+    w.tile_end = end < first + tiles ? end : first + tiles;
+  }
+  return w;
+}
+
+// The packed rows of m-block `m_block` and the keys any of them sees (bottom-right aligned mask of
+// core/mask.hpp with Sk = cached + seqlen_new).
+struct BlockRows {
+  int row_begin;   // first packed row
+  int rows;        // packed rows of this m-block (< block_m in the last one)
+  int query_begin; // queries [query_begin, query_end) of those rows
+  int query_end;
+  int key_begin;   // keys [key_begin, key_end) visible to at least one of them (may be empty)
+  int key_end;
+};
+
+FA_HD BlockRows block_rows(const DecodeArgs& a, int m_block, int seqlen_k) {
+  BlockRows r;
+  r.row_begin = m_block * a.block_m;
+  const int left = a.packed_rows - r.row_begin;
+  r.rows = left < a.block_m ? left : a.block_m;
+  r.query_begin = r.row_begin / a.group;
+  r.query_end = (r.row_begin + r.rows - 1) / a.group + 1;
+  const WindowMask mask(a.p.window_left, a.p.window_right, a.p.seqlen_q, seqlen_k);
+  r.key_begin = mask.key_begin(r.query_begin);
+  r.key_end = mask.key_end(r.query_end, seqlen_k);
+  return r;
+}
+
+// Index of output row (b, h, i) in the partial buffers: the layout of lse, (B, Hq, Sq).
+FA_HD int64_t partial_row(const KvcacheParams& p, int b, int h, int i) {
+  return (int64_t(b) * p.heads_q + h) * p.seqlen_q + i;
+}
+
+}  // namespace flashattn::cuda::decode

@@ -1,0 +1,184 @@
+// fa_plan_kvcache / fa_kvcache on the CUDA backend: the CUDA rules, the kernel choice (the kKvcache rows of
+// the one generated table, through dispatch.cpp's choose_kernel), the split plan, the workspace, the
+// optional checked mode, then the generated launcher (append -> attention -> combine on the caller's stream).
+#include "cuda/decode/kvcache.hpp"
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "cuda/common/check.hpp"
+#include "cuda/decode/decode_aux.hpp"
+#include "cuda/decode/decode_plan.hpp"
+#include "cuda/dispatch.hpp"
+#include "cuda/generated/kernel_table.hpp"
+
+namespace flashattn::cuda::decode {
+namespace {
+
+bool checked_mode() {
+  const char* value = std::getenv(kCheckEnvironmentVariable);
+  return value != nullptr && value[0] != '\0' && std::strcmp(value, "0") != 0;
+}
+
+// Makes `device` current for the scope of a call and restores the caller's device afterwards.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cudaGetDevice(&previous_);
+    if (previous_ != device) status_ = cudaSetDevice(device);
+  }
+  ~DeviceGuard() {
+    int current = previous_;
+    cudaGetDevice(&current);
+    if (current != previous_) cudaSetDevice(previous_);
+  }
+  cudaError_t status() const { return status_; }
+
+ private:
+  int previous_ = 0;
+  cudaError_t status_ = cudaSuccess;
+};
+
+// Device attributes do not change while the process runs: read once per device.
+Status decode_device(int device, DecodeDevice* out) {
+  static std::mutex mutex;
+  static std::vector<DecodeDevice> cache;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const DecodeDevice& d : cache)
+      if (d.device == device) {
+        *out = d;
+        return Status();
+      }
+  }
+  DecodeDevice d;
+  d.device = device;
+  int smem_optin = 0, smem_sm = 0;
+  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&d.sm_major, cudaDevAttrComputeCapabilityMajor, device));
+  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&d.sm_minor, cudaDevAttrComputeCapabilityMinor, device));
+  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, device));
+  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  d.smem_per_block_optin = smem_optin;
+  d.smem_per_sm = smem_sm;
+  std::lock_guard<std::mutex> lock(mutex);
+  cache.push_back(d);
+  *out = d;
+  return Status();
+}
+
+struct Selection {
+  int index = -1;  // row of the generated kernel table
+  DecodePlan plan;
+};
+
+// Everything decided on the host: rules, kernel, plan. No device memory is touched.
+Status select(const KvcacheParams& p, Selection* s) {
+  FA_RETURN_IF_ERROR(check_kvcache_support(p));
+  DecodeDevice device;
+  FA_RETURN_IF_ERROR(decode_device(p.device_id, &device));
+  const DeviceLimits limits{device.device, device.sm_major, device.sm_minor, device.smem_per_block_optin};
+  FA_RETURN_IF_ERROR(choose_kernel(KernelKind::kKvcache, p, limits, &s->index));
+  return make_decode_plan(p, kernel_entry(s->index), device, &s->plan);
+}
+
+// The checked mode: the guard kernel finds the first bad (sequence, column), the host waits for it and
+// names the entry. Runs before any other kernel of the call.
+Status check_indices(const DecodeArgs& args, cudaStream_t stream) {
+  const KvcacheParams& p = args.p;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  FA_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone)
+    return error(FA_ERROR_UNSUPPORTED,
+                 "options.stream: %s=1 synchronises the stream to check cache_seqlens and block_table, which a CUDA "
+                 "graph capture does not allow; unset it while capturing",
+                 kCheckEnvironmentVariable);
+  unsigned long long* status_device = nullptr;
+  FA_CUDA_RETURN_IF_ERROR(cudaMalloc(&status_device, sizeof(unsigned long long)));
+  unsigned long long status = kGuardAllValid;
+  Status launched = [&]() -> Status {
+    FA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(status_device, 0xFF, sizeof(status), stream));  // kGuardAllValid
+    FA_RETURN_IF_ERROR(launch_guard(args, status_device, stream));
+    FA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&status, status_device, sizeof(status), cudaMemcpyDeviceToHost, stream));
+    FA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    return Status();
+  }();
+  cudaFree(status_device);
+  FA_RETURN_IF_ERROR(launched);
+  if (status == kGuardAllValid) return Status();
+  int b = 0, column = 0;
+  guard_entry(status, &b, &column);
+  if (column < 0) {
+    int32_t cached = 0;
+    FA_CUDA_RETURN_IF_ERROR(cudaMemcpy(&cached, p.cache_seqlens + b, sizeof(cached), cudaMemcpyDeviceToHost));
+    return error(FA_ERROR_INVALID_ARGUMENT,
+                 "cache_seqlens: entry %d = %d plus S_new = %d must be in [0, %d] (the cache capacity); checked on the "
+                 "device (%s=1), nothing was written",
+                 b, cached, p.seqlen_new, p.seqlen_k, kCheckEnvironmentVariable);
+  }
+  int32_t id = 0;
+  FA_CUDA_RETURN_IF_ERROR(
+      cudaMemcpy(&id, p.block_table + b * p.block_table_batch_stride + column, sizeof(id), cudaMemcpyDeviceToHost));
+  return error(FA_ERROR_INVALID_ARGUMENT,
+               "block_table: entry (%d, %d) = %d is not a block id in [0, %d); checked on the device (%s=1), nothing "
+               "was written",
+               b, column, id, p.num_blocks, kCheckEnvironmentVariable);
+}
+
+}  // namespace
+
+Status plan_kvcache(const KvcacheParams& p, fa_kvcache_plan* plan) {
+  Selection s;
+  FA_RETURN_IF_ERROR(select(p, &s));
+  plan->num_splits = s.plan.num_splits;
+  plan->workspace_bytes = s.plan.workspace_bytes;
+  return Status();
+}
+
+Status run_kvcache(const KvcacheParams& p) {
+  Selection s;
+  FA_RETURN_IF_ERROR(select(p, &s));
+  const KernelEntry& entry = kernel_entry(s.index);
+  const KvcacheLaunchFn launch = generated::kKernelLaunch[s.index].kvcache;
+  if (launch == nullptr) return error(FA_ERROR_INTERNAL, "kernel table row %s has no kvcache launcher", entry.name);
+  if (p.workspace != nullptr && p.workspace_bytes < s.plan.workspace_bytes)
+    return error(FA_ERROR_INVALID_ARGUMENT,
+                 "workspace: %lld bytes is less than the %lld bytes fa_plan_kvcache reports for num_splits = %d",
+                 (long long)p.workspace_bytes, (long long)s.plan.workspace_bytes, s.plan.num_splits);
+  DeviceGuard guard(p.device_id);
+  FA_CUDA_RETURN_IF_ERROR(guard.status());
+  const auto stream = static_cast<cudaStream_t>(p.stream);
+  if (checked_mode()) FA_RETURN_IF_ERROR(check_indices(make_decode_args(p, s.plan, nullptr), stream));
+
+  // Without a caller workspace the partials live in a stream-ordered allocation (capturable as graph
+  // nodes); with the planned workspace the call allocates nothing.
+  KvcacheParams run = p;
+  run.num_splits = s.plan.num_splits;
+  void* owned = nullptr;
+  if (s.plan.workspace_bytes > 0 && p.workspace == nullptr) {
+    FA_CUDA_RETURN_IF_ERROR(cudaMallocAsync(&owned, size_t(s.plan.workspace_bytes), stream));
+    run.workspace = owned;
+    run.workspace_bytes = s.plan.workspace_bytes;
+  }
+  const Status launched = launch(run, stream);
+  if (owned != nullptr) {
+    const cudaError_t freed = cudaFreeAsync(owned, stream);
+    FA_RETURN_IF_ERROR(launched);
+    FA_CUDA_RETURN_IF_ERROR(freed);
+  }
+  FA_RETURN_IF_ERROR(launched);
+  if (p.stats != nullptr) {
+    p.stats->scratch_bytes_peak = owned != nullptr ? s.plan.workspace_bytes : 0;
+    p.stats->num_splits = s.plan.num_splits;
+    std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s splits=%d", entry.name, s.plan.num_splits);
+  }
+  return Status();
+}
+
+}  // namespace flashattn::cuda::decode

@@ -1,0 +1,33 @@
+// The CUDA KV-cache entry points (fa_plan_kvcache / fa_kvcache with backend cuda), called from
+// src/cuda/backend.cpp. CUDA builds only; the host logic they use is in decode_plan.hpp (plain C++).
+//
+// What runs: fp16 / bf16 caches, D % 8 == 0 up to 256 (in the next compiled bucket), Dv == D, no dropout;
+// Sq from 1 up (decode, speculative decoding, chunked prefill; causal within the new tokens, windows,
+// softcap, ALiBi), GQA / MQA packed (one CTA reads a K/V head once for all its query heads), rotary
+// (interleaved or halves) on q and k_new in the kernels. Caches: contiguous (B, S_cache, Hk, D), any
+// strides with 16-byte alignment, or paged with any block_size >= 1: power-of-two sizes (1, 16, 32, 64, 128,
+// 256, ...) address rows with shifts, other sizes with divisions (correct, slower per row).
+//
+// Index checks. cache_seqlens and block_table live in device memory, which the host cannot read without a
+// synchronisation, so the default path checks them on the device, free of cost: the kernels never read or
+// write through a block id outside [0, num_blocks) or past a sequence's cache, a sequence whose
+// cache_seqlens entry is outside [0, capacity - S_new] is not appended to and gets NaN in out and lse, and a
+// split that meets a bad block id makes its rows NaN (the call itself returns OK: it cannot know).
+// The checked mode, FLASHATTN_KVCACHE_CHECK=1 in the environment (read at every call; for debugging and
+// tests), runs a guard kernel first and synchronises the stream: a bad entry is then reported as
+// FA_ERROR_INVALID_ARGUMENT naming the entry (the same wording as the host-side rules of validate.cpp),
+// before any kernel writes anything. It cannot run inside a CUDA graph capture (that is an error).
+#pragma once
+
+#include "core/params.hpp"
+#include "core/status.hpp"
+
+namespace flashattn::cuda::decode {
+
+// The environment variable of the checked mode ("1": on; unset, empty or "0": off).
+constexpr const char* kCheckEnvironmentVariable = "FLASHATTN_KVCACHE_CHECK";
+
+Status plan_kvcache(const KvcacheParams& params, fa_kvcache_plan* plan);
+Status run_kvcache(const KvcacheParams& params);
+
+}  // namespace flashattn::cuda::decode

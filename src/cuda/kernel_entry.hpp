@@ -1,0 +1,43 @@
+// The row type of the generated kernel table (src/cuda/generated/kernel_table.hpp, written by
+// src/cuda/manifest.py). Plain C++: dispatch and its unit tests read the table without CUDA.
+#pragma once
+
+#include <cstdint>
+
+#include "core/params.hpp"
+#include "core/status.hpp"
+
+namespace flashattn::cuda {
+
+enum class KernelKind { kForward, kBackward, kKvcache };  // kKvcache: src/cuda/decode/ (split-KV decode)
+
+// One compiled instantiation. The tile fields affect speed, registers and shared memory only.
+struct KernelEntry {
+  KernelKind kind;
+  fa_dtype dtype;       // FA_FLOAT16 or FA_BFLOAT16
+  int head_dim;         // the bucket: runs any D with D % 8 == 0 and D <= head_dim (zero-padded)
+  int block_m;          // query rows per CTA
+  int block_n;          // key rows per K/V tile
+  int warps;            // warps per CTA
+  int stages;           // K/V shared-memory stages
+  bool dropout;         // compiled with the Philox dropout path
+  int64_t smem_bytes;   // dynamic shared memory per CTA (0: the launcher decides)
+  const char* name;     // also the name of its generated launch function
+};
+
+// The launch functions of one row (exactly one is set, by kind). `stream` is a cudaStream_t.
+using ForwardLaunchFn = Status (*)(const AttentionParams& params, void* stream);
+using BackwardLaunchFn = Status (*)(const BackwardParams& params, void* stream);
+// kvcache: params.num_splits resolved by the plan, params.workspace aligned (src/cuda/decode/kvcache.cpp).
+using KvcacheLaunchFn = Status (*)(const KvcacheParams& params, void* stream);
+struct KernelLaunch {
+  ForwardLaunchFn forward;
+  BackwardLaunchFn backward;
+  KvcacheLaunchFn kvcache;
+};
+
+namespace generated {
+extern const KernelLaunch kKernelLaunch[];  // parallel to kKernelTable; CUDA builds only
+}  // namespace generated
+
+}  // namespace flashattn::cuda

@@ -1,0 +1,89 @@
+// Launch of the sm80 backward for one manifest configuration (src/cuda/manifest.py, BACKWARD_TILES):
+// preprocess -> main -> postprocess on the caller's stream. The CUDA-specific argument rules were
+// checked by dispatch (src/cuda/dispatch.cpp, check_backward_support); this function checks the
+// workspace and the shared-memory limit, then launches. Allocation: when params.workspace is null,
+// the workspace (backward_plan.hpp, O(S)) is taken with cudaMallocAsync on the stream and released
+// with cudaFreeAsync after the last kernel (documented behaviour); otherwise nothing is allocated.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdio>
+
+#include "core/status.hpp"
+#include "cuda/common/check.hpp"
+#include "cuda/sm80/backward_kernel.cuh"
+
+namespace flashattn::cuda {
+
+template <typename Config>
+Status launch_backward_sm80(const BackwardParams& params, cudaStream_t stream) {
+  using T = sm80::bwd::BackwardTraits<Config>;
+  using Element = typename T::Element;
+  static_assert(T::kSmemBytes == sm80::backward_smem_bytes(T::kHeadDim, T::kBlockM, T::kBlockN, T::kWarps, T::kStages),
+                "backward_plan.hpp (and the manifest) must describe the kernel's shared memory");
+  const BackwardParams& p = params;
+  const sm80::BackwardWorkspaceLayout layout = sm80::backward_workspace_layout(p, T::kHeadDim, T::kBlockM);
+
+  void* base = p.workspace;
+  if (base != nullptr) {
+    if (p.workspace_bytes < layout.total_bytes)
+      return error(FA_ERROR_INVALID_ARGUMENT,
+                   "workspace: %lld bytes given, the cuda backward needs %lld (ask fa_backward_workspace_size)",
+                   (long long)p.workspace_bytes, (long long)layout.total_bytes);
+    if (reinterpret_cast<uintptr_t>(base) % 16 != 0)
+      return error(FA_ERROR_INVALID_ARGUMENT, "workspace: data pointer must be 16-byte aligned for the cuda backward");
+  }
+
+  const auto main_kernel = sm80::bwd::backward_main_kernel<Config>;
+  // Above 48 KiB a CTA must opt in; the attribute fails when the device allows less.
+  FA_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(main_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(T::kSmemBytes)));
+
+  const bool owned = base == nullptr && layout.total_bytes > 0;
+  if (owned) FA_CUDA_RETURN_IF_ERROR(cudaMallocAsync(&base, size_t(layout.total_bytes), stream));
+  char* bytes = static_cast<char*>(base);
+  sm80::bwd::BackwardWorkspacePointers ws;
+  ws.dq_accum = reinterpret_cast<float*>(bytes + layout.dq_accum_offset);
+  ws.lse_log2 = reinterpret_cast<float*>(bytes + layout.lse_log2_offset);
+  ws.dsum = reinterpret_cast<float*>(bytes + layout.dsum_offset);
+  ws.semaphores = p.deterministic ? reinterpret_cast<int*>(bytes + layout.semaphore_offset) : nullptr;
+  ws.padded_seqlen_q = layout.padded_seqlen_q;
+
+  cudaError_t status = cudaSuccess;
+  auto check = [&](cudaError_t e) {
+    if (status == cudaSuccess) status = e;
+    return status == cudaSuccess;
+  };
+  const int64_t padded_rows = layout.padded_seqlen_q * p.heads_q;  // per sequence
+  constexpr int kPrePostThreads = 256;
+  if (padded_rows > 0 && p.batch > 0) {
+    check(cudaMemsetAsync(ws.dq_accum, 0, size_t(p.batch * padded_rows * T::kHeadDim * 4), stream));
+    if (ws.semaphores != nullptr) check(cudaMemsetAsync(ws.semaphores, 0, size_t(layout.semaphore_bytes), stream));
+    const dim3 grid(unsigned((padded_rows + kPrePostThreads - 1) / kPrePostThreads), unsigned(p.batch));
+    if (status == cudaSuccess) sm80::bwd::backward_preprocess_kernel<Element><<<grid, kPrePostThreads, 0, stream>>>(p, ws);
+    check(cudaGetLastError());
+  }
+  const int key_tiles = (p.seqlen_k + T::kBlockN - 1) / T::kBlockN;
+  if (key_tiles > 0 && p.batch > 0 && status == cudaSuccess) {
+    const dim3 grid(unsigned(key_tiles), unsigned(p.batch), unsigned(p.heads_k));
+    main_kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(p, ws);
+    check(cudaGetLastError());
+  }
+  const int64_t dq_items = int64_t(p.seqlen_q) * p.heads_q * (p.head_dim / 8);  // per sequence
+  if (dq_items > 0 && p.batch > 0 && status == cudaSuccess) {
+    const dim3 grid(unsigned((dq_items + kPrePostThreads - 1) / kPrePostThreads), unsigned(p.batch));
+    sm80::bwd::backward_postprocess_kernel<Element><<<grid, kPrePostThreads, 0, stream>>>(p, ws, T::kHeadDim);
+    check(cudaGetLastError());
+  }
+  if (owned) check(cudaFreeAsync(base, stream));
+  FA_CUDA_RETURN_IF_ERROR(status);
+
+  if (p.stats != nullptr) {
+    p.stats->scratch_bytes_peak = owned ? layout.total_bytes : 0;  // beyond the caller's arguments
+    p.stats->num_splits = 1;
+  }
+  return Status();
+}
+
+}  // namespace flashattn::cuda

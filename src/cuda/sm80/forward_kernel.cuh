@@ -1,0 +1,449 @@
+// The sm80 forward kernel: exact attention with online softmax on mma.sync tensor cores (FlashAttention-2
+// style; our own code). Runs on sm_80 and later (compiled as sm_80 and sm_90a machine code).
+//
+// One CTA computes kBlockM query rows of one (head, sequence); its warps split the rows (kBlockM / kWarps
+// each, in m16 tiles). Per key tile of kBlockN rows:
+//   S = Q K^T      ldmatrix Q (shared, loaded once) and K (shared, cp.async), mma.m16n8k16, fp32 S fragments
+//   transform      softcap / ALiBi through core/mask.hpp's ScoreTransform, only when enabled
+//   mask           core/mask.hpp's WindowMask (causal, sliding window) and the key count, only on tiles that
+//                  straddle a boundary of a warp's rows; tiles that no query of the CTA sees are never
+//                  loaded, and a warp skips the math of tiles that none of its own rows sees
+//   softmax        running row max / sum in registers (quad shuffles), exp2 with the scale and log2(e)
+//                  folded into one multiplier
+//   dropout        keep bits from core/philox.hpp (one Philox call per row per 32 keys), applied to P before
+//                  P V and not to the row sum
+//   O += P V       P converted to 16-bit in registers: the m16n8 accumulator layout of S is the A-operand
+//                  layout of the next mma, so P never touches shared memory; V read with ldmatrix.trans
+// Epilogue: O / rowsum (x 1 / (1 - p) with dropout) through shared memory to 16-byte global stores; LSE.
+//
+// Shared memory: Q (kBlockM x kHeadDim), then kStages x (K, V) tiles (kBlockN x kHeadDim each), all
+// swizzled (common/smem_tile.cuh). kStages = 2: the next tile's K and V load during this tile's math.
+// kStages = 1 (less memory): V loads during S = Q K^T and the next K during softmax and P V.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/mask.hpp"
+#include "core/params.hpp"
+#include "core/philox.hpp"
+#include "cuda/common/kernel_config.cuh"
+#include "cuda/common/ptx.cuh"
+#include "cuda/common/smem_tile.cuh"
+
+namespace flashattn::cuda::sm80 {
+
+constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * kLog2e)
+constexpr float kLn2 = 0.6931471805599453f;    // ln(2): converts the log2-domain LSE back to natural log
+
+// Copies rows [0, rows_valid) x 16-byte chunks [0, d_chunks) of a kRows x kHeadDim tile from global memory
+// into the swizzled tile at `tile_smem`, zero-filling the rest (rows past the sequence, columns past D), so
+// partial tiles contribute exact zeros to both products. `row_offset(r)` is the element offset of row r from
+// `gmem`. The threads sweep one column block (SwizzledTile::kBlockCols) at a time: a thread keeps its
+// (row % rows-per-pass, chunk) for the whole tile, so its shared addresses are one register plus
+// immediates and consecutive threads read consecutive 16-byte chunks of a row (coalesced).
+template <int kRows, int kHeadDim, int kThreads, typename Element, typename RowOffset>
+__device__ __forceinline__ void load_tile_async(uint32_t tile_smem, const Element* gmem, RowOffset row_offset,
+                                                int rows_valid, int d_chunks, int tid) {
+  using Tile = SwizzledTile<kRows, kHeadDim>;
+  constexpr int kChunksPerBlockRow = Tile::kChunksPerBlockRow;
+  constexpr int kRowsPerPass = kThreads / kChunksPerBlockRow;
+  static_assert(kThreads % kChunksPerBlockRow == 0 && kRowsPerPass % 8 == 0 && kRows % kRowsPerPass == 0,
+                "passes of whole swizzle periods");
+  const int row_lane = tid / kChunksPerBlockRow;
+  const int chunk_lane = tid % kChunksPerBlockRow;
+  const uint32_t lane_part = tile_smem + Tile::lane_offset(row_lane, chunk_lane);
+#pragma unroll
+  for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+    const int row = row_lane + pass * kRowsPerPass;
+    const bool row_valid = row < rows_valid;
+    const Element* row_src = row_valid ? gmem + row_offset(row) : gmem;  // not read when invalid
+#pragma unroll
+    for (int block = 0; block < kHeadDim / Tile::kBlockCols; ++block) {
+      const int chunk = block * kChunksPerBlockRow + chunk_lane;
+      const bool valid = row_valid && chunk < d_chunks;
+      cp_async_16(Tile::offset(lane_part, pass * kRowsPerPass, block * kChunksPerBlockRow), valid ? row_src + chunk * 8 : gmem,
+                  valid);
+    }
+  }
+}
+
+template <typename C>
+__global__ void __launch_bounds__(C::kThreads) forward_kernel(const __grid_constant__ AttentionParams params) {
+  using Element = typename C::Element;
+  constexpr int kBlockM = C::kBlockM;
+  constexpr int kBlockN = C::kBlockN;
+  constexpr int kHeadDim = C::kHeadDim;
+  constexpr int kThreads = C::kThreads;
+  constexpr int kRowsPerWarp = kBlockM / C::kWarps;
+  constexpr int kMTiles = kRowsPerWarp / 16;  // m16 row tiles per warp
+  constexpr int kNTiles = kBlockN / 8;        // n8 key tiles of S
+  constexpr int kDTiles = kHeadDim / 8;       // n8 column tiles of O
+  constexpr int kQKSteps = kHeadDim / 16;     // k16 steps of S = Q K^T
+  constexpr int kPVSteps = kBlockN / 16;      // k16 steps of O += P V
+  using QTile = SwizzledTile<kBlockM, kHeadDim>;
+  using KVTile = SwizzledTile<kBlockN, kHeadDim>;
+  static_assert(kRowsPerWarp % 16 == 0, "each warp owns whole m16 tiles");
+  static_assert(kDTiles % 2 == 0 && kNTiles % 2 == 0, "ldmatrix.x4 loads two n8 tiles at once");
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  const uint32_t q_smem = smem_address(smem);
+  const uint32_t kv_smem = q_smem + QTile::kBytes;  // stage s: K at kv_smem + 2 s KVTile::kBytes, V after it
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int quad_row = lane >> 2;  // accumulator row (and row + 8) of this thread in an m16 tile
+  const int quad_col = lane & 3;   // accumulator columns 2 quad_col, 2 quad_col + 1 of an n8 tile
+
+  // Heaviest query tiles first (causal): the tail of the grid is then made of short CTAs.
+  const int m_block = int(gridDim.x) - 1 - int(blockIdx.x);
+  const int h = blockIdx.y;
+  const int b = blockIdx.z;
+  const SequenceExtent ext = sequence_extent(params, b);
+  const int row_begin = m_block * kBlockM;
+  if (row_begin >= ext.seqlen_q) return;  // varlen: this sequence is shorter than max_seqlen_q
+  const int hk = h / (params.heads_q / params.heads_k);  // GQA / MQA: the K/V head of query head h
+  const int rows_valid = min(kBlockM, ext.seqlen_q - row_begin);
+  const int d_chunks = params.head_dim / 8;  // D may be below the bucket kHeadDim: the rest is zero-filled
+
+  // Key tiles that some query of this CTA sees; all others are skipped without being loaded.
+  const WindowMask mask(params.window_left, params.window_right, ext.seqlen_q, ext.seqlen_k);
+  const int key_begin = mask.key_begin(row_begin);
+  const int key_end = mask.key_end(row_begin + rows_valid, ext.seqlen_k);
+  const int n_begin = key_begin / kBlockN;
+  const int n_end = key_end > key_begin ? (key_end + kBlockN - 1) / kBlockN : n_begin;
+  const int num_tiles = n_end - n_begin;
+
+  const Element* q_gmem = static_cast<const Element*>(params.q);
+  const Element* k_gmem = static_cast<const Element*>(params.k);
+  const Element* v_gmem = static_cast<const Element*>(params.v);
+  // K/V row addressing: dense and varlen rows are linear in the key index (offset of key 0 plus j rows);
+  // paged rows go through the block table, one lookup per row.
+  const bool paged = params.block_table != nullptr;
+  const int64_t k_key0_offset =
+      paged ? 0 : kv_offset(params, params.k_batch_stride, params.k_row_stride, params.k_head_stride, b, ext, 0, hk);
+  const int64_t v_key0_offset =
+      paged ? 0 : kv_offset(params, params.v_batch_stride, params.v_row_stride, params.v_head_stride, b, ext, 0, hk);
+  auto load_k = [&](int n_block, uint32_t tile_smem) {
+    const int key0 = n_block * kBlockN;
+    const int keys_valid = min(kBlockN, ext.seqlen_k - key0);
+    if (paged) {
+      load_tile_async<kBlockN, kHeadDim, kThreads>(
+          tile_smem, k_gmem,
+          [&](int r) {
+            return kv_offset(params, params.k_batch_stride, params.k_row_stride, params.k_head_stride, b, ext, key0 + r, hk);
+          },
+          keys_valid, d_chunks, tid);
+    } else {
+      load_tile_async<kBlockN, kHeadDim, kThreads>(
+          tile_smem, k_gmem + k_key0_offset + int64_t(key0) * params.k_row_stride,
+          [&](int r) { return int64_t(r) * params.k_row_stride; }, keys_valid, d_chunks, tid);
+    }
+  };
+  auto load_v = [&](int n_block, uint32_t tile_smem) {
+    const int key0 = n_block * kBlockN;
+    const int keys_valid = min(kBlockN, ext.seqlen_k - key0);
+    if (paged) {
+      load_tile_async<kBlockN, kHeadDim, kThreads>(
+          tile_smem, v_gmem,
+          [&](int r) {
+            return kv_offset(params, params.v_batch_stride, params.v_row_stride, params.v_head_stride, b, ext, key0 + r, hk);
+          },
+          keys_valid, d_chunks, tid);
+    } else {
+      load_tile_async<kBlockN, kHeadDim, kThreads>(
+          tile_smem, v_gmem + v_key0_offset + int64_t(key0) * params.v_row_stride,
+          [&](int r) { return int64_t(r) * params.v_row_stride; }, keys_valid, d_chunks, tid);
+    }
+  };
+  auto k_stage = [&](int stage) { return kv_smem + uint32_t(stage) * 2u * KVTile::kBytes; };
+  auto v_stage = [&](int stage) { return kv_smem + uint32_t(stage) * 2u * KVTile::kBytes + KVTile::kBytes; };
+
+  // Scores reach the softmax as s * score_log2_scale in log2 units. Fast path: s is the raw q.k and the
+  // softmax scale is folded into the one multiplier. With softcap / ALiBi (or a negative scale, whose
+  // sign would flip the max) s is first transformed into natural-log units.
+  const bool natural_units = params.softcap > 0.f || params.alibi_slopes != nullptr || params.softmax_scale < 0.f;
+  const ScoreTransform transform{params.softcap, alibi_slope(params, b, h), ext.seqlen_k - ext.seqlen_q};
+  const float score_log2_scale = natural_units ? kLog2e : params.softmax_scale * kLog2e;
+
+  float o_acc[kMTiles][kDTiles][4];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o_acc[mt][dt][c] = 0.f;
+  float row_max[kMTiles][2];  // running max of s over the keys seen, per accumulator row (-inf: none yet)
+  float row_sum[kMTiles][2];  // running sum of exp2(s * scale - max), this thread's columns only
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      row_max[mt][half] = -INFINITY;
+      row_sum[mt][half] = 0.f;
+    }
+  // Per-lane parts of the ldmatrix addresses (see SwizzledTile::offset): A (Q) rows lane % 16 and chunk
+  // lane / 16; B (K) keys lane % 8 + 8 (lane / 16) and chunk (lane / 8) % 2; B (V, transposed) keys
+  // lane % 8 + 8 ((lane / 8) % 2) and chunk lane / 16.
+  const uint32_t q_lane = QTile::lane_offset(lane & 15, lane >> 4);
+  const uint32_t k_lane = KVTile::lane_offset((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
+  const uint32_t v_lane = KVTile::lane_offset((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+  // Query row (within the sequence) of accumulator row `half` of m16 tile `mt` of this thread.
+  auto query_row = [&](int mt, int half) { return row_begin + warp * kRowsPerWarp + mt * 16 + quad_row + 8 * half; };
+
+  // This warp's query rows. A warp skips the math of key tiles that none of its rows sees (the far side
+  // of a causal / window diagonal, rows past the end of a partial tile) and masks only the tiles that
+  // straddle its rows' boundaries; it still takes part in every load and barrier.
+  const int warp_row_begin = row_begin + warp * kRowsPerWarp;
+  const int warp_row_end = min(warp_row_begin + kRowsPerWarp, ext.seqlen_q);
+  const bool warp_has_rows = warp_row_begin < warp_row_end;
+  const int warp_key_begin = warp_has_rows ? mask.key_begin(warp_row_begin) : 0;
+  const int warp_key_end = warp_has_rows ? mask.key_end(warp_row_end, ext.seqlen_k) : 0;
+
+  // ---- prologue: Q and the first key tile (the last one: tiles run from n_end - 1 down to n_begin, so
+  // the diagonal / partial tile that needs a mask comes first) ----
+  if (num_tiles > 0) {
+    load_tile_async<kBlockM, kHeadDim, kThreads>(
+        q_smem,
+        q_gmem + q_offset(params, params.q_batch_stride, params.q_row_stride, params.q_head_stride, b, ext, row_begin, h),
+        [&](int r) { return int64_t(r) * params.q_row_stride; }, rows_valid, d_chunks, tid);
+    load_k(n_end - 1, k_stage(0));
+    if constexpr (C::kStages == 2) load_v(n_end - 1, v_stage(0));
+    cp_async_commit();
+  }
+
+  for (int it = 0; it < num_tiles; ++it) {
+    const int n_block = n_end - 1 - it;
+    const int key0 = n_block * kBlockN;
+    const int stage = C::kStages == 2 ? (it & 1) : 0;
+    const uint32_t k_tile = k_stage(stage);
+    const uint32_t v_tile = v_stage(stage);
+    if constexpr (C::kStages == 2) {
+      cp_async_wait<0>();  // this thread's copies of tile `it` (issued one iteration ago) have landed
+      __syncthreads();     // everyone's have; and every warp is done with tile it - 1, whose stage we refill now
+      if (it + 1 < num_tiles) {
+        load_k(n_block - 1, k_stage(stage ^ 1));
+        load_v(n_block - 1, v_stage(stage ^ 1));
+      }
+      cp_async_commit();
+    } else {
+      cp_async_wait<0>();  // K of this tile (and Q) have landed
+      __syncthreads();     // for every thread; and every warp is done with P V of the previous tile's V
+      load_v(n_block, v_tile);
+      cp_async_commit();
+    }
+
+    const bool warp_sees_tile = key0 < warp_key_end && key0 + kBlockN > warp_key_begin;  // warp-uniform
+
+    // ---- S = Q K^T (fp32) ----
+    float s_acc[kMTiles][kNTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) s_acc[mt][nt][c] = 0.f;
+    if (warp_sees_tile) {
+#pragma unroll
+      for (int ks = 0; ks < kQKSteps; ++ks) {
+        uint32_t q_frag[kMTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)  // A: rows +lane % 16, chunk 2 ks + lane / 16
+          ldmatrix_x4(q_frag[mt], q_smem + QTile::offset(q_lane, warp * kRowsPerWarp + mt * 16, 2 * ks));
+#pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np) {
+          // B for key tiles 2np, 2np + 1: matrices (keys +0..7, d chunk 2ks), (+0..7, 2ks+1), (+8..15, 2ks), (+8..15, 2ks+1)
+          uint32_t k_frag[4];
+          ldmatrix_x4(k_frag, k_tile + KVTile::offset(k_lane, np * 16, 2 * ks));
+          const uint32_t b_lo[2] = {k_frag[0], k_frag[1]};
+          const uint32_t b_hi[2] = {k_frag[2], k_frag[3]};
+#pragma unroll
+          for (int mt = 0; mt < kMTiles; ++mt) {
+            mma_m16n8k16<Element>(s_acc[mt][2 * np], q_frag[mt], b_lo);
+            mma_m16n8k16<Element>(s_acc[mt][2 * np + 1], q_frag[mt], b_hi);
+          }
+        }
+      }
+    }
+
+    if constexpr (C::kStages == 1) {
+      cp_async_wait<0>();  // V of this tile has landed
+      __syncthreads();     // for every thread; and every warp is done reading K: refill it with the next tile
+      if (it + 1 < num_tiles) load_k(n_block - 1, k_tile);
+      cp_async_commit();
+    }
+
+    if (!warp_sees_tile) continue;  // nothing of this tile is visible to this warp's rows: O, max, sum unchanged
+
+    // ---- score transform and mask (uniform branches: only when enabled / on boundary tiles) ----
+    if (natural_units) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            s_acc[mt][nt][c] = transform(s_acc[mt][nt][c] * params.softmax_scale, query_row(mt, c >> 1),
+                                         key0 + nt * 8 + 2 * quad_col + (c & 1));
+    }
+    const bool tile_needs_mask =
+        key0 + kBlockN > ext.seqlen_k || !mask.tile_fully_visible(warp_row_begin, warp_row_end, key0, key0 + kBlockN);
+    if (tile_needs_mask) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          // Row i sees keys [key_begin(i), key_end(i + 1)) (WindowMask's bounds for a one-row range, clamped
+          // to the sequence): two compares per score, against offsets relative to this thread's first column.
+          const int i = query_row(mt, half);
+          const int first_col = key0 + 2 * quad_col;
+          const int visible_begin = mask.key_begin(i) - first_col;
+          const int visible_end = mask.key_end(i + 1, ext.seqlen_k) - first_col;
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int col = nt * 8 + e;  // compile-time
+              if (col < visible_begin || col >= visible_end) s_acc[mt][nt][2 * half + e] = -INFINITY;
+            }
+        }
+    }
+
+    // ---- online softmax: P = exp2(s * scale - max), rescale O and the sum when the max grows ----
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float tile_max = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+          tile_max = fmaxf(tile_max, fmaxf(s_acc[mt][nt][2 * half], s_acc[mt][nt][2 * half + 1]));
+        tile_max = quad_max(tile_max);  // the 4 threads of a quad hold the row's columns
+        const float new_max = fmaxf(row_max[mt][half], tile_max);
+        // A row that so far sees only masked keys keeps max = -inf; subtracting 0 instead gives
+        // exp2(-inf) = 0 for its entries, where -inf - (-inf) would give NaN.
+        const float max_scaled = new_max == -INFINITY ? 0.f : new_max * score_log2_scale;
+        const float correction = exp2_approx(row_max[mt][half] * score_log2_scale - max_scaled);  // 0 on the first visit
+        row_max[mt][half] = new_max;
+        row_sum[mt][half] *= correction;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          o_acc[mt][dt][2 * half] *= correction;
+          o_acc[mt][dt][2 * half + 1] *= correction;
+        }
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = exp2_approx(fmaf(s_acc[mt][nt][2 * half + e], score_log2_scale, -max_scaled));
+            row_sum[mt][half] += p;  // the undropped probability: dropout rescales, it does not renormalise
+            s_acc[mt][nt][2 * half + e] = p;
+          }
+      }
+
+    // ---- dropout: zero the dropped probabilities (the 1 / (1 - p) factor is applied once, at the end) ----
+    if constexpr (C::kDropout) {
+      const uint32_t threshold = dropout_threshold_u16(params.dropout_p);
+      const uint32_t bh = uint32_t(b * params.heads_q + h);
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int block32 = 0; block32 < kBlockN / 32; ++block32) {
+            // One call gives the 8 keys 8n + 2 quad_col + e (n = 0..3, e = 0..1) of this 32-key block:
+            // exactly this thread's columns of n8 tiles 4 block32 + n (see core/philox.hpp).
+            const Philox4x32 random = dropout_random_block(params.dropout_seed, params.dropout_offset, bh,
+                                                           uint32_t(query_row(mt, half)),
+                                                           uint32_t(key0 + block32 * 32 + 2 * quad_col));
+#pragma unroll
+            for (int n = 0; n < 4; ++n)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const uint32_t u16 = (random.x[n] >> (16 * e)) & 0xFFFFu;  // dropout_u16_of_key for that key
+                if (u16 < threshold) s_acc[mt][block32 * 4 + n][2 * half + e] = 0.f;
+              }
+          }
+    }
+
+    // ---- O += P V: S accumulators become A fragments in registers; V via ldmatrix.trans ----
+#pragma unroll
+    for (int ks = 0; ks < kPVSteps; ++ks) {
+      uint32_t p_frag[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        // A of m16n8k16 (rows g, g + 8; k 2t.. and 2t + 8..) = S tiles 2ks (keys +0..7) and 2ks + 1 (+8..15)
+        p_frag[mt][0] = ElementTraits<Element>::pack(s_acc[mt][2 * ks][0], s_acc[mt][2 * ks][1]);
+        p_frag[mt][1] = ElementTraits<Element>::pack(s_acc[mt][2 * ks][2], s_acc[mt][2 * ks][3]);
+        p_frag[mt][2] = ElementTraits<Element>::pack(s_acc[mt][2 * ks + 1][0], s_acc[mt][2 * ks + 1][1]);
+        p_frag[mt][3] = ElementTraits<Element>::pack(s_acc[mt][2 * ks + 1][2], s_acc[mt][2 * ks + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < kDTiles / 2; ++dp) {
+        // B for d tiles 2dp, 2dp + 1 (transposed): matrices (keys +0..7, chunk 2dp), (+8..15, 2dp), (+0..7, 2dp+1), (+8..15, 2dp+1)
+        uint32_t v_frag[4];
+        ldmatrix_x4_trans(v_frag, v_tile + KVTile::offset(v_lane, ks * 16, 2 * dp));
+        const uint32_t b_lo[2] = {v_frag[0], v_frag[1]};
+        const uint32_t b_hi[2] = {v_frag[2], v_frag[3]};
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_m16n8k16<Element>(o_acc[mt][2 * dp], p_frag[mt], b_lo);
+          mma_m16n8k16<Element>(o_acc[mt][2 * dp + 1], p_frag[mt], b_hi);
+        }
+      }
+    }
+  }
+
+  // ---- epilogue: normalise, LSE, O through this warp's own Q rows of shared memory to 16-byte stores ----
+  const float keep_scale = C::kDropout ? 1.f / (1.f - params.dropout_p) : 1.f;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float sum = quad_sum(row_sum[mt][half]);
+      // sum == 0 only when the row saw no visible key: O = 0 and LSE = -inf, never NaN.
+      const float inv = sum > 0.f ? keep_scale / sum : 0.f;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        o_acc[mt][dt][2 * half] *= inv;
+        o_acc[mt][dt][2 * half + 1] *= inv;
+      }
+      const int i = query_row(mt, half);
+      if (params.lse != nullptr && quad_col == 0 && i < ext.seqlen_q)
+        params.lse[lse_offset(params, b, ext, i, h)] =
+            sum > 0.f ? (row_max[mt][half] * score_log2_scale + log2f(sum)) * kLn2 : -INFINITY;
+    }
+  // Each warp reads only its own Q rows (A operands), so after its last ldmatrix it may overwrite them.
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp * kRowsPerWarp + mt * 16 + quad_row + 8 * half;
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        const uint32_t packed = ElementTraits<Element>::pack(o_acc[mt][dt][2 * half], o_acc[mt][dt][2 * half + 1]);
+        *reinterpret_cast<uint32_t*>(smem + QTile::chunk_offset(row, dt) + quad_col * 4) = packed;
+      }
+    }
+  __syncwarp();
+  Element* out_gmem = static_cast<Element*>(params.out);
+  constexpr int kOutChunksPerLane = kRowsPerWarp * QTile::kChunksPerRow / 32;
+  static_assert((kRowsPerWarp * QTile::kChunksPerRow) % 32 == 0, "whole 16-byte chunks per lane");
+#pragma unroll
+  for (int k = 0; k < kOutChunksPerLane; ++k) {
+    const int id = lane + 32 * k;  // consecutive lanes store consecutive chunks of a row: coalesced
+    const int row = warp * kRowsPerWarp + id / QTile::kChunksPerRow;
+    const int chunk = id % QTile::kChunksPerRow;
+    if (row < rows_valid && chunk < d_chunks) {
+      const uint4 value = *reinterpret_cast<const uint4*>(smem + QTile::chunk_offset(row, chunk));
+      const int64_t offset = q_offset(params, params.out_batch_stride, params.out_row_stride, params.out_head_stride, b, ext,
+                                      row_begin + row, h);
+      *reinterpret_cast<uint4*>(out_gmem + offset + chunk * 8) = value;
+    }
+  }
+}
+
+}  // namespace flashattn::cuda::sm80

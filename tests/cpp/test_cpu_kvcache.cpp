@@ -1,0 +1,456 @@
+// KV-cache attention on the CPU flash backend: append (with rotary) into contiguous and paged
+// caches, attention over the cache, and split-KV, against the float64 reference on fresh inputs.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "testing.hpp"
+
+namespace flashattn {
+namespace {
+
+using fa_test::HostTensor;
+
+struct KvCase {
+  int batch = 2, seqlen_q = 1, heads_q = 4, heads_k = 2, head_dim = 64;
+  std::vector<int> cached = {37, 300};  // cache_seqlens per sequence
+  int seqlen_new = 0;
+  int capacity = 400;                   // keys per sequence the cache can hold
+  int block_size = 0;                   // 0: contiguous cache; else paged with this block size
+  int rotary = 0;                       // 0 none, 1 halves (GPT-NeoX), 2 interleaved
+  int rotary_dim = 0;                   // 0: head_dim
+  bool causal = false;
+  int window_left = -1, window_right = -1;
+  float softcap = 0.f;
+  bool alibi = false;
+  float dropout_p = 0.f;
+  int num_splits = 0;
+  int num_threads = 2;
+  fa_dtype dtype = FA_FLOAT32;
+  std::string to_string() const {
+    std::string s = "B=" + std::to_string(batch) + " Sq=" + std::to_string(seqlen_q) + " Hq=" + std::to_string(heads_q) +
+                    " Hk=" + std::to_string(heads_k) + " D=" + std::to_string(head_dim) + " new=" + std::to_string(seqlen_new) +
+                    " block=" + std::to_string(block_size) + " rotary=" + std::to_string(rotary) + " causal=" +
+                    std::to_string(causal) + " window=(" + std::to_string(window_left) + "," + std::to_string(window_right) +
+                    ") splits=" + std::to_string(num_splits) + " cached=[";
+    for (int c : cached) s += std::to_string(c) + ",";
+    return s + "]";
+  }
+};
+
+// The tensors of one case. The paged cache hands out shuffled block ids and keeps spare blocks.
+struct KvTensors {
+  HostTensor q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, cos, sin, out, lse, slopes;
+  bool rotary_interleaved = false;
+  fa_kvcache_args args() {
+    fa_kvcache_args a{};
+    a.q = q.view();
+    a.k_cache = k_cache.view();
+    a.v_cache = v_cache.view();
+    if (block_table.numel() > 0 && !block_table.shape().empty()) a.block_table = block_table.view();
+    a.cache_seqlens = cache_seqlens.view();
+    if (k_new.numel() > 0 && !k_new.shape().empty()) {
+      a.k_new = k_new.view();
+      a.v_new = v_new.view();
+    }
+    if (cos.numel() > 0 && !cos.shape().empty()) {
+      a.rotary_cos = cos.view();
+      a.rotary_sin = sin.view();
+      a.rotary_interleaved = rotary_interleaved;
+    }
+    a.out = out.view();
+    a.lse = lse.view();
+    return a;
+  }
+};
+
+KvTensors make_kv(const KvCase& c, std::mt19937_64& rng) {
+  KvTensors t;
+  const int d = c.head_dim;
+  t.q = HostTensor({c.batch, c.seqlen_q, c.heads_q, d}, c.dtype);
+  t.q.fill_normal(rng);
+  if (c.block_size == 0) {
+    t.k_cache = HostTensor({c.batch, c.capacity, c.heads_k, d}, c.dtype);
+    t.v_cache = HostTensor({c.batch, c.capacity, c.heads_k, d}, c.dtype);
+  } else {
+    const int per_seq = (c.capacity + c.block_size - 1) / c.block_size;
+    const int blocks = c.batch * per_seq + 2;
+    t.k_cache = HostTensor({blocks, c.block_size, c.heads_k, d}, c.dtype);
+    t.v_cache = HostTensor({blocks, c.block_size, c.heads_k, d}, c.dtype);
+    std::vector<int32_t> ids(static_cast<size_t>(blocks));
+    for (int n = 0; n < blocks; ++n) ids[size_t(n)] = n;
+    std::shuffle(ids.begin(), ids.end(), rng);
+    t.block_table = HostTensor({c.batch, per_seq}, FA_INT32);
+    for (int n = 0; n < c.batch * per_seq; ++n) t.block_table.set_int(n, ids[size_t(n)]);
+  }
+  t.k_cache.fill_normal(rng);
+  t.v_cache.fill_normal(rng);
+  t.cache_seqlens = HostTensor({c.batch}, FA_INT32);
+  for (int b = 0; b < c.batch; ++b) t.cache_seqlens.set_int(b, c.cached[size_t(b)]);
+  if (c.seqlen_new > 0) {
+    t.k_new = HostTensor({c.batch, c.seqlen_new, c.heads_k, d}, c.dtype);
+    t.v_new = HostTensor({c.batch, c.seqlen_new, c.heads_k, d}, c.dtype);
+    t.k_new.fill_normal(rng);
+    t.v_new.fill_normal(rng);
+  }
+  if (c.rotary != 0) {
+    t.rotary_interleaved = c.rotary == 2;
+    const int rd = c.rotary_dim > 0 ? c.rotary_dim : d;
+    const int positions = c.capacity + c.seqlen_q;
+    t.cos = HostTensor({positions, rd / 2}, c.dtype);
+    t.sin = HostTensor({positions, rd / 2}, c.dtype);
+    for (int pos = 0; pos < positions; ++pos)
+      for (int f = 0; f < rd / 2; ++f) {
+        const double angle = pos * std::pow(10000.0, -2.0 * f / rd);
+        t.cos.set(int64_t(pos) * (rd / 2) + f, std::cos(angle));
+        t.sin.set(int64_t(pos) * (rd / 2) + f, std::sin(angle));
+      }
+  }
+  if (c.alibi) {
+    t.slopes = HostTensor({c.heads_q}, FA_FLOAT32);
+    t.slopes.fill_uniform(rng, 0.05, 0.5);
+  }
+  t.out = HostTensor({c.batch, c.seqlen_q, c.heads_q, d}, c.dtype);
+  t.lse = HostTensor({c.batch, c.heads_q, c.seqlen_q}, FA_FLOAT32);
+  t.out.poison();
+  t.lse.poison();
+  return t;
+}
+
+fa_options kv_options(const KvCase& c, fa_backend backend, KvTensors& t) {
+  fa_options o = fa_test::options_for(backend);
+  o.causal = c.causal;
+  o.window_left = c.window_left;
+  o.window_right = c.window_right;
+  o.softcap = c.softcap;
+  o.num_threads = c.num_threads;
+  o.dropout_p = c.dropout_p;
+  o.dropout_seed = 42;
+  o.dropout_offset = 9;
+  if (c.alibi) o.alibi_slopes = t.slopes.view();
+  return o;
+}
+
+bool same_bytes(const HostTensor& a, const HostTensor& b) {
+  return a.storage_bytes() == b.storage_bytes() && std::memcmp(a.data(), b.data(), size_t(a.storage_bytes())) == 0;
+}
+
+// Runs the case on the flash backend and on the reference, each on its own copy of the cache.
+// The appended caches must be identical bit for bit (the same rotation in double, one rounding);
+// out / lse within the float32 rule (16-bit cases: see HalfPrecisionAgainstOracle).
+void expect_kvcache_like_reference(const KvCase& c, const std::string& what) {
+  auto rng = fa_test::make_rng(what + c.to_string());
+  KvTensors flash = make_kv(c, rng);
+  KvTensors ref = flash;
+  KvCase ref_case = c;
+  fa_kvcache_args flash_args = flash.args(), ref_args = ref.args();
+  flash_args.num_splits = c.num_splits;
+  const Status fs = kvcache(flash_args, kv_options(c, FA_BACKEND_CPU_FLASH, flash));
+  ASSERT_TRUE(fs.ok()) << what << ": " << fs.to_string();
+  const Status rs = kvcache(ref_args, kv_options(ref_case, FA_BACKEND_CPU_REFERENCE, ref));
+  ASSERT_TRUE(rs.ok()) << what << ": " << rs.to_string();
+  EXPECT_TRUE(same_bytes(flash.k_cache, ref.k_cache)) << what << " k_cache after append [" << c.to_string() << "]";
+  EXPECT_TRUE(same_bytes(flash.v_cache, ref.v_cache)) << what << " v_cache after append [" << c.to_string() << "]";
+  const fa_test::ErrorStats out = fa_test::compare(flash.out, ref.out), lse = fa_test::compare(flash.lse, ref.lse);
+  if (c.dtype == FA_FLOAT32) {
+    EXPECT_TRUE(fa_test::within_tolerance(what + " out [" + c.to_string() + "]", FA_FLOAT32, out, nullptr));
+  } else {  // both sides rounded once to the 16-bit output: a rounding step apart at most
+    EXPECT_EQ(out.nan + out.mismatched_inf, 0) << what;
+    EXPECT_LE(out.rel_l2, c.dtype == FA_BFLOAT16 ? 8e-3 : 1e-3) << what << " out [" << c.to_string() << "] " << out.to_string();
+  }
+  EXPECT_EQ(lse.nan + lse.mismatched_inf, 0) << what << " lse [" << c.to_string() << "] " << lse.to_string();
+  EXPECT_LE(lse.rel_l2, c.dtype == FA_FLOAT32 ? 1e-5 : 1e-3) << what << " lse [" << c.to_string() << "] " << lse.to_string();
+}
+
+TEST(CpuKvcache, DecodeContiguousAndPaged) {
+  for (const int block_size : {0, 1, 3, 16, 256}) {
+    KvCase c;
+    c.block_size = block_size;
+    c.seqlen_new = 1;
+    expect_kvcache_like_reference(c, "decode");
+    c.causal = true;
+    c.heads_k = 1;  // MQA, 4 heads in one tile
+    expect_kvcache_like_reference(c, "decode causal mqa");
+  }
+}
+
+TEST(CpuKvcache, RotaryHalvesAndInterleaved) {
+  for (const int rotary : {1, 2})
+    for (const int rotary_dim : {0, 32})
+      for (const bool causal : {false, true}) {
+        KvCase c;
+        c.rotary = rotary;
+        c.rotary_dim = rotary_dim;
+        c.causal = causal;
+        c.seqlen_q = 4;
+        c.seqlen_new = 4;
+        c.block_size = causal ? 16 : 0;
+        expect_kvcache_like_reference(c, "rotary");
+      }
+  KvCase windowed;  // windows give per-token positions too
+  windowed.rotary = 2;
+  windowed.seqlen_q = 3;
+  windowed.seqlen_new = 5;
+  windowed.window_left = 50;
+  windowed.window_right = 2;
+  expect_kvcache_like_reference(windowed, "rotary window");
+  KvCase bf16 = windowed;
+  bf16.dtype = FA_BFLOAT16;
+  expect_kvcache_like_reference(bf16, "rotary bf16");
+}
+
+TEST(CpuKvcache, OptionsAndShapes) {
+  KvCase base;
+  base.seqlen_q = 7;
+  base.seqlen_new = 7;
+  base.block_size = 3;
+  std::vector<KvCase> cases;
+  for (int n = 0; n < 8; ++n) cases.push_back(base);
+  cases[0].causal = true;
+  cases[1].window_left = 20;
+  cases[1].window_right = 0;
+  cases[2].softcap = 2.f;
+  cases[3].alibi = true;
+  cases[3].causal = true;
+  cases[4].dropout_p = 0.2f;
+  cases[5].heads_k = 4;  // MHA
+  cases[5].head_dim = 128;
+  cases[6].heads_q = 8;  // GQA 8
+  cases[6].heads_k = 1;
+  cases[6].seqlen_q = 1;
+  cases[6].head_dim = 40;
+  cases[7].seqlen_q = 70;  // chunked prefill: more than one query tile
+  cases[7].seqlen_new = 70;
+  cases[7].causal = true;
+  for (const KvCase& c : cases) expect_kvcache_like_reference(c, "options");
+}
+
+// Sequences of length 0 (nothing cached, nothing appended: out = 0, lse = -inf) and 1.
+TEST(CpuKvcache, EmptyAndSingleKeySequences) {
+  KvCase c;
+  c.batch = 3;
+  c.cached = {0, 1, 0};
+  c.seqlen_new = 0;
+  expect_kvcache_like_reference(c, "lengths 0 and 1");
+  auto rng = fa_test::make_rng("empty");
+  KvTensors t = make_kv(c, rng);
+  ASSERT_TRUE(kvcache(t.args(), kv_options(c, FA_BACKEND_CPU_FLASH, t)).ok());
+  for (const int b : {0, 2})
+    for (int h = 0; h < c.heads_q; ++h) {
+      EXPECT_EQ(t.lse.get(int64_t(b) * c.heads_q + h), -std::numeric_limits<double>::infinity());
+      for (int e = 0; e < c.head_dim; ++e) EXPECT_EQ(t.out.get((int64_t(b) * c.heads_q + h) * c.head_dim + e), 0.0);
+    }
+  c.seqlen_new = 1;  // the append alone gives each sequence 1 or 2 keys
+  c.block_size = 1;
+  expect_kvcache_like_reference(c, "appended to empty");
+}
+
+// Every split count gives the same attention (to float rounding of the merge) as no split.
+TEST(CpuKvcache, EverySplitCountAgrees) {
+  for (const int block_size : {0, 16}) {
+    KvCase c;
+    c.batch = 1;
+    c.heads_q = 4;
+    c.heads_k = 1;
+    c.capacity = 1100;
+    c.cached = {1037};
+    c.seqlen_new = 2;
+    c.seqlen_q = 2;
+    c.causal = true;
+    c.block_size = block_size;
+    auto rng = fa_test::make_rng("splits");
+    const KvTensors pristine = make_kv(c, rng);
+    HostTensor out1, lse1;
+    for (const int splits : {1, 2, 3, 4, 5, 8, 13, 64}) {
+      KvTensors t = pristine;
+      fa_kvcache_args a = t.args();
+      a.num_splits = splits;
+      fa_stats stats{};
+      fa_options o = kv_options(c, FA_BACKEND_CPU_FLASH, t);
+      o.stats = &stats;
+      ASSERT_TRUE(kvcache(a, o).ok());
+      EXPECT_EQ(stats.num_splits, splits);
+      if (splits == 1) {
+        out1 = t.out;
+        lse1 = t.lse;
+        continue;
+      }
+      const fa_test::ErrorStats out = fa_test::compare(t.out, out1), lse = fa_test::compare(t.lse, lse1);
+      EXPECT_LE(out.rel_l2, 1e-6) << splits << " splits: " << out.to_string();
+      EXPECT_LE(lse.max_abs, 1e-5) << splits << " splits: " << lse.to_string();
+      c.num_splits = splits;
+      expect_kvcache_like_reference(c, "splits " + std::to_string(splits));
+    }
+  }
+}
+
+// plan: splits for a decode step with few heads; the planned workspace makes the call allocate
+// nothing; a smaller one is an error naming the workspace.
+TEST(CpuKvcache, PlanAndWorkspace) {
+  KvCase c;
+  c.batch = 1;
+  c.heads_q = 2;
+  c.heads_k = 2;
+  c.capacity = 4096;
+  c.cached = {4000};
+  c.seqlen_new = 1;
+  c.num_threads = 8;
+  auto rng = fa_test::make_rng("plan");
+  KvTensors t = make_kv(c, rng);
+  KvTensors ref = t;
+  fa_options o = kv_options(c, FA_BACKEND_CPU_FLASH, t);
+  fa_kvcache_args a = t.args();
+  fa_kvcache_plan plan{};
+  ASSERT_TRUE(kvcache_plan(a, o, &plan).ok());
+  EXPECT_GT(plan.num_splits, 1) << "2 heads, 1 query, 8 threads, 4001 keys: split-KV expected";
+  EXPECT_GT(plan.workspace_bytes, 0);
+  HostTensor workspace({plan.workspace_bytes + 1}, FA_UINT8);
+  a.num_splits = plan.num_splits;
+  a.workspace = workspace.view();
+  a.workspace.data = static_cast<char*>(workspace.data()) + 1;  // any start address works
+  a.workspace.shape[0] = plan.workspace_bytes;
+  fa_stats stats{};
+  o.stats = &stats;
+  ASSERT_TRUE(kvcache(a, o).ok());
+  EXPECT_EQ(stats.scratch_bytes_peak, 0) << "allocated despite the planned workspace";
+  EXPECT_EQ(stats.num_splits, plan.num_splits);
+  ASSERT_TRUE(kvcache(ref.args(), kv_options(c, FA_BACKEND_CPU_REFERENCE, ref)).ok());
+  EXPECT_TRUE(fa_test::within_tolerance("planned", FA_FLOAT32, fa_test::compare(t.out, ref.out), nullptr));
+  // Without a workspace the call allocates what the plan says (and reports it).
+  KvTensors again = make_kv(c, rng);
+  fa_kvcache_args b = again.args();
+  fa_options o2 = kv_options(c, FA_BACKEND_CPU_FLASH, again);
+  o2.stats = &stats;
+  ASSERT_TRUE(kvcache(b, o2).ok());
+  EXPECT_EQ(stats.num_splits, plan.num_splits);
+  EXPECT_GT(stats.scratch_bytes_peak, 0);
+  EXPECT_LE(stats.scratch_bytes_peak, plan.workspace_bytes);
+  // Many heads: one split.
+  KvCase wide = c;
+  wide.batch = 4;
+  wide.cached = {10, 20, 30, 40};
+  wide.heads_q = wide.heads_k = 8;
+  KvTensors w = make_kv(wide, rng);
+  fa_kvcache_plan wide_plan{};
+  ASSERT_TRUE(kvcache_plan(w.args(), kv_options(wide, FA_BACKEND_CPU_FLASH, w), &wide_plan).ok());
+  EXPECT_EQ(wide_plan.num_splits, 1);
+  // Too small a workspace.
+  a.workspace.shape[0] = plan.workspace_bytes - 1;
+  const Status s = kvcache(a, o);
+  EXPECT_EQ(s.code(), FA_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(s.message().rfind("workspace:", 0), 0u) << s.message();
+}
+
+// After the append, attending over the cache is attending over the concatenation [cache; new].
+TEST(CpuKvcache, AppendEqualsAttentionOverConcatenation) {
+  KvCase c;
+  c.seqlen_q = 5;
+  c.seqlen_new = 5;
+  c.causal = true;
+  c.cached = {0, 123};
+  c.capacity = 200;
+  auto rng = fa_test::make_rng("concat");
+  KvTensors t = make_kv(c, rng);
+  const HostTensor k_before = t.k_cache, v_before = t.v_cache;
+  fa_options o = kv_options(c, FA_BACKEND_CPU_FLASH, t);
+  ASSERT_TRUE(kvcache(t.args(), o).ok());
+  const int hk = c.heads_k, d = c.head_dim;
+  for (int b = 0; b < c.batch; ++b) {
+    const int sk = c.cached[size_t(b)] + c.seqlen_new;
+    HostTensor k({1, sk, hk, d}, FA_FLOAT32), v({1, sk, hk, d}, FA_FLOAT32), q({1, c.seqlen_q, c.heads_q, d}, FA_FLOAT32),
+        out({1, c.seqlen_q, c.heads_q, d}, FA_FLOAT32);
+    for (int j = 0; j < sk; ++j)
+      for (int x = 0; x < hk * d; ++x) {
+        const bool fresh = j >= c.cached[size_t(b)];
+        const int64_t cache_index = (int64_t(b) * c.capacity + j) * hk * d + x;
+        const int64_t new_index = (int64_t(b) * c.seqlen_new + (j - c.cached[size_t(b)])) * hk * d + x;
+        k.set(int64_t(j) * hk * d + x, fresh ? t.k_new.get(new_index) : k_before.get(cache_index));
+        v.set(int64_t(j) * hk * d + x, fresh ? t.v_new.get(new_index) : v_before.get(cache_index));
+        ASSERT_EQ(t.k_cache.get(cache_index), k.get(int64_t(j) * hk * d + x)) << "k not appended at " << j;
+        ASSERT_EQ(t.v_cache.get(cache_index), v.get(int64_t(j) * hk * d + x)) << "v not appended at " << j;
+      }
+    for (int x = 0; x < c.seqlen_q * c.heads_q * d; ++x) q.set(x, t.q.get(int64_t(b) * c.seqlen_q * c.heads_q * d + x));
+    fa_forward_args f{};
+    f.q = q.view();
+    f.k = k.view();
+    f.v = v.view();
+    f.out = out.view();
+    fa_options fo = fa_test::options_for(FA_BACKEND_CPU_FLASH);
+    fo.causal = 1;
+    ASSERT_TRUE(forward(f, fo).ok());
+    std::vector<double> cached_out(static_cast<size_t>(out.numel()));
+    for (int64_t x = 0; x < out.numel(); ++x) cached_out[size_t(x)] = t.out.get(int64_t(b) * out.numel() + x);
+    EXPECT_LE(fa_test::compare(cached_out, out.to_double()).rel_l2, 1e-6) << "sequence " << b;
+  }
+  // rows past cached + new are untouched
+  for (int b = 0; b < c.batch; ++b)
+    for (int j = c.cached[size_t(b)] + c.seqlen_new; j < c.capacity; ++j)
+      for (int x = 0; x < hk * d; ++x) {
+        const int64_t index = (int64_t(b) * c.capacity + j) * hk * d + x;
+        ASSERT_EQ(t.k_cache.get(index), k_before.get(index));
+        ASSERT_EQ(t.v_cache.get(index), v_before.get(index));
+      }
+}
+
+// fp16 / bf16 against the float64 oracle under the same-precision rule. Without rotary, attention
+// over the appended cache is a varlen forward over [cache; new] (bottom-right aligned the same way),
+// which fa_test's oracle knows how to judge.
+TEST(CpuKvcache, HalfPrecisionAgainstOracle) {
+  for (const fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
+    for (const int block_size : {0, 16}) {
+      KvCase c;
+      c.dtype = dtype;
+      c.block_size = block_size;
+      c.seqlen_q = 3;
+      c.seqlen_new = 3;
+      c.causal = true;
+      c.cached = {200, 57};
+      auto rng = fa_test::make_rng("kv half");
+      KvTensors t = make_kv(c, rng);
+      const fa_options o = kv_options(c, FA_BACKEND_CPU_FLASH, t);
+      ASSERT_TRUE(kvcache(t.args(), o).ok());
+      // The same problem as varlen: q rows, and each sequence's keys read back from the cache.
+      fa_test::Problem pr;
+      pr.batch = c.batch;
+      pr.heads_q = c.heads_q;
+      pr.heads_k = c.heads_k;
+      pr.head_dim = c.head_dim;
+      pr.dtype = dtype;
+      pr.varlen_q.assign(size_t(c.batch), c.seqlen_q);
+      for (int b = 0; b < c.batch; ++b) pr.varlen_k.push_back(c.cached[size_t(b)] + c.seqlen_new);
+      fa_test::Tensors v = fa_test::make_tensors(pr, rng);
+      const int row = c.heads_k * c.head_dim;
+      int64_t k0 = 0;
+      for (int b = 0; b < c.batch; ++b) {
+        for (int j = 0; j < pr.varlen_k[size_t(b)]; ++j) {
+          int64_t src_row = int64_t(b) * c.capacity + j;
+          if (block_size > 0) src_row = int64_t(t.block_table.get_int(int64_t(b) * t.block_table.shape()[1] + j / block_size)) * block_size + j % block_size;
+          for (int x = 0; x < row; ++x) {
+            v.k.set((k0 + j) * row + x, t.k_cache.get(src_row * row + x));
+            v.v.set((k0 + j) * row + x, t.v_cache.get(src_row * row + x));
+          }
+        }
+        k0 += pr.varlen_k[size_t(b)];
+      }
+      for (int64_t x = 0; x < v.q.numel(); ++x) v.q.set(x, t.q.get(x));
+      fa_options oracle_options = fa_test::options_for(FA_BACKEND_CPU_REFERENCE);
+      oracle_options.causal = 1;
+      const fa_test::Oracle oracle = fa_test::run_oracle(v, oracle_options, false);
+      // kvcache's out (B, Sq, Hq, D) and lse (B, Hq, Sq) in varlen layout (B*Sq, Hq, D), (Hq, B*Sq)
+      for (int64_t x = 0; x < v.out.numel(); ++x) v.out.set(x, t.out.get(x));
+      for (int b = 0; b < c.batch; ++b)
+        for (int h = 0; h < c.heads_q; ++h)
+          for (int i = 0; i < c.seqlen_q; ++i)
+            v.lse.set(int64_t(h) * c.batch * c.seqlen_q + b * c.seqlen_q + i,
+                      t.lse.get((int64_t(b) * c.heads_q + h) * c.seqlen_q + i));
+      fa_test::expect_forward_matches("kvcache 16-bit block " + std::to_string(block_size), v, oracle, dtype);
+    }
+}
+
+}  // namespace
+}  // namespace flashattn

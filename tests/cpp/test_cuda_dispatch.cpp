@@ -1,0 +1,240 @@
+// Host-side dispatch of the CUDA backend (src/cuda/dispatch.cpp): kernel choice from the generated
+// table, CUDA-specific argument rules and their messages. Plain C++: runs without a GPU or CUDA.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "api/validate.hpp"
+#include "cuda/dispatch.hpp"
+#include "cuda/generated/kernel_table.hpp"
+
+namespace {
+
+using flashattn::AttentionParams;
+using flashattn::Status;
+using flashattn::cuda::choose_kernel;
+using flashattn::cuda::DeviceLimits;
+using flashattn::cuda::KernelEntry;
+using flashattn::cuda::KernelKind;
+
+// Device tensors are never dereferenced by validation or dispatch: fake, 256-byte aligned addresses.
+void* fake_device_pointer(int n) { return reinterpret_cast<void*>(uintptr_t(0x7f0000000000ull + 0x100000ull * n)); }
+
+fa_tensor device_tensor(int n, std::initializer_list<int64_t> shape, fa_dtype dtype) {
+  const std::vector<int64_t> dims(shape);
+  return fa_tensor_contiguous(fake_device_pointer(n), int32_t(dims.size()), dims.data(), dtype, FA_DEVICE_CUDA, 0);
+}
+
+struct Case {
+  int batch = 2, sq = 100, sk = 130, hq = 4, hk = 2, d = 64, dv = -1;
+  fa_dtype dtype = FA_BFLOAT16;
+  float dropout = 0.f;
+};
+
+// Params as src/api/validate.cpp builds them for a dense call with CUDA tensors.
+AttentionParams params_for(const Case& c, fa_forward_args* keep = nullptr) {
+  const int dv = c.dv > 0 ? c.dv : c.d;
+  fa_forward_args a{};
+  a.q = device_tensor(0, {c.batch, c.sq, c.hq, c.d}, c.dtype);
+  a.k = device_tensor(1, {c.batch, c.sk, c.hk, c.d}, c.dtype);
+  a.v = device_tensor(2, {c.batch, c.sk, c.hk, dv}, c.dtype);
+  a.out = device_tensor(3, {c.batch, c.sq, c.hq, dv}, c.dtype);
+  fa_options o;
+  fa_options_init(&o);
+  o.backend = FA_BACKEND_CUDA;
+  o.dropout_p = c.dropout;
+  if (keep) *keep = a;
+  AttentionParams p;
+  const Status s = flashattn::api::make_forward_params(a, o, &p);
+  EXPECT_TRUE(s.ok()) << s.message();
+  return p;
+}
+
+DeviceLimits h200() { return DeviceLimits{0, 9, 0, 227 * 1024}; }
+DeviceLimits a100() { return DeviceLimits{0, 8, 0, 163 * 1024}; }
+
+// A small table of our own, so the rules are tested independently of what the manifest compiles.
+const KernelEntry kTable[] = {
+    {KernelKind::kForward, FA_BFLOAT16, 64, 128, 128, 4, 2, false, 80 * 1024, "fwd_bf16_d64"},
+    {KernelKind::kForward, FA_BFLOAT16, 128, 128, 64, 4, 2, false, 96 * 1024, "fwd_bf16_d128"},
+    {KernelKind::kForward, FA_BFLOAT16, 128, 128, 64, 4, 2, true, 96 * 1024, "fwd_bf16_d128_dropout"},
+    {KernelKind::kForward, FA_BFLOAT16, 256, 128, 64, 8, 2, false, 192 * 1024, "fwd_bf16_d256"},
+    {KernelKind::kBackward, FA_BFLOAT16, 128, 64, 128, 8, 1, false, 0, "bwd_bf16_d128"},
+};
+constexpr int kTableRows = sizeof(kTable) / sizeof(kTable[0]);
+const std::string kArchs = "80-real 90a-real";
+
+int choose(const Case& c, KernelKind kind = KernelKind::kForward, DeviceLimits device = h200(), Status* status = nullptr) {
+  int index = -1;
+  const Status s = choose_kernel(kind, params_for(c), device, kTable, kTableRows, kArchs, &index);
+  if (status) *status = s;
+  return s.ok() ? index : -1;
+}
+
+TEST(CudaDispatch, PicksTheSmallestBucketThatHoldsTheHeadDim) {
+  Case c;
+  c.d = 64;
+  EXPECT_STREQ(kTable[choose(c)].name, "fwd_bf16_d64");
+  c.d = 72;  // zero-padded into the next bucket
+  EXPECT_STREQ(kTable[choose(c)].name, "fwd_bf16_d128");
+  c.d = 128;
+  EXPECT_STREQ(kTable[choose(c)].name, "fwd_bf16_d128");
+  c.d = 136;
+  EXPECT_STREQ(kTable[choose(c)].name, "fwd_bf16_d256");
+  c.d = 128;
+  c.dropout = 0.1f;
+  EXPECT_STREQ(kTable[choose(c)].name, "fwd_bf16_d128_dropout");
+  c.dropout = 0.f;
+  EXPECT_STREQ(kTable[choose(c, KernelKind::kBackward)].name, "bwd_bf16_d128");
+}
+
+TEST(CudaDispatch, MissingCombinationsAreNotCompiledErrorsThatListWhatIs) {
+  Status s;
+  Case c;
+  c.d = 264;
+  EXPECT_EQ(choose(c, KernelKind::kForward, h200(), &s), -1);
+  EXPECT_EQ(s.code(), FA_ERROR_NOT_COMPILED);
+  EXPECT_NE(s.message().find("q: head dim 264 is not compiled"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("64, 128, 256"), std::string::npos) << s.message();
+  c.d = 160;
+  c.dropout = 0.2f;  // dropout only up to 128
+  EXPECT_EQ(choose(c, KernelKind::kForward, h200(), &s), -1);
+  EXPECT_EQ(s.code(), FA_ERROR_NOT_COMPILED);
+  EXPECT_NE(s.message().find("dropout"), std::string::npos) << s.message();
+  c.dtype = FA_FLOAT16;
+  c.dropout = 0.f;
+  EXPECT_EQ(choose(c, KernelKind::kForward, h200(), &s), -1);
+  EXPECT_NE(s.message().find("float16"), std::string::npos) << s.message();
+  Case b;
+  b.d = 136;  // backward holds only 128
+  EXPECT_EQ(choose(b, KernelKind::kBackward, h200(), &s), -1);
+  EXPECT_NE(s.message().find("backward"), std::string::npos) << s.message();
+}
+
+TEST(CudaDispatch, SharedMemoryBeyondTheDeviceIsUnsupportedNotAFallback) {
+  Case c;
+  c.d = 256;
+  Status s;
+  EXPECT_GE(choose(c, KernelKind::kForward, h200(), &s), 0) << s.message();
+  EXPECT_EQ(choose(c, KernelKind::kForward, a100(), &s), -1);
+  EXPECT_EQ(s.code(), FA_ERROR_UNSUPPORTED);
+  EXPECT_NE(s.message().find("192 KiB"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("163 KiB"), std::string::npos) << s.message();
+}
+
+TEST(CudaDispatch, PreferenceOrderTakesTheFirstTileThatFitsTheDevice) {
+  const KernelEntry table[] = {
+      {KernelKind::kForward, FA_BFLOAT16, 256, 128, 64, 8, 2, false, 192 * 1024, "fwd_d256_double_buffered"},
+      {KernelKind::kForward, FA_BFLOAT16, 256, 128, 64, 8, 1, false, 128 * 1024, "fwd_d256_single_buffered"},
+  };
+  Case c;
+  c.d = 256;
+  int index = -1;
+  ASSERT_TRUE(choose_kernel(KernelKind::kForward, params_for(c), h200(), table, 2, kArchs, &index).ok());
+  EXPECT_STREQ(table[index].name, "fwd_d256_double_buffered");
+  ASSERT_TRUE(choose_kernel(KernelKind::kForward, params_for(c), a100(), table, 2, kArchs, &index).ok());
+  EXPECT_STREQ(table[index].name, "fwd_d256_single_buffered");
+  const Status s = choose_kernel(KernelKind::kForward, params_for(c), DeviceLimits{0, 8, 6, 99 * 1024}, table, 2, kArchs, &index);
+  EXPECT_EQ(s.code(), FA_ERROR_UNSUPPORTED);
+  EXPECT_NE(s.message().find("fwd_d256_single_buffered) needs 128 KiB"), std::string::npos) << s.message();
+}
+
+TEST(CudaDispatch, ArchitectureRules) {
+  using flashattn::cuda::arch_list_runs_on;
+  EXPECT_TRUE(arch_list_runs_on("80-real;90a-real", 8, 0));
+  EXPECT_TRUE(arch_list_runs_on("80-real;90a-real", 8, 6));   // sm_80 code runs on 8.x
+  EXPECT_TRUE(arch_list_runs_on("80-real;90a-real", 9, 0));   // the sm_90a image
+  EXPECT_FALSE(arch_list_runs_on("80-real;90a-real", 10, 0)); // no image, no PTX
+  EXPECT_FALSE(arch_list_runs_on("80-real;90a-real", 7, 5));
+  EXPECT_FALSE(arch_list_runs_on("90a-real", 8, 0));
+  EXPECT_TRUE(arch_list_runs_on("80", 10, 0));                // PTX is compiled by the driver
+  EXPECT_FALSE(arch_list_runs_on("90a", 10, 0));              // arch-specific code runs on 9.0 only
+  Status s;
+  Case c;
+  EXPECT_EQ(choose(c, KernelKind::kForward, DeviceLimits{1, 10, 0, 227 * 1024}, &s), -1);
+  EXPECT_EQ(s.code(), FA_ERROR_NOT_COMPILED);
+  EXPECT_NE(s.message().find("cuda:1 is sm_100"), std::string::npos) << s.message();
+}
+
+TEST(CudaDispatch, CudaRulesNameTheArgument) {
+  using flashattn::cuda::check_forward_support;
+  Case c;
+  c.dtype = FA_FLOAT32;
+  Status s = check_forward_support(params_for(c));
+  EXPECT_EQ(s.code(), FA_ERROR_UNSUPPORTED);
+  EXPECT_EQ(s.message().rfind("q: dtype float32", 0), 0u) << s.message();
+
+  c = Case{};
+  c.d = 60;
+  s = check_forward_support(params_for(c));
+  EXPECT_EQ(s.code(), FA_ERROR_UNSUPPORTED);
+  EXPECT_EQ(s.message().rfind("q: head dim 60 must be a multiple of 8", 0), 0u) << s.message();
+
+  c = Case{};
+  c.dv = 32;
+  s = check_forward_support(params_for(c));
+  EXPECT_EQ(s.message().rfind("v: head dim Dv = 32 must equal", 0), 0u) << s.message();
+
+  c = Case{};
+  AttentionParams p = params_for(c);
+  p.k = static_cast<const char*>(p.k) + 8;
+  s = check_forward_support(p);
+  EXPECT_EQ(s.code(), FA_ERROR_UNSUPPORTED);
+  EXPECT_EQ(s.message().rfind("k: data pointer must be 16-byte aligned", 0), 0u) << s.message();
+
+  p = params_for(c);
+  p.out_row_stride = 4 * 64 + 4;  // 520 bytes: not a multiple of 16
+  s = check_forward_support(p);
+  EXPECT_EQ(s.message().rfind("out: row stride 260 elements (520 bytes) must be a multiple of 16 bytes", 0), 0u)
+      << s.message();
+
+  p = params_for(c);
+  EXPECT_TRUE(check_forward_support(p).ok());
+}
+
+TEST(CudaDispatch, GeneratedTableIsConsistent) {
+  namespace gen = flashattn::cuda::generated;
+  ASSERT_GT(gen::kKernelCount, 0);
+  for (int r = 0; r < gen::kKernelCount; ++r) {
+    const KernelEntry& e = gen::kKernelTable[r];
+    EXPECT_TRUE(e.dtype == FA_FLOAT16 || e.dtype == FA_BFLOAT16) << e.name;
+    EXPECT_EQ(e.head_dim % 32, 0) << e.name;
+    EXPECT_EQ(e.block_n % 32, 0) << e.name;
+    if (e.kind == KernelKind::kForward) {
+      EXPECT_EQ(e.block_m % (16 * e.warps), 0) << e.name;
+      EXPECT_EQ(e.smem_bytes, int64_t(e.block_m + 2 * e.stages * e.block_n) * e.head_dim * 2) << e.name;
+      EXPECT_LE(e.smem_bytes, 227 * 1024) << e.name << " does not fit an sm_90 CTA";
+    }
+    for (int s = 0; s < r; ++s) {
+      // Several rows of one (kind, dtype, D, dropout) are an order of preference by shared memory: a later
+      // row must need less, or dispatch would never pick it.
+      const KernelEntry& o = gen::kKernelTable[s];
+      if (o.kind == e.kind && o.dtype == e.dtype && o.head_dim == e.head_dim && o.dropout == e.dropout) {
+        EXPECT_LT(e.smem_bytes, o.smem_bytes) << e.name << " comes after " << o.name << ": dispatch would never pick it";
+      }
+    }
+  }
+  // Every head dim of the issue runs (in a bucket), for both dtypes, with and without dropout, on an H200.
+  for (fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
+    for (int d : {32, 64, 96, 128, 192, 256})
+      for (float dropout : {0.f, 0.1f}) {
+        Case c;
+        c.dtype = dtype;
+        c.d = d;
+        c.dropout = dropout;
+        int index = -1;
+        const Status s = choose_kernel(KernelKind::kForward, params_for(c), h200(), gen::kKernelTable, gen::kKernelCount,
+                                       "80-real 90a-real", &index);
+        ASSERT_TRUE(s.ok()) << s.message();
+        EXPECT_EQ(gen::kKernelTable[index].head_dim, d) << gen::kKernelTable[index].name;
+        // ... and on an A100 (163 KiB of shared memory per block) too
+        ASSERT_TRUE(choose_kernel(KernelKind::kForward, params_for(c), a100(), gen::kKernelTable, gen::kKernelCount,
+                                  "80-real 90a-real", &index)
+                        .ok());
+      }
+  const std::string summary = flashattn::cuda::compiled_kernels_summary();
+  EXPECT_NE(summary.find("forward: "), std::string::npos) << summary;
+  EXPECT_NE(summary.find("32, 64, 96, 128, 192, 256"), std::string::npos) << summary;
+}
+
+}  // namespace

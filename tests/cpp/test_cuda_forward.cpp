@@ -1,0 +1,512 @@
+// The CUDA forward on the GPU, through the public API (fa_forward, backend = cuda), against the float64
+// oracle on the host under the tolerance rule of DESIGN.md. Every run draws fresh inputs (FA_TEST_SEED
+// reproduces one), poisons out and lse with NaN on the device before the call, and checks every option:
+// odd sizes, Sq != Sk, GQA/MQA, causal and windows, softcap, ALiBi, dropout (the keep mask bit for bit
+// against core/philox.hpp), varlen, seqused_k, paged K/V, strided tensors, head dims between buckets.
+// Without a GPU (CI) every test skips with a message.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "api/validate.hpp"
+#include "core/philox.hpp"
+#include "cpu/reference/reference.hpp"
+#include "testing.hpp"
+
+#if defined(FLASHATTN_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+namespace {
+
+using fa_test::HostTensor;
+using flashattn::Status;
+
+#define SKIP_WITHOUT_GPU()                                                                          \
+  do {                                                                                              \
+    if (fa_cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device (or no CUDA in this build): " \
+                                                     "the GPU forward tests run on the GPU machine"; \
+  } while (0)
+
+// All host tensors of one forward call; empty ones are absent.
+struct Call {
+  HostTensor q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi;
+  int max_seqlen_q = 0, max_seqlen_k = 0;
+  fa_options options = fa_test::options_for(FA_BACKEND_CPU_REFERENCE);
+};
+
+bool present(const HostTensor& t) { return !t.shape().empty(); }
+
+fa_forward_args host_args(Call& c) {
+  fa_forward_args a{};
+  a.q = c.q.view();
+  a.k = c.k.view();
+  a.v = c.v.view();
+  a.out = c.out.view();
+  if (present(c.lse)) a.lse = c.lse.view();
+  if (present(c.cu_seqlens_q)) {
+    a.cu_seqlens_q = c.cu_seqlens_q.view();
+    a.cu_seqlens_k = c.cu_seqlens_k.view();
+    a.max_seqlen_q = c.max_seqlen_q;
+    a.max_seqlen_k = c.max_seqlen_k;
+  }
+  if (present(c.seqused_k)) a.seqused_k = c.seqused_k.view();
+  if (present(c.block_table)) a.block_table = c.block_table.view();
+  return a;
+}
+
+fa_options host_options(Call& c) {
+  fa_options o = c.options;
+  if (present(c.alibi)) o.alibi_slopes = c.alibi.view();
+  return o;
+}
+
+// A same-shape, same-strides copy of `t` in another dtype, holding the same (rounded) values.
+HostTensor convert(const HostTensor& t, fa_dtype dtype) {
+  HostTensor r(t.shape(), t.strides(), dtype);
+  for (int64_t n = 0; n < t.numel(); ++n) r.set(n, t.get(n));
+  return r;
+}
+
+struct Expected {
+  std::vector<double> out64, lse64;  // float64 oracle
+  HostTensor naive_out;              // the naive same-precision baseline
+};
+
+// The oracle reads the same rounded inputs as float32 copies (so out can be float32, far below any
+// tolerance here), and the naive baseline computes in the inputs' own dtype.
+Expected oracle(Call& c) {
+  Expected e;
+  Call exact = c;
+  exact.q = convert(c.q, FA_FLOAT32);
+  exact.k = convert(c.k, FA_FLOAT32);
+  exact.v = convert(c.v, FA_FLOAT32);
+  exact.out = convert(c.out, FA_FLOAT32);
+  exact.options.backend = FA_BACKEND_CPU_REFERENCE;
+  const Status s = flashattn::forward(host_args(exact), host_options(exact));
+  EXPECT_TRUE(s.ok()) << "oracle: " << s.to_string();
+  e.out64 = exact.out.to_double();
+  if (present(c.lse)) e.lse64 = exact.lse.to_double();
+  Call naive = c;
+  flashattn::AttentionParams p;
+  const Status v = flashattn::api::make_forward_params(host_args(naive), host_options(naive), &p);
+  EXPECT_TRUE(v.ok()) << v.to_string();
+  const Status n = flashattn::cpu::reference::forward_naive_same_precision(p);
+  EXPECT_TRUE(n.ok()) << n.to_string();
+  e.naive_out = naive.out;
+  return e;
+}
+
+#if defined(FLASHATTN_WITH_CUDA)
+// Device copies of a call's host tensors (the whole storage, strides and padding included).
+class DeviceCall {
+ public:
+  explicit DeviceCall(Call& c) : c_(c) {
+    for (HostTensor* t : {&c.q, &c.k, &c.v, &c.out, &c.lse, &c.cu_seqlens_q, &c.cu_seqlens_k, &c.seqused_k, &c.block_table,
+                          &c.alibi})
+      if (present(*t)) upload(t);
+  }
+  ~DeviceCall() {
+    for (auto& [host, device] : buffers_) cudaFree(device);
+  }
+  fa_tensor view(HostTensor& t) { return t.view_on(buffers_.at(&t), FA_DEVICE_CUDA, 0); }
+  Status run(fa_stats* stats = nullptr) {
+    fa_forward_args a = host_args(c_);
+    a.q = view(c_.q);
+    a.k = view(c_.k);
+    a.v = view(c_.v);
+    a.out = view(c_.out);
+    if (present(c_.lse)) a.lse = view(c_.lse);
+    if (present(c_.cu_seqlens_q)) {
+      a.cu_seqlens_q = view(c_.cu_seqlens_q);
+      a.cu_seqlens_k = view(c_.cu_seqlens_k);
+    }
+    if (present(c_.seqused_k)) a.seqused_k = view(c_.seqused_k);
+    if (present(c_.block_table)) a.block_table = view(c_.block_table);
+    fa_options o = c_.options;
+    o.backend = FA_BACKEND_CUDA;
+    o.stats = stats;
+    if (present(c_.alibi)) o.alibi_slopes = view(c_.alibi);
+    const Status s = flashattn::forward(a, o);
+    const cudaError_t sync = cudaDeviceSynchronize();
+    if (sync != cudaSuccess) return Status(FA_ERROR_DEVICE, std::string("kernel failed: ") + cudaGetErrorString(sync));
+    return s;
+  }
+  void download(HostTensor& t) {
+    EXPECT_EQ(cudaMemcpy(t.data(), buffers_.at(&t), size_t(t.storage_bytes()), cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+
+ private:
+  void upload(HostTensor* t) {
+    void* device = nullptr;
+    ASSERT_EQ(cudaMalloc(&device, size_t(std::max<int64_t>(t->storage_bytes(), 16))), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(device, t->data(), size_t(t->storage_bytes()), cudaMemcpyHostToDevice), cudaSuccess);
+    buffers_[t] = device;
+  }
+  Call& c_;
+  std::map<const HostTensor*, void*> buffers_;
+};
+
+// Runs the call on the GPU (outputs poisoned with NaN first) and downloads out and lse into c.
+Status run_gpu(Call& c, fa_stats* stats = nullptr) {
+  c.out.poison();
+  if (present(c.lse)) c.lse.poison();
+  DeviceCall d(c);
+  const Status s = d.run(stats);
+  d.download(c.out);
+  if (present(c.lse)) d.download(c.lse);
+  return s;
+}
+#else
+Status run_gpu(Call&, fa_stats* = nullptr) { return Status(FA_ERROR_NOT_COMPILED, "no CUDA in this build"); }
+#endif
+
+// GPU vs oracle under the tolerance rule; lse within 1e-3 relative (float32 from 16-bit inputs).
+void check_against_oracle(const std::string& what, Call& c) {
+  const Expected e = oracle(c);
+  fa_stats stats{};
+  const Status s = run_gpu(c, &stats);
+  ASSERT_TRUE(s.ok()) << what << ": " << s.to_string();
+  const fa_test::ErrorStats out = fa_test::compare(c.out.to_double(), e.out64);
+  const fa_test::ErrorStats naive = fa_test::compare(e.naive_out.to_double(), e.out64);
+  EXPECT_TRUE(fa_test::within_tolerance(what + " [" + stats.kernel + "] out", c.q.dtype(), out, &naive));
+  if (present(c.lse)) {
+    const fa_test::ErrorStats lse = fa_test::compare(c.lse.to_double(), e.lse64);
+    EXPECT_EQ(lse.nan, 0) << what << " lse has NaN (unwritten?): " << lse.to_string();
+    EXPECT_EQ(lse.mismatched_inf, 0) << what << " lse -inf rows differ: " << lse.to_string();
+    EXPECT_LE(lse.rel_l2, 1e-3) << what << " lse: " << lse.to_string();
+  }
+}
+
+// A dense or varlen call from the shared test problem builder (random q/k/v, poisoned outputs).
+Call make_call(const fa_test::Problem& p, std::mt19937_64& rng) {
+  fa_test::Tensors t = fa_test::make_tensors(p, rng);
+  Call c;
+  c.q = t.q;
+  c.k = t.k;
+  c.v = t.v;
+  c.out = t.out;
+  c.lse = t.lse;
+  if (!p.varlen_q.empty()) {
+    c.cu_seqlens_q = t.cu_seqlens_q;
+    c.cu_seqlens_k = t.cu_seqlens_k;
+    c.max_seqlen_q = t.max_seqlen_q;
+    c.max_seqlen_k = t.max_seqlen_k;
+  }
+  return c;
+}
+
+fa_test::Problem problem(int b, int sq, int sk, int hq, int hk, int d, fa_dtype dtype, double std = 1.0) {
+  fa_test::Problem p;
+  p.batch = b;
+  p.seqlen_q = sq;
+  p.seqlen_k = sk;
+  p.heads_q = hq;
+  p.heads_k = hk;
+  p.head_dim = d;
+  p.dtype = dtype;
+  p.input_std = std;
+  return p;
+}
+
+const char* short_name(fa_dtype t) { return t == FA_FLOAT16 ? "f16" : "bf16"; }
+
+// ---- the grid ----
+
+TEST(CudaForward, HeadDimsDtypesCausalGqaPartialTiles) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_grid");
+  for (fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
+    for (int d : {32, 64, 96, 128, 192, 256})
+      for (int causal : {0, 1}) {
+        Call c = make_call(problem(2, 127, 200, 4, 2, d, dtype), rng);
+        c.options.causal = causal;
+        check_against_oracle(std::string(short_name(dtype)) + " D=" + std::to_string(d) + (causal ? " causal" : ""), c);
+      }
+}
+
+TEST(CudaForward, OddSizes) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_sizes");
+  const int sizes[][2] = {{1, 1}, {17, 17}, {1, 1000}, {1000, 1}, {127, 1000}, {1000, 127}, {1000, 1000}, {64, 64}, {129, 65}};
+  for (const auto& s : sizes)
+    for (int causal : {0, 1}) {
+      Call c = make_call(problem(1, s[0], s[1], 2, 1, 128, FA_BFLOAT16), rng);
+      c.options.causal = causal;
+      check_against_oracle("Sq=" + std::to_string(s[0]) + " Sk=" + std::to_string(s[1]) + (causal ? " causal" : ""), c);
+    }
+}
+
+TEST(CudaForward, Long4097) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_4097");
+  Call c = make_call(problem(1, 4097, 4097, 1, 1, 64, FA_BFLOAT16), rng);
+  c.options.causal = 1;
+  check_against_oracle("4097 causal", c);
+}
+
+TEST(CudaForward, PeakySoftmax) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_peaky");
+  for (fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
+    for (int d : {64, 128, 256}) {
+      // std 4 per element: scores of magnitude ~ 16 sqrt(D) * scale = 16, a nearly one-hot softmax
+      Call c = make_call(problem(2, 300, 333, 2, 2, d, dtype, 4.0), rng);
+      check_against_oracle(std::string("peaky ") + short_name(dtype) + " D=" + std::to_string(d), c);
+    }
+}
+
+TEST(CudaForward, GqaAndMqa) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_gqa");
+  for (int hk : {1, 2, 8}) {
+    Call c = make_call(problem(2, 150, 170, 8, hk, 64, FA_FLOAT16), rng);
+    check_against_oracle("Hq=8 Hk=" + std::to_string(hk), c);
+  }
+}
+
+TEST(CudaForward, HeadDimsBetweenBucketsAreZeroPadded) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_padded_d");
+  for (int d : {8, 40, 80, 136, 200}) {
+    Call c = make_call(problem(1, 100, 90, 2, 1, d, FA_BFLOAT16), rng);
+    c.options.causal = 1;
+    check_against_oracle("D=" + std::to_string(d), c);
+  }
+}
+
+TEST(CudaForward, SlidingWindows) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_window");
+  const int windows[][2] = {{32, 16}, {0, 0}, {100, -1}, {-1, 5}, {200, 0}, {1, 300}};
+  for (const auto& w : windows)
+    for (int shape = 0; shape < 2; ++shape) {
+      // Sq < Sk and Sq > Sk (then some rows see no key at all: O = 0, lse = -inf)
+      Call c = make_call(shape == 0 ? problem(2, 150, 400, 2, 1, 128, FA_FLOAT16) : problem(2, 400, 150, 2, 1, 128, FA_FLOAT16), rng);
+      c.options.window_left = w[0];
+      c.options.window_right = w[1];
+      check_against_oracle("window (" + std::to_string(w[0]) + ", " + std::to_string(w[1]) + ") shape " + std::to_string(shape), c);
+    }
+  Call c = make_call(problem(1, 300, 100, 2, 2, 64, FA_BFLOAT16), rng);
+  c.options.causal = 1;  // rows 0..199 see no key
+  check_against_oracle("causal Sq > Sk: fully masked rows", c);
+}
+
+TEST(CudaForward, SoftcapAlibiScale) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_variants");
+  for (int d : {64, 128}) {
+    Call c = make_call(problem(2, 140, 260, 4, 2, d, FA_BFLOAT16, 3.0), rng);
+    c.options.softcap = 5.f;
+    c.options.causal = 1;
+    check_against_oracle("softcap causal D=" + std::to_string(d), c);
+
+    Call a = make_call(problem(2, 140, 260, 4, 2, d, FA_FLOAT16), rng);
+    a.alibi = HostTensor({4}, FA_FLOAT32);
+    a.alibi.fill_uniform(rng, 0.01, 0.5);
+    check_against_oracle("alibi (Hq) D=" + std::to_string(d), a);
+
+    Call ab = make_call(problem(2, 140, 260, 4, 2, d, FA_FLOAT16), rng);
+    ab.alibi = HostTensor({2, 4}, FA_FLOAT32);
+    ab.alibi.fill_uniform(rng, 0.01, 0.5);
+    ab.options.softcap = 20.f;
+    ab.options.window_left = 50;
+    ab.options.window_right = 10;
+    check_against_oracle("alibi (B, Hq) + softcap + window D=" + std::to_string(d), ab);
+
+    Call s = make_call(problem(1, 100, 120, 2, 2, d, FA_BFLOAT16), rng);
+    s.options.softmax_scale = -0.07f;  // a negative scale flips which key is the max
+    check_against_oracle("negative scale D=" + std::to_string(d), s);
+  }
+}
+
+TEST(CudaForward, Varlen) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_varlen");
+  for (int causal : {0, 1}) {
+    fa_test::Problem p = problem(5, 0, 0, 4, 2, 128, FA_BFLOAT16);
+    p.varlen_q = {1, 130, 0, 257, 64};
+    p.varlen_k = {17, 100, 40, 300, 0};
+    Call c = make_call(p, rng);
+    c.options.causal = causal;
+    check_against_oracle(std::string("varlen") + (causal ? " causal" : ""), c);
+  }
+}
+
+TEST(CudaForward, SequsedK) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_seqused");
+  Call c = make_call(problem(3, 90, 300, 2, 1, 64, FA_FLOAT16), rng);
+  c.seqused_k = HostTensor({3}, FA_INT32);
+  c.seqused_k.set_int(0, 300);
+  c.seqused_k.set_int(1, 77);
+  c.seqused_k.set_int(2, 0);
+  check_against_oracle("seqused_k", c);
+  c.options.causal = 1;
+  check_against_oracle("seqused_k causal", c);
+}
+
+TEST(CudaForward, PagedKv) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_paged");
+  for (int block_size : {16, 5, 64}) {
+    const int batch = 3, hq = 4, hk = 2, d = 64, sq = 70;
+    const int max_blocks = (250 + block_size - 1) / block_size;
+    const int num_blocks = batch * max_blocks + 3;
+    Call c;
+    c.q = HostTensor({batch, sq, hq, d}, FA_BFLOAT16);
+    c.q.fill_normal(rng);
+    c.k = HostTensor({num_blocks, block_size, hk, d}, FA_BFLOAT16);
+    c.v = HostTensor({num_blocks, block_size, hk, d}, FA_BFLOAT16);
+    c.k.fill_normal(rng);
+    c.v.fill_normal(rng);
+    c.out = HostTensor({batch, sq, hq, d}, FA_BFLOAT16);
+    c.lse = HostTensor({batch, hq, sq}, FA_FLOAT32);
+    // every block id once, shuffled: sequences read scattered blocks
+    std::vector<int> ids(num_blocks);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    c.block_table = HostTensor({batch, max_blocks}, FA_INT32);
+    for (int n = 0; n < batch * max_blocks; ++n) c.block_table.set_int(n, ids[n]);
+    c.seqused_k = HostTensor({batch}, FA_INT32);
+    c.seqused_k.set_int(0, 250);
+    c.seqused_k.set_int(1, 1);
+    c.seqused_k.set_int(2, 131);
+    for (int causal : {0, 1}) {
+      c.options.causal = causal;
+      check_against_oracle("paged block_size=" + std::to_string(block_size) + (causal ? " causal" : ""), c);
+    }
+  }
+}
+
+TEST(CudaForward, StridedTensors) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_strided");
+  const int b = 2, sq = 100, sk = 140, hq = 4, hk = 2, d = 64;
+  Call c;
+  // heads interleaved with padding: (B, S, H, D) with row stride H * (D + 16) and head stride D + 16
+  c.q = HostTensor({b, sq, hq, d}, {int64_t(sq) * hq * (d + 16), hq * (d + 16), d + 16, 1}, FA_FLOAT16);
+  c.k = HostTensor({b, sk, hk, d}, {int64_t(sk) * hk * (d + 8), hk * (d + 8), d + 8, 1}, FA_FLOAT16);
+  // v stored head-major (B, H, S, D) and viewed as (B, S, H, D)
+  c.v = HostTensor({b, sk, hk, d}, {int64_t(hk) * sk * d, d, int64_t(sk) * d, 1}, FA_FLOAT16);
+  c.out = HostTensor({b, sq, hq, d}, {int64_t(sq) * hq * (d + 24), hq * (d + 24), d + 24, 1}, FA_FLOAT16);
+  c.lse = HostTensor({b, hq, sq}, FA_FLOAT32);
+  c.q.fill_normal(rng);
+  c.k.fill_normal(rng);
+  c.v.fill_normal(rng);
+  c.options.causal = 1;
+  check_against_oracle("strided q/k/v/out", c);
+  // the padding of out stays untouched (poisoned NaN) and was not written
+  int64_t padding = 0, padding_nan = 0;
+  const auto* raw = static_cast<const uint16_t*>(c.out.data());
+  for (int64_t e = 0; e < c.out.storage_bytes() / 2; ++e) {
+    if (e % (d + 24) < d) continue;
+    ++padding;
+    padding_nan += (raw[e] & 0x7c00) == 0x7c00 && (raw[e] & 0x3ff) != 0;
+  }
+  EXPECT_GT(padding, 0);
+  EXPECT_EQ(padding_nan, padding) << "the kernel wrote into the padding between out's heads";
+}
+
+// ---- dropout ----
+
+// With V = identity rows (key j carries e_j) the output is O[i][j] = P[i][j] * keep(i, j) / (1 - p), so
+// each output element shows the keep bit of (b, h, i, j): compared bit for bit with core/philox.hpp.
+TEST(CudaForward, DropoutKeepMaskIsBitIdenticalToPhilox) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_dropout_mask");
+  for (int d : {64, 128, 256}) {
+    const int b = 2, hq = 4, hk = 2, sq = 200, sk = d;  // keys <= D: key j writes column j
+    Call c = make_call(problem(b, sq, sk, hq, hk, d, FA_BFLOAT16, 0.5), rng);
+    for (int64_t n = 0; n < c.v.numel(); ++n) {
+      const int64_t col = n % d, key = (n / (d * hk)) % sk;
+      c.v.set(n, col == key ? 1.0 : 0.0);
+    }
+    c.options.dropout_p = 0.3f;
+    c.options.dropout_seed = rng();
+    c.options.dropout_offset = rng();
+    const Status s = run_gpu(c);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    const uint32_t threshold = flashattn::dropout_threshold_u16(c.options.dropout_p);
+    int64_t mismatches = 0, kept = 0, total = 0;
+    for (int bi = 0; bi < b; ++bi)
+      for (int i = 0; i < sq; ++i)
+        for (int h = 0; h < hq; ++h)
+          for (int j = 0; j < sk; ++j) {
+            const double o = c.out.get(((int64_t(bi) * sq + i) * hq + h) * d + j);
+            ASSERT_TRUE(std::isfinite(o)) << "out not written at " << bi << "," << i << "," << h << "," << j;
+            const bool gpu_keep = o != 0.0;
+            const bool ref_keep = flashattn::dropout_keep(c.options.dropout_seed, c.options.dropout_offset,
+                                                          uint32_t(bi * hq + h), uint32_t(i), uint32_t(j), threshold);
+            mismatches += gpu_keep != ref_keep;
+            kept += gpu_keep;
+            ++total;
+          }
+    EXPECT_EQ(mismatches, 0) << "D=" << d << ": keep bits differ from core/philox.hpp in " << mismatches << " of " << total;
+    // keep rate within 4 sigma of 1 - p
+    const double rate = double(kept) / double(total), expected = 0.7;
+    EXPECT_NEAR(rate, expected, 4.0 * std::sqrt(expected * (1 - expected) / double(total))) << "D=" << d;
+  }
+}
+
+TEST(CudaForward, DropoutMatchesOracle) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_dropout");
+  for (fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
+    for (int d : {32, 64, 96, 128, 192, 256}) {
+      Call c = make_call(problem(2, 130, 170, 4, 2, d, dtype), rng);
+      c.options.dropout_p = 0.17f;
+      c.options.dropout_seed = rng();
+      c.options.dropout_offset = rng();
+      c.options.causal = d % 64 == 0;
+      check_against_oracle(std::string("dropout ") + short_name(dtype) + " D=" + std::to_string(d), c);
+    }
+}
+
+// ---- determinism, reports, errors ----
+
+TEST(CudaForward, RunTwiceBitIdenticalAndReportsKernel) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_twice");
+  Call c = make_call(problem(2, 300, 300, 4, 4, 128, FA_BFLOAT16), rng);
+  c.options.dropout_p = 0.1f;
+  fa_stats stats{};
+  ASSERT_TRUE(run_gpu(c, &stats).ok());
+  const HostTensor first = c.out;
+  ASSERT_TRUE(run_gpu(c).ok());
+  EXPECT_EQ(std::memcmp(first.data(), c.out.data(), size_t(first.storage_bytes())), 0);
+  EXPECT_NE(std::string(stats.kernel).find("fwd_sm80_bf16_d128"), std::string::npos) << stats.kernel;
+  EXPECT_EQ(stats.scratch_bytes_peak, 0);  // the forward allocates nothing
+}
+
+TEST(CudaForward, UnsupportedCombinationsAreClearErrors) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_errors");
+  {
+    Call c = make_call(problem(1, 10, 10, 1, 1, 64, FA_FLOAT32), rng);
+    const Status s = run_gpu(c);
+    EXPECT_EQ(s.code(), FA_ERROR_UNSUPPORTED);
+    EXPECT_EQ(s.message().rfind("q: dtype float32", 0), 0u) << s.message();
+  }
+  {
+    Call c = make_call(problem(1, 10, 10, 1, 1, 264, FA_FLOAT16), rng);
+    const Status s = run_gpu(c);
+    EXPECT_EQ(s.code(), FA_ERROR_NOT_COMPILED);
+    EXPECT_EQ(s.message().rfind("q: head dim 264 is not compiled", 0), 0u) << s.message();
+  }
+  {
+    Call c = make_call(problem(1, 10, 10, 1, 1, 60, FA_FLOAT16), rng);
+    const Status s = run_gpu(c);
+    EXPECT_EQ(s.code(), FA_ERROR_UNSUPPORTED);
+    EXPECT_NE(s.message().find("multiple of 8"), std::string::npos) << s.message();
+  }
+}
+
+}  // namespace

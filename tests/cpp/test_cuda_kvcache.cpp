@@ -1,0 +1,908 @@
+// The CUDA KV-cache (decode) path on the GPU, through the public API (fa_kvcache, backend = cuda), against the
+// float64 oracle under the tolerance rule of DESIGN.md. Every run draws fresh inputs (FA_TEST_SEED reproduces
+// one) and poisons out and lse with NaN before the call.
+//
+// The oracle of a call: the float64 reference kvcache gives the appended caches (which the GPU must
+// reproduce bit for bit, rotary included); attention over the appended cache is then a varlen forward over
+// [cache; new] with bottom-right alignment, judged on the float64 reference forward (q rotated in double),
+// against the naive same-precision baseline (q rotated, rounded to the dtype, naive attention in the dtype).
+// Without a GPU (CI) every test skips with a message.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "api/validate.hpp"
+#include "cpu/reference/reference.hpp"
+#include "testing.hpp"
+
+#if defined(FLASHATTN_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+namespace {
+
+using fa_test::HostTensor;
+using flashattn::Status;
+
+#define SKIP_WITHOUT_GPU()                                                                          \
+  do {                                                                                              \
+    if (fa_cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device (or no CUDA in this build): " \
+                                                     "the GPU kvcache tests run on the GPU machine"; \
+  } while (0)
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+struct KvCase {
+  int batch = 2, seqlen_q = 1, heads_q = 8, heads_k = 2, head_dim = 128;
+  std::vector<int> cached = {37, 300};  // cache_seqlens per sequence
+  int seqlen_new = 0;
+  int capacity = 400;                   // keys per sequence the cache holds
+  int block_size = 0;                   // 0: contiguous cache; else paged with this block size
+  bool repeat_blocks = false;           // paged: table entries drawn with repeats (read-only cases)
+  int cache_row_pad = 0;                // contiguous: extra elements per cache row (a strided cache)
+  int rotary = 0;                       // 0 none, 1 halves (GPT-NeoX), 2 interleaved
+  int rotary_dim = 0;                   // 0: head_dim
+  bool causal = false;
+  int window_left = -1, window_right = -1;
+  float softcap = 0.f;
+  float softmax_scale = 0.f;
+  bool alibi = false;
+  int num_splits = 0;
+  double input_std = 1.0;               // > 3: peaky softmax
+  fa_dtype dtype = FA_BFLOAT16;
+  std::string to_string() const {
+    std::string s = std::string(dtype == FA_BFLOAT16 ? "bf16" : "f16") + " B=" + std::to_string(batch) + " Sq=" +
+                    std::to_string(seqlen_q) + " Hq=" + std::to_string(heads_q) + " Hk=" + std::to_string(heads_k) +
+                    " D=" + std::to_string(head_dim) + " new=" + std::to_string(seqlen_new) + " cap=" + std::to_string(capacity) +
+                    " block=" + std::to_string(block_size) + (repeat_blocks ? " repeated" : "") + " rotary=" +
+                    std::to_string(rotary) + "/" + std::to_string(rotary_dim) + " causal=" + std::to_string(causal) +
+                    " window=(" + std::to_string(window_left) + "," + std::to_string(window_right) + ") softcap=" +
+                    std::to_string(softcap) + " alibi=" + std::to_string(alibi) + " splits=" + std::to_string(num_splits) +
+                    " std=" + std::to_string(input_std) + " cached=[";
+    for (int c : cached) s += std::to_string(c) + ",";
+    return s + "]";
+  }
+};
+
+bool present(const HostTensor& t) { return !t.shape().empty(); }
+
+// The host tensors of one case. The paged cache hands out shuffled block ids and keeps spare blocks.
+struct KvTensors {
+  HostTensor q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, cos, sin, out, lse, slopes;
+  bool rotary_interleaved = false;
+  fa_kvcache_args args() {
+    fa_kvcache_args a{};
+    a.q = q.view();
+    a.k_cache = k_cache.view();
+    a.v_cache = v_cache.view();
+    if (present(block_table)) a.block_table = block_table.view();
+    a.cache_seqlens = cache_seqlens.view();
+    if (present(k_new)) {
+      a.k_new = k_new.view();
+      a.v_new = v_new.view();
+    }
+    if (present(cos)) {
+      a.rotary_cos = cos.view();
+      a.rotary_sin = sin.view();
+      a.rotary_interleaved = rotary_interleaved;
+    }
+    a.out = out.view();
+    a.lse = lse.view();
+    return a;
+  }
+};
+
+KvTensors make_kv(const KvCase& c, std::mt19937_64& rng) {
+  KvTensors t;
+  const int d = c.head_dim;
+  t.q = HostTensor({c.batch, c.seqlen_q, c.heads_q, d}, c.dtype);
+  t.q.fill_normal(rng, c.input_std);
+  if (c.block_size == 0) {
+    const int64_t row = int64_t(c.heads_k) * d + c.cache_row_pad;
+    const std::vector<int64_t> strides = {c.capacity * row, row, d, 1};
+    t.k_cache = HostTensor({c.batch, c.capacity, c.heads_k, d}, strides, c.dtype);
+    t.v_cache = HostTensor({c.batch, c.capacity, c.heads_k, d}, strides, c.dtype);
+  } else {
+    const int per_seq = (c.capacity + c.block_size - 1) / c.block_size;
+    const int blocks = c.batch * per_seq + 3;
+    t.k_cache = HostTensor({blocks, c.block_size, c.heads_k, d}, c.dtype);
+    t.v_cache = HostTensor({blocks, c.block_size, c.heads_k, d}, c.dtype);
+    std::vector<int32_t> ids(static_cast<size_t>(blocks));
+    for (int n = 0; n < blocks; ++n) ids[size_t(n)] = n;
+    std::shuffle(ids.begin(), ids.end(), rng);
+    t.block_table = HostTensor({c.batch, per_seq}, FA_INT32);
+    for (int n = 0; n < c.batch * per_seq; ++n)
+      t.block_table.set_int(n, c.repeat_blocks ? int32_t(rng() % uint64_t(blocks)) : ids[size_t(n)]);
+  }
+  t.k_cache.fill_normal(rng, c.input_std);
+  t.v_cache.fill_normal(rng);
+  t.cache_seqlens = HostTensor({c.batch}, FA_INT32);
+  for (int b = 0; b < c.batch; ++b) t.cache_seqlens.set_int(b, c.cached[size_t(b)]);
+  if (c.seqlen_new > 0) {
+    t.k_new = HostTensor({c.batch, c.seqlen_new, c.heads_k, d}, c.dtype);
+    t.v_new = HostTensor({c.batch, c.seqlen_new, c.heads_k, d}, c.dtype);
+    t.k_new.fill_normal(rng, c.input_std);
+    t.v_new.fill_normal(rng);
+  }
+  if (c.rotary != 0) {
+    t.rotary_interleaved = c.rotary == 2;
+    const int rd = c.rotary_dim > 0 ? c.rotary_dim : d;
+    const int positions = c.capacity + c.seqlen_q;
+    t.cos = HostTensor({positions, rd / 2}, c.dtype);
+    t.sin = HostTensor({positions, rd / 2}, c.dtype);
+    for (int pos = 0; pos < positions; ++pos)
+      for (int f = 0; f < rd / 2; ++f) {
+        const double angle = pos * std::pow(10000.0, -2.0 * f / rd);
+        t.cos.set(int64_t(pos) * (rd / 2) + f, std::cos(angle));
+        t.sin.set(int64_t(pos) * (rd / 2) + f, std::sin(angle));
+      }
+  }
+  if (c.alibi) {
+    t.slopes = HostTensor({c.heads_q}, FA_FLOAT32);
+    t.slopes.fill_uniform(rng, 0.05, 0.5);
+  }
+  t.out = HostTensor({c.batch, c.seqlen_q, c.heads_q, d}, c.dtype);
+  t.lse = HostTensor({c.batch, c.heads_q, c.seqlen_q}, FA_FLOAT32);
+  t.out.poison();
+  t.lse.poison();
+  return t;
+}
+
+fa_options kv_options(const KvCase& c, fa_backend backend) {
+  fa_options o = fa_test::options_for(backend);
+  o.causal = c.causal;
+  o.window_left = c.window_left;
+  o.window_right = c.window_right;
+  o.softcap = c.softcap;
+  o.softmax_scale = c.softmax_scale;
+  return o;
+}
+
+bool same_bytes(const HostTensor& a, const HostTensor& b) {
+  return a.storage_bytes() == b.storage_bytes() && std::memcmp(a.data(), b.data(), size_t(a.storage_bytes())) == 0;
+}
+
+// Logical element (b, j, hk, x) of a cache, contiguous or through the block table.
+int64_t cache_index(const KvCase& c, const KvTensors& t, int b, int j, int hk, int x) {
+  int64_t block = b, row = j;
+  if (c.block_size > 0) {
+    block = t.block_table.get_int(int64_t(b) * t.block_table.shape()[1] + j / c.block_size);
+    row = j % c.block_size;
+  }
+  const int64_t rows = c.block_size > 0 ? c.block_size : c.capacity;
+  return ((block * rows + row) * c.heads_k + hk) * c.head_dim + x;
+}
+
+// x' = rotary(x) at `position` in double (the reference's formula).
+void rotate(const KvCase& c, const KvTensors& t, int position, double* x) {
+  const int rd = c.rotary_dim > 0 ? c.rotary_dim : c.head_dim, half = rd / 2;
+  for (int f = 0; f < half; ++f) {
+    const double cs = t.cos.get(int64_t(position) * half + f), sn = t.sin.get(int64_t(position) * half + f);
+    const int a = c.rotary == 2 ? 2 * f : f, b = c.rotary == 2 ? 2 * f + 1 : f + half;
+    const double x0 = x[a], x1 = x[b];
+    x[a] = x0 * cs - x1 * sn;
+    x[b] = x0 * sn + x1 * cs;
+  }
+}
+
+struct Expected {
+  KvTensors after;                     // the reference kvcache's caches after the append
+  std::vector<double> out64, lse64;    // float64 oracle; out in (B, Sq, Hq, D), lse in (B, Hq, Sq) order
+  std::vector<double> naive_out;       // naive same-precision baseline, same order as out64
+};
+
+// The oracle of a case from its pristine tensors (see the header comment).
+Expected expected_for(const KvCase& c, const KvTensors& pristine) {
+  Expected e;
+  e.after = pristine;
+  fa_options ro = kv_options(c, FA_BACKEND_CPU_REFERENCE);
+  if (c.alibi) ro.alibi_slopes = e.after.slopes.view();
+  const Status s = flashattn::kvcache(e.after.args(), ro);
+  EXPECT_TRUE(s.ok()) << "reference kvcache: " << s.to_string();
+
+  // The equivalent varlen forward: q (rotated in double) against each sequence's appended keys.
+  const int d = c.head_dim, rows_q = c.batch * c.seqlen_q;
+  std::vector<int> seqlen_k(size_t(c.batch));
+  int total_k = 0, max_k = 0;
+  for (int b = 0; b < c.batch; ++b) {
+    seqlen_k[size_t(b)] = c.cached[size_t(b)] + c.seqlen_new;
+    total_k += seqlen_k[size_t(b)];
+    max_k = std::max(max_k, seqlen_k[size_t(b)]);
+  }
+  HostTensor q_exact({rows_q, c.heads_q, d}, FA_FLOAT32), q_naive({rows_q, c.heads_q, d}, c.dtype);
+  const bool per_token = c.causal || c.window_left >= 0 || c.window_right >= 0;
+  std::vector<double> row(static_cast<size_t>(d));
+  for (int b = 0; b < c.batch; ++b)
+    for (int i = 0; i < c.seqlen_q; ++i)
+      for (int h = 0; h < c.heads_q; ++h) {
+        const int64_t base = ((int64_t(b) * c.seqlen_q + i) * c.heads_q + h) * d;
+        for (int x = 0; x < d; ++x) row[size_t(x)] = pristine.q.get(base + x);
+        if (c.rotary) rotate(c, pristine, per_token ? c.cached[size_t(b)] + i : c.cached[size_t(b)], row.data());
+        for (int x = 0; x < d; ++x) {
+          q_exact.set(base + x, row[size_t(x)]);
+          q_naive.set(base + x, row[size_t(x)]);  // rounded to the dtype, as any 16-bit kernel must
+        }
+      }
+  HostTensor k_exact({std::max(total_k, 1), c.heads_k, d}, FA_FLOAT32), v_exact = k_exact;
+  HostTensor k_naive({std::max(total_k, 1), c.heads_k, d}, c.dtype), v_naive = k_naive;
+  HostTensor cu_q({c.batch + 1}, FA_INT32), cu_k({c.batch + 1}, FA_INT32);
+  int k0 = 0;
+  for (int b = 0; b < c.batch; ++b) {
+    cu_q.set_int(b, b * c.seqlen_q);
+    cu_k.set_int(b, k0);
+    for (int j = 0; j < seqlen_k[size_t(b)]; ++j)
+      for (int hk = 0; hk < c.heads_k; ++hk)
+        for (int x = 0; x < d; ++x) {
+          const int64_t to = ((int64_t(k0) + j) * c.heads_k + hk) * d + x;
+          const int64_t from = cache_index(c, e.after, b, j, hk, x);  // logical index: get() applies the strides
+          k_exact.set(to, e.after.k_cache.get(from));
+          v_exact.set(to, e.after.v_cache.get(from));
+          k_naive.set(to, e.after.k_cache.get(from));
+          v_naive.set(to, e.after.v_cache.get(from));
+        }
+    k0 += seqlen_k[size_t(b)];
+  }
+  cu_q.set_int(c.batch, rows_q);
+  cu_k.set_int(c.batch, total_k);
+  auto forward_args = [&](HostTensor& q, HostTensor& k, HostTensor& v, HostTensor& out, HostTensor* lse) {
+    fa_forward_args f{};
+    f.q = q.view();
+    f.k = k.view();
+    f.v = v.view();
+    f.out = out.view();
+    if (lse) f.lse = lse->view();
+    f.cu_seqlens_q = cu_q.view();
+    f.cu_seqlens_k = cu_k.view();
+    f.max_seqlen_q = c.seqlen_q;
+    f.max_seqlen_k = max_k;
+    return f;
+  };
+  HostTensor slopes = e.after.slopes;
+  fa_options fo = kv_options(c, FA_BACKEND_CPU_REFERENCE);
+  if (c.alibi) fo.alibi_slopes = slopes.view();
+  HostTensor out_exact({rows_q, c.heads_q, d}, FA_FLOAT32), lse_exact({c.heads_q, rows_q}, FA_FLOAT32);
+  const Status fs = flashattn::forward(forward_args(q_exact, k_exact, v_exact, out_exact, &lse_exact), fo);
+  EXPECT_TRUE(fs.ok()) << "oracle: " << fs.to_string();
+  e.out64 = out_exact.to_double();
+  e.lse64.assign(size_t(c.batch) * c.heads_q * c.seqlen_q, 0.0);
+  for (int b = 0; b < c.batch; ++b)
+    for (int h = 0; h < c.heads_q; ++h)
+      for (int i = 0; i < c.seqlen_q; ++i)
+        e.lse64[(size_t(b) * c.heads_q + h) * c.seqlen_q + i] = lse_exact.get(int64_t(h) * rows_q + b * c.seqlen_q + i);
+  HostTensor out_naive({rows_q, c.heads_q, d}, c.dtype);
+  flashattn::AttentionParams p;
+  const Status v = flashattn::api::make_forward_params(forward_args(q_naive, k_naive, v_naive, out_naive, nullptr), fo, &p);
+  EXPECT_TRUE(v.ok()) << v.to_string();
+  EXPECT_TRUE(flashattn::cpu::reference::forward_naive_same_precision(p).ok());
+  e.naive_out = out_naive.to_double();
+  return e;
+}
+
+#if defined(FLASHATTN_WITH_CUDA)
+// Device copies of a case's host tensors (whole storage, strides and padding included).
+class DeviceKv {
+ public:
+  explicit DeviceKv(KvTensors& t) : t_(t) {
+    for (HostTensor* h : {&t.q, &t.k_cache, &t.v_cache, &t.block_table, &t.cache_seqlens, &t.k_new, &t.v_new, &t.cos, &t.sin,
+                          &t.out, &t.lse, &t.slopes})
+      if (present(*h)) upload(h);
+  }
+  ~DeviceKv() {
+    for (auto& [host, device] : buffers_) cudaFree(device);
+  }
+  DeviceKv(const DeviceKv&) = delete;
+  DeviceKv& operator=(const DeviceKv&) = delete;
+  void* device(const HostTensor& t) { return buffers_.at(&t); }
+  fa_tensor view(HostTensor& t) { return t.view_on(device(t), FA_DEVICE_CUDA, 0); }
+  fa_kvcache_args args() {
+    fa_kvcache_args a = t_.args();
+    a.q = view(t_.q);
+    a.k_cache = view(t_.k_cache);
+    a.v_cache = view(t_.v_cache);
+    if (present(t_.block_table)) a.block_table = view(t_.block_table);
+    a.cache_seqlens = view(t_.cache_seqlens);
+    if (present(t_.k_new)) {
+      a.k_new = view(t_.k_new);
+      a.v_new = view(t_.v_new);
+    }
+    if (present(t_.cos)) {
+      a.rotary_cos = view(t_.cos);
+      a.rotary_sin = view(t_.sin);
+    }
+    a.out = view(t_.out);
+    a.lse = view(t_.lse);
+    return a;
+  }
+  fa_options options(const KvCase& c) {
+    fa_options o = kv_options(c, FA_BACKEND_CUDA);
+    if (c.alibi) o.alibi_slopes = view(t_.slopes);
+    return o;
+  }
+  void upload(HostTensor* t) {
+    void*& device = buffers_[t];
+    if (device == nullptr) {
+      ASSERT_EQ(cudaMalloc(&device, size_t(std::max<int64_t>(t->storage_bytes(), 16))), cudaSuccess);
+    }
+    ASSERT_EQ(cudaMemcpy(device, t->data(), size_t(t->storage_bytes()), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  void download(HostTensor& t) {
+    EXPECT_EQ(cudaMemcpy(t.data(), buffers_.at(&t), size_t(t.storage_bytes()), cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+  void download_results() {
+    for (HostTensor* h : {&t_.out, &t_.lse, &t_.k_cache, &t_.v_cache}) download(*h);
+  }
+
+ private:
+  KvTensors& t_;
+  std::map<const HostTensor*, void*> buffers_;
+};
+
+Status synchronize(Status s) {
+  const cudaError_t sync = cudaDeviceSynchronize();
+  if (sync != cudaSuccess) return Status(FA_ERROR_DEVICE, std::string("kernel failed: ") + cudaGetErrorString(sync));
+  return s;
+}
+
+// Runs the case on the GPU into t (out, lse and both caches downloaded).
+Status run_gpu(const KvCase& c, KvTensors& t, fa_stats* stats = nullptr) {
+  DeviceKv d(t);
+  fa_kvcache_args a = d.args();
+  a.num_splits = c.num_splits;
+  fa_options o = d.options(c);
+  o.stats = stats;
+  const Status s = synchronize(flashattn::kvcache(a, o));
+  d.download_results();
+  return s;
+}
+
+// Sets an environment variable for a scope.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
+  ~ScopedEnv() { unsetenv(name_); }
+
+ private:
+  const char* name_;
+};
+#else
+Status run_gpu(const KvCase&, KvTensors&, fa_stats* = nullptr) { return Status(FA_ERROR_NOT_COMPILED, "no CUDA in this build"); }
+#endif
+
+// The same call on a CPU backend (host tensors): checks this file's oracle machinery where no GPU exists.
+Status run_host(fa_backend backend, const KvCase& c, KvTensors& t, fa_stats* stats = nullptr) {
+  fa_kvcache_args a = t.args();
+  a.num_splits = c.num_splits;
+  fa_options o = kv_options(c, backend);
+  if (c.alibi) o.alibi_slopes = t.slopes.view();
+  o.stats = stats;
+  return flashattn::kvcache(a, o);
+}
+
+// The verdict on a run's out / lse and appended caches: the caches bit for bit, out under the tolerance rule,
+// lse within 1e-3 relative with the same -inf rows and no NaN.
+::testing::AssertionResult judge(const std::string& label, const KvCase& c, const KvTensors& got, const Expected& e) {
+  if (!same_bytes(got.k_cache, e.after.k_cache))
+    return ::testing::AssertionFailure() << label << ": k_cache after the append differs from the reference";
+  if (!same_bytes(got.v_cache, e.after.v_cache))
+    return ::testing::AssertionFailure() << label << ": v_cache after the append differs from the reference";
+  const fa_test::ErrorStats out = fa_test::compare(got.out.to_double(), e.out64);
+  const fa_test::ErrorStats naive = fa_test::compare(e.naive_out, e.out64);
+  const ::testing::AssertionResult out_ok = fa_test::within_tolerance(label + " out", c.dtype, out, &naive);
+  if (!out_ok) return out_ok;
+  const fa_test::ErrorStats lse = fa_test::compare(got.lse.to_double(), e.lse64);
+  if (lse.nan != 0 || lse.mismatched_inf != 0 || lse.rel_l2 > 1e-3)
+    return ::testing::AssertionFailure() << label << " lse (NaN, -inf rows or error): " << lse.to_string();
+  return ::testing::AssertionSuccess();
+}
+
+void expect_matches(const std::string& what, const KvCase& c, const KvTensors& got, const Expected& e, const std::string& kernel) {
+  EXPECT_TRUE(judge(what + " [" + c.to_string() + "] " + kernel, c, got, e));
+}
+
+// Fresh inputs, a run (on the GPU unless told otherwise), oracle, comparison.
+void check_case(const std::string& what, const KvCase& c, fa_backend backend = FA_BACKEND_CUDA) {
+  auto rng = fa_test::make_rng(what + c.to_string());
+  const KvTensors pristine = make_kv(c, rng);
+  const Expected e = expected_for(c, pristine);
+  KvTensors t = pristine;
+  fa_stats stats{};
+  const Status s = backend == FA_BACKEND_CUDA ? run_gpu(c, t, &stats) : run_host(backend, c, t, &stats);
+  ASSERT_TRUE(s.ok()) << what << " [" << c.to_string() << "]: " << s.to_string();
+  if (c.num_splits > 0) {
+    EXPECT_EQ(stats.num_splits, c.num_splits);
+  }
+  expect_matches(what, c, t, e, stats.kernel);
+}
+
+// The oracle machinery of this file, checked where no GPU is needed: it accepts the CPU flash backend's
+// results on the kinds of case the GPU tests use, and rejects a result with one row off, or a cache append
+// off by one bit.
+TEST(CudaKvcacheHarness, JudgesTheCpuFlashBackend) {
+  KvCase rotary;
+  rotary.rotary = 1;
+  rotary.rotary_dim = 32;
+  rotary.causal = true;
+  rotary.seqlen_q = 3;
+  rotary.seqlen_new = 3;
+  rotary.block_size = 16;
+  KvCase split = rotary;
+  split.rotary = 2;
+  split.rotary_dim = 0;
+  split.num_splits = 3;
+  split.dtype = FA_FLOAT16;
+  split.block_size = 3;
+  KvCase options;
+  options.alibi = true;
+  options.softcap = 3.f;
+  options.window_left = 40;
+  options.window_right = 1;
+  options.seqlen_q = 2;
+  options.seqlen_new = 2;
+  options.cache_row_pad = 8;
+  options.head_dim = 64;
+  KvCase empty;
+  empty.batch = 3;
+  empty.cached = {0, 1, 0};
+  for (const KvCase& c : {rotary, split, options, empty}) check_case("harness", c, FA_BACKEND_CPU_FLASH);
+
+  auto rng = fa_test::make_rng("harness negative");
+  const KvTensors pristine = make_kv(rotary, rng);
+  const Expected e = expected_for(rotary, pristine);
+  KvTensors t = pristine;
+  ASSERT_TRUE(run_host(FA_BACKEND_CPU_FLASH, rotary, t).ok());
+  ASSERT_TRUE(judge("cpu_flash", rotary, t, e));
+  KvTensors wrong_row = t;  // one output row taken from the neighbouring head (a head-mapping bug)
+  for (int x = 0; x < rotary.head_dim; ++x) wrong_row.out.set(x, t.out.get(rotary.head_dim + x));
+  EXPECT_FALSE(judge("one row from the wrong head", rotary, wrong_row, e));
+  KvTensors wrong_lse = t;
+  wrong_lse.lse.set(0, t.lse.get(0) + 0.5);
+  EXPECT_FALSE(judge("lse off", rotary, wrong_lse, e));
+  KvTensors wrong_cache = t;  // an appended key one bit off
+  const int64_t at = cache_index(rotary, t, 1, rotary.cached[1], 0, 5);
+  const uint16_t bits = static_cast<const uint16_t*>(t.k_cache.data())[t.k_cache.offset_of(at)];
+  static_cast<uint16_t*>(wrong_cache.k_cache.data())[wrong_cache.k_cache.offset_of(at)] = uint16_t(bits ^ 1u);
+  EXPECT_FALSE(judge("appended key one bit off", rotary, wrong_cache, e));
+}
+
+TEST(CudaKvcache, DecodeContiguousAndPaged) {
+  SKIP_WITHOUT_GPU();
+  for (const int block_size : {0, 1, 3, 16, 256})
+    for (const int heads_k : {2, 1, 8}) {  // GQA 4, MQA 8, MHA
+      KvCase c;
+      c.block_size = block_size;
+      c.heads_k = heads_k;
+      c.seqlen_new = 1;
+      check_case("decode", c);
+      c.causal = true;
+      c.cached = {1000, 17};
+      c.capacity = 1100;
+      check_case("decode causal", c);
+    }
+}
+
+TEST(CudaKvcache, HeadDimsAndDtypes) {
+  SKIP_WITHOUT_GPU();
+  for (const fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
+    for (const int d : {32, 64, 80, 96, 128, 192, 256}) {
+      KvCase c;
+      c.dtype = dtype;
+      c.head_dim = d;
+      c.cached = {1000, 127};
+      c.capacity = 1030;
+      c.seqlen_new = 2;
+      c.seqlen_q = 2;
+      c.causal = true;
+      c.block_size = 16;
+      check_case("head dims", c);
+    }
+}
+
+TEST(CudaKvcache, OptionsAndShapes) {
+  SKIP_WITHOUT_GPU();
+  KvCase base;
+  base.seqlen_q = 7;
+  base.seqlen_new = 7;
+  base.block_size = 3;
+  std::vector<KvCase> cases(12, base);
+  cases[0].causal = true;
+  cases[1].window_left = 20;
+  cases[1].window_right = 0;
+  cases[2].softcap = 2.f;
+  cases[2].input_std = 4.0;
+  cases[3].alibi = true;
+  cases[3].causal = true;
+  cases[4].heads_k = 8;  // MHA
+  cases[4].input_std = 4.0;  // peaky
+  cases[5].heads_q = 16;  // GQA 16 (one full m-block per query)
+  cases[5].heads_k = 1;
+  cases[5].seqlen_q = 1;
+  cases[5].seqlen_new = 1;
+  cases[6].seqlen_q = 70;  // chunked prefill: many m-blocks
+  cases[6].seqlen_new = 70;
+  cases[6].causal = true;
+  cases[7].window_left = 5;  // a window smaller than the new chunk: rows see disjoint key ranges
+  cases[7].window_right = 3;
+  cases[7].block_size = 0;
+  cases[8].softmax_scale = -0.2f;  // a negative scale flips the max
+  cases[9].cached = {0, 4097};      // odd lengths, a long one that splits
+  cases[9].capacity = 4200;
+  cases[9].block_size = 16;
+  cases[10].block_size = 0;  // a strided (row-padded) contiguous cache
+  cases[10].cache_row_pad = 24;
+  cases[11].seqlen_q = 5;  // speculative decoding: 5 new tokens, non-causal (all see all keys)
+  cases[11].seqlen_new = 5;
+  for (const KvCase& c : cases) check_case("options", c);
+}
+
+TEST(CudaKvcache, RotaryHalvesAndInterleaved) {
+  SKIP_WITHOUT_GPU();
+  for (const int rotary : {1, 2})
+    for (const int rotary_dim : {0, 32})
+      for (const bool causal : {false, true})
+        for (const fa_dtype dtype : {FA_BFLOAT16, FA_FLOAT16}) {
+          KvCase c;
+          c.dtype = dtype;
+          c.rotary = rotary;
+          c.rotary_dim = rotary_dim;
+          c.causal = causal;
+          c.seqlen_q = 4;
+          c.seqlen_new = 4;
+          c.block_size = causal ? 16 : 0;
+          check_case("rotary", c);
+        }
+  KvCase windowed;  // windows give per-token positions too
+  windowed.rotary = 2;
+  windowed.seqlen_q = 3;
+  windowed.seqlen_new = 5;
+  windowed.window_left = 50;
+  windowed.window_right = 2;
+  check_case("rotary window", windowed);
+}
+
+// The same keys in a contiguous cache and in paged caches of several block sizes give bit-identical results
+// with the same split count (the same arithmetic in the same order).
+TEST(CudaKvcache, PagedEqualsContiguousBitwise) {
+  SKIP_WITHOUT_GPU();
+  for (const int splits : {1, 3}) {
+    KvCase c;
+    c.cached = {700, 1500};
+    c.capacity = 1536;
+    c.seqlen_new = 2;
+    c.seqlen_q = 2;
+    c.causal = true;
+    c.rotary = 1;
+    c.num_splits = splits;
+    auto rng = fa_test::make_rng("paged=contiguous");
+    const KvTensors source = make_kv(c, rng);
+    KvTensors contiguous = source;
+    ASSERT_TRUE(run_gpu(c, contiguous).ok());
+    for (const int block_size : {16, 256, 3}) {
+      KvCase pc = c;
+      pc.block_size = block_size;
+      KvTensors paged = make_kv(pc, rng);  // its own shuffled block table; then the contiguous case's values
+      paged.q = source.q;
+      paged.k_new = source.k_new;
+      paged.v_new = source.v_new;
+      paged.cos = source.cos;
+      paged.sin = source.sin;
+      for (int b = 0; b < c.batch; ++b)
+        for (int j = 0; j < c.capacity; ++j)
+          for (int hk = 0; hk < c.heads_k; ++hk)
+            for (int x = 0; x < c.head_dim; ++x) {
+              paged.k_cache.set(cache_index(pc, paged, b, j, hk, x), source.k_cache.get(cache_index(c, source, b, j, hk, x)));
+              paged.v_cache.set(cache_index(pc, paged, b, j, hk, x), source.v_cache.get(cache_index(c, source, b, j, hk, x)));
+            }
+      ASSERT_TRUE(run_gpu(pc, paged).ok());
+      EXPECT_TRUE(same_bytes(paged.out, contiguous.out)) << "block size " << block_size << ", " << splits << " splits: out";
+      EXPECT_TRUE(same_bytes(paged.lse, contiguous.lse)) << "block size " << block_size << ", " << splits << " splits: lse";
+      for (int b = 0; b < c.batch; ++b)  // the appended rows landed in the right blocks
+        for (int j = c.cached[size_t(b)]; j < c.cached[size_t(b)] + c.seqlen_new; ++j)
+          for (int x = 0; x < c.heads_k * c.head_dim; ++x)
+            ASSERT_EQ(paged.k_cache.get(cache_index(pc, paged, b, j, x / c.head_dim, x % c.head_dim)),
+                      contiguous.k_cache.get(cache_index(c, contiguous, b, j, x / c.head_dim, x % c.head_dim)))
+                << "block size " << block_size << " sequence " << b << " row " << j;
+    }
+  }
+}
+
+// Every split count gives the oracle's attention within tolerance, and nearly the unsplit result.
+TEST(CudaKvcache, EverySplitCountAgrees) {
+  SKIP_WITHOUT_GPU();
+  for (const int block_size : {0, 16}) {
+    KvCase c;
+    c.batch = 1;
+    c.heads_q = 8;
+    c.heads_k = 2;
+    c.capacity = 5000;
+    c.cached = {4097};
+    c.seqlen_new = 3;
+    c.seqlen_q = 3;
+    c.causal = true;
+    c.block_size = block_size;
+    auto rng = fa_test::make_rng("splits");
+    const KvTensors pristine = make_kv(c, rng);
+    const Expected e = expected_for(c, pristine);
+    HostTensor out1;
+    for (const int splits : {1, 2, 3, 4, 5, 8, 13, 33, 64, 200}) {
+      KvCase sc = c;
+      sc.num_splits = splits;
+      KvTensors t = pristine;
+      fa_stats stats{};
+      ASSERT_TRUE(run_gpu(sc, t, &stats).ok()) << splits;
+      EXPECT_EQ(stats.num_splits, splits);
+      expect_matches("splits " + std::to_string(splits), sc, t, e, stats.kernel);
+      if (splits == 1) {
+        out1 = t.out;
+        continue;
+      }
+      // Only the fp32 summation order differs: the outputs agree to about one 16-bit rounding step.
+      EXPECT_LE(fa_test::compare(t.out, out1).rel_l2, 8e-3) << splits << " splits vs 1";
+    }
+  }
+}
+
+// Sequences of length 0 (nothing cached, nothing appended: out = 0, lse = -inf) and 1.
+TEST(CudaKvcache, EmptyAndSingleKeySequences) {
+  SKIP_WITHOUT_GPU();
+  for (const int splits : {0, 1, 4}) {
+    KvCase c;
+    c.batch = 3;
+    c.cached = {0, 1, 0};
+    c.num_splits = splits;
+    check_case("lengths 0 and 1", c);
+    auto rng = fa_test::make_rng("empty");
+    KvTensors t = make_kv(c, rng);
+    ASSERT_TRUE(run_gpu(c, t).ok());
+    for (const int b : {0, 2})
+      for (int h = 0; h < c.heads_q; ++h) {
+        EXPECT_EQ(t.lse.get(int64_t(b) * c.heads_q + h), kNegInf);
+        for (int x = 0; x < c.head_dim; ++x) ASSERT_EQ(t.out.get((int64_t(b) * c.heads_q + h) * c.head_dim + x), 0.0);
+      }
+    c.seqlen_new = 1;  // the append alone gives each sequence 1 or 2 keys
+    c.block_size = 1;
+    check_case("appended to empty", c);
+  }
+}
+
+// Read-only: a block table with repeated and out-of-order blocks (several sequences share blocks).
+TEST(CudaKvcache, RepeatedAndOutOfOrderBlocks) {
+  SKIP_WITHOUT_GPU();
+  for (const int block_size : {16, 3, 64}) {
+    KvCase c;
+    c.batch = 4;
+    c.cached = {400, 1, 257, 333};
+    c.block_size = block_size;
+    c.repeat_blocks = true;
+    c.num_splits = block_size == 3 ? 5 : 0;
+    check_case("repeated blocks", c);
+  }
+}
+
+#if defined(FLASHATTN_WITH_CUDA)
+// A bad block id (in the append's target block of sequence 1) and an overflowing cache_seqlens (sequence 2).
+KvCase invalid_case() {
+  KvCase c;
+  c.batch = 3;
+  c.cached = {100, 200, 390};
+  c.capacity = 400;
+  c.seqlen_new = 1;
+  c.block_size = 16;
+  return c;
+}
+void break_indices(const KvCase& c, KvTensors& t) {
+  const int64_t columns = t.block_table.shape()[1];
+  t.block_table.set_int(1 * columns + (c.cached[1] / c.block_size), -1);
+  t.cache_seqlens.set_int(2, c.capacity);  // capacity + S_new > capacity
+}
+
+// Default mode: the call returns OK (it cannot read device memory), writes nothing through the bad entries,
+// gives NaN for the broken sequences, and the right result for the others.
+TEST(CudaKvcache, InvalidIndicesDefaultMode) {
+  SKIP_WITHOUT_GPU();
+  for (const int splits : {1, 4}) {
+    KvCase c = invalid_case();
+    c.num_splits = splits;
+    auto rng = fa_test::make_rng("invalid");
+    const KvTensors valid = make_kv(c, rng);
+    KvTensors bad = valid;
+    break_indices(c, bad);
+    KvTensors good = valid;
+    ASSERT_TRUE(run_gpu(c, good).ok());
+    const KvTensors pristine_bad = bad;
+    ASSERT_TRUE(run_gpu(c, bad).ok()) << "the default mode cannot see device indices";
+    // Caches: exactly sequence 0's appended row changed.
+    KvTensors expect = pristine_bad;
+    for (int hk = 0; hk < c.heads_k; ++hk)
+      for (int x = 0; x < c.head_dim; ++x) {
+        const int64_t at = cache_index(c, valid, 0, c.cached[0], hk, x);
+        expect.k_cache.set(at, good.k_cache.get(at));
+        expect.v_cache.set(at, good.v_cache.get(at));
+      }
+    EXPECT_TRUE(same_bytes(bad.k_cache, expect.k_cache)) << "k_cache written through a bad entry";
+    EXPECT_TRUE(same_bytes(bad.v_cache, expect.v_cache)) << "v_cache written through a bad entry";
+    const int64_t per_seq = int64_t(c.seqlen_q) * c.heads_q * c.head_dim;
+    for (int64_t x = 0; x < per_seq; ++x) {
+      ASSERT_EQ(bad.out.get(x), good.out.get(x)) << "sequence 0 changed at " << x;
+      ASSERT_TRUE(std::isnan(bad.out.get(per_seq + x))) << "sequence 1 (bad block id) not NaN at " << x;
+      ASSERT_TRUE(std::isnan(bad.out.get(2 * per_seq + x))) << "sequence 2 (overflow) not NaN at " << x;
+    }
+    for (int h = 0; h < c.heads_q; ++h) {
+      EXPECT_EQ(bad.lse.get(h), good.lse.get(h));
+      EXPECT_TRUE(std::isnan(bad.lse.get(c.heads_q + h)));
+      EXPECT_TRUE(std::isnan(bad.lse.get(2 * c.heads_q + h)));
+    }
+  }
+}
+
+// Checked mode: a clear error naming the entry, before any write (caches and the poisoned out untouched).
+TEST(CudaKvcache, InvalidIndicesCheckedMode) {
+  SKIP_WITHOUT_GPU();
+  ScopedEnv check("FLASHATTN_KVCACHE_CHECK", "1");
+  KvCase c = invalid_case();
+  auto rng = fa_test::make_rng("checked");
+  KvTensors t = make_kv(c, rng);
+  break_indices(c, t);
+  const KvTensors before = t;
+  Status s = run_gpu(c, t);
+  EXPECT_EQ(s.code(), FA_ERROR_INVALID_ARGUMENT) << s.to_string();
+  const std::string expected_id = "block_table: entry (1, " + std::to_string(c.cached[1] / c.block_size) + ") = -1 is not a block id in [0, ";
+  EXPECT_EQ(s.message().rfind(expected_id, 0), 0u) << s.message();
+  EXPECT_TRUE(same_bytes(t.k_cache, before.k_cache) && same_bytes(t.v_cache, before.v_cache)) << "cache written";
+  EXPECT_TRUE(same_bytes(t.out, before.out) && same_bytes(t.lse, before.lse)) << "out / lse written";
+  // Only the overflow left: it is named.
+  t = before;
+  t.block_table = make_kv(c, rng).block_table;
+  s = run_gpu(c, t);
+  EXPECT_EQ(s.code(), FA_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(s.message().rfind("cache_seqlens: entry 2 = 400 plus S_new = 1 must be in [0, 400]", 0), 0u) << s.message();
+  EXPECT_TRUE(same_bytes(t.k_cache, before.k_cache)) << "cache written";
+  // And a valid call passes the check and computes.
+  KvCase ok = c;
+  check_case("checked mode, valid", ok);
+}
+
+// Plan once, then run with the planned workspace: no allocation, and the call captures into a CUDA graph that
+// replays correctly after the inputs (cache_seqlens, q, new rows) change in place.
+TEST(CudaKvcache, PlanWorkspaceAndCudaGraph) {
+  SKIP_WITHOUT_GPU();
+  KvCase c;
+  c.batch = 2;
+  c.heads_q = 32;
+  c.heads_k = 8;
+  c.capacity = 8192;
+  c.cached = {8000, 3000};
+  c.seqlen_new = 1;
+  c.block_size = 16;
+  c.rotary = 1;
+  auto rng = fa_test::make_rng("graph");
+  KvTensors t = make_kv(c, rng);
+  const KvTensors pristine = t;
+  DeviceKv d(t);
+  fa_kvcache_args a = d.args();
+  fa_options o = d.options(c);
+  fa_kvcache_plan plan{};
+  ASSERT_TRUE(flashattn::kvcache_plan(a, o, &plan).ok());
+  EXPECT_GT(plan.num_splits, 1) << "2 x 8 K/V heads on a GPU with many SMs: split-KV expected";
+  EXPECT_GT(plan.workspace_bytes, 0);
+  void* workspace = nullptr;
+  ASSERT_EQ(cudaMalloc(&workspace, size_t(plan.workspace_bytes) + 1), cudaSuccess);
+  a.num_splits = plan.num_splits;
+  a.workspace = fa_tensor_contiguous(static_cast<char*>(workspace) + 1, 1, &plan.workspace_bytes, FA_UINT8, FA_DEVICE_CUDA, 0);
+  // Too small a workspace is an error naming it.
+  fa_kvcache_args small = a;
+  small.workspace.shape[0] = plan.workspace_bytes - 1;
+  Status s = flashattn::kvcache(small, o);
+  EXPECT_EQ(s.code(), FA_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(s.message().rfind("workspace:", 0), 0u) << s.message();
+
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  o.stream = stream;
+  fa_stats stats{};
+  o.stats = &stats;
+  // The checked mode cannot be captured: a clear error, and the capture is abandoned cleanly.
+  {
+    ScopedEnv check("FLASHATTN_KVCACHE_CHECK", "1");
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    s = flashattn::kvcache(a, o);
+    cudaGraph_t abandoned = nullptr;
+    cudaStreamEndCapture(stream, &abandoned);
+    if (abandoned) cudaGraphDestroy(abandoned);
+    cudaGetLastError();
+    EXPECT_EQ(s.code(), FA_ERROR_UNSUPPORTED) << s.to_string();
+    EXPECT_NE(s.message().find("FLASHATTN_KVCACHE_CHECK"), std::string::npos) << s.message();
+  }
+  // One eager step first (kernel attributes are set on a first launch, outside any capture); the graph's
+  // first replay then appends the same rows again.
+  ASSERT_TRUE(synchronize(flashattn::kvcache(a, o)).ok());
+  EXPECT_EQ(stats.scratch_bytes_peak, 0) << "allocated despite the planned workspace";
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  s = flashattn::kvcache(a, o);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(stats.scratch_bytes_peak, 0) << "allocated despite the planned workspace";
+  EXPECT_EQ(stats.num_splits, plan.num_splits);
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+
+  // Two decode steps through the same graph: step 2 appends at the next position with new q / k / v.
+  KvTensors step_input = pristine;
+  for (int step = 0; step < 2; ++step) {
+    KvCase sc = c;
+    if (step == 1) {
+      for (int b = 0; b < c.batch; ++b) sc.cached[size_t(b)] = c.cached[size_t(b)] + 1;
+      KvTensors fresh = make_kv(sc, rng);
+      step_input.cache_seqlens = fresh.cache_seqlens;
+      step_input.q = fresh.q;
+      step_input.k_new = fresh.k_new;
+      step_input.v_new = fresh.v_new;
+      t.cache_seqlens = step_input.cache_seqlens;
+      t.q = step_input.q;
+      t.k_new = step_input.k_new;
+      t.v_new = step_input.v_new;
+      for (HostTensor* h : {&t.cache_seqlens, &t.q, &t.k_new, &t.v_new}) d.upload(h);
+    }
+    t.out.poison();
+    t.lse.poison();
+    d.upload(&t.out);
+    d.upload(&t.lse);
+    const Expected e = expected_for(sc, step_input);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    d.download_results();
+    expect_matches("graph step " + std::to_string(step), sc, t, e, stats.kernel);
+    step_input.k_cache = e.after.k_cache;  // the next step starts from the appended cache
+    step_input.v_cache = e.after.v_cache;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+
+  // Without a workspace the call allocates the plan's bytes itself (stream-ordered) and says so.
+  fa_kvcache_args own = d.args();
+  fa_options eager = d.options(c);
+  eager.stats = &stats;
+  ASSERT_TRUE(synchronize(flashattn::kvcache(own, eager)).ok());
+  EXPECT_EQ(stats.scratch_bytes_peak, plan.workspace_bytes);
+  cudaStreamDestroy(stream);
+  cudaFree(workspace);
+}
+
+// What the CUDA kvcache does not do is an error naming the argument, before any device work.
+TEST(CudaKvcache, UnsupportedConfigurations) {
+  SKIP_WITHOUT_GPU();
+  KvCase c;
+  auto rng = fa_test::make_rng("unsupported");
+  auto expect_error = [&](KvCase kc, fa_status code, const std::string& prefix, float dropout = 0.f, int byte_offset = 0) {
+    KvTensors t = make_kv(kc, rng);
+    DeviceKv d(t);
+    fa_kvcache_args a = d.args();
+    a.k_cache.data = static_cast<char*>(a.k_cache.data) + byte_offset;
+    fa_options o = d.options(kc);
+    o.dropout_p = dropout;
+    const Status s = flashattn::kvcache(a, o);
+    EXPECT_EQ(s.code(), code) << s.to_string();
+    EXPECT_EQ(s.message().rfind(prefix, 0), 0u) << s.message();
+  };
+  KvCase f32 = c;
+  f32.dtype = FA_FLOAT32;
+  expect_error(f32, FA_ERROR_UNSUPPORTED, "q: dtype float32 is not supported by the cuda kvcache kernels");
+  expect_error(c, FA_ERROR_UNSUPPORTED, "options.dropout_p:", 0.1f);
+  KvCase d36 = c;
+  d36.head_dim = 36;
+  expect_error(d36, FA_ERROR_UNSUPPORTED, "q: head dim 36 must be a multiple of 8");
+  KvCase d264 = c;
+  d264.head_dim = 264;
+  expect_error(d264, FA_ERROR_NOT_COMPILED, "q: head dim 264 is not compiled for the cuda kvcache");
+  expect_error(c, FA_ERROR_UNSUPPORTED, "k_cache: data pointer must be 16-byte aligned", 0.f, 8);
+}
+#endif
+
+}  // namespace

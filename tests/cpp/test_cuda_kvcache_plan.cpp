@@ -1,0 +1,345 @@
+// Host side of the CUDA KV-cache (decode) path, without a GPU: the work partition shared by the kernels
+// (decode_work.hpp), the split heuristic and workspace layout (decode_plan.hpp), the CUDA-specific rules and
+// their messages, and the decode rows of the generated kernel table.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/mask.hpp"
+#include "cuda/decode/decode_plan.hpp"
+#include "cuda/decode/decode_work.hpp"
+#include "cuda/dispatch.hpp"
+#include "cuda/generated/kernel_table.hpp"
+#include "testing.hpp"
+
+namespace {
+
+using flashattn::KvcacheParams;
+using flashattn::Status;
+using flashattn::WindowMask;
+using flashattn::cuda::DeviceLimits;
+using flashattn::cuda::KernelEntry;
+using flashattn::cuda::KernelKind;
+namespace decode = flashattn::cuda::decode;
+
+// H200: 132 SMs, 228 KiB of shared memory per SM (227 KiB per block); A100: 108 SMs, 164 / 163 KiB.
+decode::DecodeDevice h200() { return decode::DecodeDevice{0, 9, 0, 132, 227 * 1024, 228 * 1024}; }
+decode::DecodeDevice a100() { return decode::DecodeDevice{0, 8, 0, 108, 163 * 1024, 164 * 1024}; }
+DeviceLimits limits_of(const decode::DecodeDevice& d) { return DeviceLimits{d.device, d.sm_major, d.sm_minor, d.smem_per_block_optin}; }
+
+// A valid decode call's params (what validate.cpp would produce), with fake 16-byte aligned device pointers.
+KvcacheParams decode_params(int batch, int seqlen_q, int heads_q, int heads_k, int head_dim, int capacity) {
+  alignas(256) static char fake[256];
+  KvcacheParams p{};
+  p.dtype = FA_BFLOAT16;
+  p.device = FA_DEVICE_CUDA;
+  p.batch = batch;
+  p.seqlen_q = seqlen_q;
+  p.seqlen_k = capacity;
+  p.heads_q = heads_q;
+  p.heads_k = heads_k;
+  p.head_dim = p.head_dim_v = head_dim;
+  p.q = p.k = p.v = p.out = fake;
+  p.q_head_stride = p.out_head_stride = head_dim;
+  p.q_row_stride = p.out_row_stride = int64_t(heads_q) * head_dim;
+  p.q_batch_stride = p.out_batch_stride = int64_t(seqlen_q) * heads_q * head_dim;
+  p.k_head_stride = p.v_head_stride = head_dim;
+  p.k_row_stride = p.v_row_stride = int64_t(heads_k) * head_dim;
+  p.k_batch_stride = p.v_batch_stride = int64_t(capacity) * heads_k * head_dim;
+  p.cache_seqlens = reinterpret_cast<const int32_t*>(fake);
+  p.softmax_scale = 0.125f;
+  p.window_left = p.window_right = -1;
+  return p;
+}
+
+const KernelEntry& decode_kernel_for(const KvcacheParams& p, const decode::DecodeDevice& device) {
+  namespace gen = flashattn::cuda::generated;
+  int index = -1;
+  const Status s = choose_kernel(KernelKind::kKvcache, p, limits_of(device), gen::kKernelTable, gen::kKernelCount,
+                                 "80-real 90a-real", &index);
+  EXPECT_TRUE(s.ok()) << s.message();
+  return gen::kKernelTable[index < 0 ? 0 : index];
+}
+
+// Every used split is a non-empty run of whole tiles; together they cover the visible tiles exactly once, in
+// order; a split past `used` is empty; runs are per_split long except the last.
+TEST(CudaKvcachePlan, SplitWorkPartitionsTheKeyTiles) {
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 20000; ++trial) {
+    const int block_n = trial % 2 ? 64 : 128;
+    const int key_begin = int(rng() % 3000), key_end = key_begin + int(rng() % 9000) - 100;
+    const int num_splits = 1 + int(rng() % 200), min_tiles = 1 + int(rng() % 4);
+    const decode::SplitWork first = decode::split_work(key_begin, key_end, block_n, num_splits, min_tiles, 0);
+    if (key_end <= key_begin) {
+      EXPECT_EQ(first.used, 0);
+      continue;
+    }
+    const int tile0 = key_begin / block_n, tiles = (key_end - 1) / block_n - tile0 + 1;
+    ASSERT_GE(first.used, 1);
+    ASSERT_LE(first.used, num_splits);
+    ASSERT_LE(first.used, tiles);
+    int next = tile0;
+    for (int s = 0; s < first.used + 2; ++s) {
+      const decode::SplitWork w = decode::split_work(key_begin, key_end, block_n, num_splits, min_tiles, s);
+      ASSERT_EQ(w.used, first.used);
+      if (s >= w.used) {
+        EXPECT_EQ(w.tile_end - w.tile_begin, 0) << "split " << s << " past used " << w.used;
+        continue;
+      }
+      ASSERT_EQ(w.tile_begin, next) << "gap or overlap at split " << s;
+      ASSERT_GT(w.tile_end, w.tile_begin) << "empty used split " << s;
+      if (s + 1 < w.used) {
+        EXPECT_GE(w.tile_end - w.tile_begin, min_tiles);
+      }
+      next = w.tile_end;
+    }
+    EXPECT_EQ(next, tile0 + tiles) << "the splits do not reach the last visible tile";
+  }
+}
+
+// Short sequences use fewer, longer splits (min_tiles_per_split), long ones all that were planned.
+TEST(CudaKvcachePlan, ShortSequencesUseFewerSplits) {
+  EXPECT_EQ(decode::split_work(0, 64 * 1000, 64, 32, 2, 0).used, 32);
+  EXPECT_EQ(decode::split_work(0, 64 * 10, 64, 32, 2, 0).used, 5);
+  EXPECT_EQ(decode::split_work(0, 64 * 10, 64, 32, 1, 0).used, 10);
+  EXPECT_EQ(decode::split_work(0, 1, 64, 32, 2, 0).used, 1);
+  EXPECT_EQ(decode::split_work(5, 5, 64, 32, 2, 0).used, 0);
+}
+
+// The packed rows r = i * G + g of the m-blocks cover [0, G * Sq) once, and each m-block's key range is the
+// union of its rows' visible ranges (brute force over WindowMask).
+TEST(CudaKvcachePlan, BlockRowsCoverPackedRowsAndTheirKeys) {
+  struct Shape {
+    int group, seqlen_q, seqlen_k, left, right;
+  };
+  const Shape shapes[] = {{4, 1, 1000, -1, -1}, {4, 70, 300, -1, 0},  {1, 33, 33, -1, 0},   {8, 5, 4097, 100, 0},
+                          {3, 17, 17, 2, 3},    {16, 2, 0, -1, -1},   {2, 9, 4, -1, 0},     {5, 40, 1000, 20, -1}};
+  for (const Shape& s : shapes) {
+    decode::DecodeArgs a{};
+    a.p.seqlen_q = s.seqlen_q;
+    a.p.window_left = s.left;
+    a.p.window_right = s.right;
+    a.group = s.group;
+    a.packed_rows = s.group * s.seqlen_q;
+    a.block_m = 16;
+    a.m_blocks = (a.packed_rows + 15) / 16;
+    const WindowMask mask(s.left, s.right, s.seqlen_q, s.seqlen_k);
+    int covered = 0;
+    for (int m = 0; m < a.m_blocks; ++m) {
+      const decode::BlockRows r = decode::block_rows(a, m, s.seqlen_k);
+      EXPECT_EQ(r.row_begin, covered);
+      covered += r.rows;
+      int lo = INT_MAX, hi = INT_MIN;
+      for (int row = r.row_begin; row < r.row_begin + r.rows; ++row) {
+        const int i = row / s.group;
+        EXPECT_GE(i, r.query_begin);
+        EXPECT_LT(i, r.query_end);
+        for (int j = 0; j < s.seqlen_k; ++j)
+          if (mask.visible(i, j)) lo = std::min(lo, j), hi = std::max(hi, j + 1);
+      }
+      if (lo == INT_MAX) {
+        EXPECT_LE(r.key_end, r.key_begin) << "m-block " << m << " sees no key";
+      } else {
+        EXPECT_EQ(r.key_begin, lo) << "m-block " << m;
+        EXPECT_EQ(r.key_end, hi) << "m-block " << m;
+      }
+    }
+    EXPECT_EQ(covered, a.packed_rows);
+  }
+}
+
+TEST(CudaKvcachePlan, CacheLengthRule) {
+  EXPECT_TRUE(decode::cache_length_ok(0, 0, 0));
+  EXPECT_TRUE(decode::cache_length_ok(399, 1, 400));
+  EXPECT_FALSE(decode::cache_length_ok(400, 1, 400));
+  EXPECT_FALSE(decode::cache_length_ok(-1, 0, 400));
+  EXPECT_FALSE(decode::cache_length_ok(INT_MAX, 5, INT_MAX));  // no int overflow
+}
+
+TEST(CudaKvcachePlan, OccupancyEstimate) {
+  EXPECT_EQ(decode::ctas_per_sm(100 * 1024, 128, h200()), 2);
+  EXPECT_EQ(decode::ctas_per_sm(136 * 1024, 128, h200()), 1);
+  EXPECT_EQ(decode::ctas_per_sm(100 * 1024, 128, a100()), 1);
+  EXPECT_EQ(decode::ctas_per_sm(1024, 128, h200()), decode::kMaxCtasPerSm);
+  EXPECT_EQ(decode::ctas_per_sm(1024, 1024, h200()), 2);  // 2048 threads per SM
+}
+
+TEST(CudaKvcachePlan, SplitHeuristic) {
+  const int64_t slots = 132 * 2;
+  // Enough CTAs without splitting: 1.
+  EXPECT_EQ(decode::choose_num_splits(256 * 8, slots, 2048), 1);
+  EXPECT_EQ(decode::choose_num_splits(int64_t(0.8 * slots) + 1, slots, 2048), 1);
+  // Batch 1, 8 K/V heads, long cache: enough splits for nearly full waves.
+  const int s = decode::choose_num_splits(8, slots, 2048);
+  EXPECT_GT(s, 16);
+  EXPECT_LE(s, decode::kMaxSplits);
+  const double waves = 8.0 * s / slots;
+  EXPECT_GE(waves / std::ceil(waves), decode::kWaveEfficiencyKept * 0.99) << s << " splits";
+  // A short cache caps the splits: each keeps kMinTilesPerSplit tiles.
+  EXPECT_EQ(decode::choose_num_splits(8, slots, 10), 10 / decode::kMinTilesPerSplit);
+  EXPECT_EQ(decode::choose_num_splits(8, slots, 1), 1);
+  EXPECT_EQ(decode::choose_num_splits(8, slots, 0), 1);
+  // Monotone in the batch: more sequences never need more splits.
+  int previous = decode::kMaxSplits;
+  for (int64_t ctas = 1; ctas <= 512; ctas *= 2) {
+    const int splits = decode::choose_num_splits(ctas, slots, 4096);
+    EXPECT_LE(splits, previous) << ctas << " CTAs";
+    previous = splits;
+  }
+}
+
+TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
+  // The issue's shape: 32 query heads, 8 K/V heads, D = 128, one new token, a 128k cache.
+  KvcacheParams p = decode_params(1, 1, 32, 8, 128, 131072);
+  const KernelEntry& kernel = decode_kernel_for(p, h200());
+  EXPECT_EQ(kernel.head_dim, 128);
+  decode::DecodePlan plan;
+  ASSERT_TRUE(decode::make_decode_plan(p, kernel, h200(), &plan).ok());
+  EXPECT_EQ(plan.m_blocks, 1) << "the 4 query heads of a group share one m-block";
+  EXPECT_GT(plan.num_splits, 1);
+  EXPECT_EQ(plan.partial_rows, 32);
+  EXPECT_EQ(plan.lse_bytes % decode::kWorkspaceAlignment, 0);
+  EXPECT_GE(plan.lse_bytes, plan.num_splits * 32 * 4);
+  EXPECT_EQ(plan.out_bytes, int64_t(plan.num_splits) * 32 * 128 * 4);
+  EXPECT_EQ(plan.workspace_bytes, decode::kWorkspaceAlignment + plan.lse_bytes + plan.out_bytes);
+  // Batch 256: no split, no workspace.
+  KvcacheParams wide = decode_params(256, 1, 32, 8, 128, 4096);
+  ASSERT_TRUE(decode::make_decode_plan(wide, kernel, h200(), &plan).ok());
+  EXPECT_EQ(plan.num_splits, 1);
+  EXPECT_EQ(plan.workspace_bytes, 0);
+  // An explicit num_splits is used as given.
+  wide.num_splits = 7;
+  ASSERT_TRUE(decode::make_decode_plan(wide, kernel, h200(), &plan).ok());
+  EXPECT_EQ(plan.num_splits, 7);
+  EXPECT_GT(plan.workspace_bytes, 0);
+  // Chunked prefill: 70 new tokens x 4 heads = 280 packed rows -> 18 m-blocks of 16.
+  KvcacheParams prefill = decode_params(2, 70, 32, 8, 128, 4096);
+  ASSERT_TRUE(decode::make_decode_plan(prefill, kernel, h200(), &plan).ok());
+  EXPECT_EQ(plan.m_blocks, 18);
+  // The launcher's layout equals the plan's.
+  const decode::DecodePlan layout = decode::decode_layout(prefill, kernel.block_m, kernel.block_n, plan.num_splits);
+  EXPECT_EQ(layout.workspace_bytes, plan.workspace_bytes);
+  EXPECT_EQ(layout.m_blocks, plan.m_blocks);
+}
+
+TEST(CudaKvcachePlan, DecodeArgs) {
+  KvcacheParams p = decode_params(3, 2, 12, 4, 64, 1000);
+  decode::DecodePlan plan = decode::decode_layout(p, 16, 128, 4);
+  alignas(256) static char workspace[1 << 17];
+  ASSERT_LE(plan.workspace_bytes + 1, int64_t(sizeof(workspace)));
+  decode::DecodeArgs a = decode::make_decode_args(p, plan, workspace + 1);  // any start address
+  EXPECT_EQ(a.group, 3);
+  EXPECT_EQ(a.packed_rows, 6);
+  EXPECT_EQ(a.num_splits, 4);
+  EXPECT_EQ(a.p.num_splits, 4);
+  EXPECT_EQ(a.page_shift, -1) << "contiguous cache";
+  const auto lse = reinterpret_cast<uintptr_t>(a.partial_lse), ws = reinterpret_cast<uintptr_t>(workspace + 1);
+  EXPECT_EQ(lse % decode::kWorkspaceAlignment, 0u);
+  EXPECT_GE(lse, ws);
+  EXPECT_LT(lse, ws + decode::kWorkspaceAlignment);
+  EXPECT_EQ(reinterpret_cast<char*>(a.partial_out) - reinterpret_cast<char*>(a.partial_lse), plan.lse_bytes);
+  EXPECT_LE(reinterpret_cast<char*>(a.partial_out) + plan.out_bytes, workspace + 1 + plan.workspace_bytes);
+  // Paged: power-of-two block sizes shift, others divide.
+  static const int32_t table[4] = {0, 1, 2, 3};
+  p.block_table = table;
+  for (const auto& [size, shift] : std::vector<std::pair<int, int>>{{1, 0}, {16, 4}, {256, 8}, {3, -1}, {48, -1}}) {
+    p.page_block_size = size;
+    EXPECT_EQ(decode::make_decode_args(p, plan, nullptr).page_shift, shift) << "block size " << size;
+  }
+  // One split: no workspace pointers.
+  plan = decode::decode_layout(p, 16, 128, 1);
+  EXPECT_EQ(plan.workspace_bytes, 0);
+  EXPECT_EQ(decode::make_decode_args(p, plan, nullptr).partial_lse, nullptr);
+}
+
+TEST(CudaKvcachePlan, SupportRulesAndMessages) {
+  auto expect_rule = [](const KvcacheParams& p, const std::string& prefix) {
+    const Status s = decode::check_kvcache_support(p);
+    EXPECT_EQ(s.code(), FA_ERROR_UNSUPPORTED) << prefix;
+    EXPECT_EQ(s.message().rfind(prefix, 0), 0u) << "message: " << s.message();
+  };
+  const KvcacheParams ok = decode_params(2, 1, 8, 2, 128, 512);
+  EXPECT_TRUE(decode::check_kvcache_support(ok).ok());
+  KvcacheParams p = ok;
+  p.dtype = FA_FLOAT32;
+  expect_rule(p, "q: dtype float32 is not supported by the cuda kvcache kernels");
+  p = ok;
+  p.dropout_p = 0.1f;
+  expect_rule(p, "options.dropout_p:");
+  p = ok;
+  p.head_dim = p.head_dim_v = 36;
+  expect_rule(p, "q: head dim 36 must be a multiple of 8");
+  p = ok;
+  p.head_dim_v = 64;
+  expect_rule(p, "v_cache: head dim Dv = 64 must equal");
+  p = ok;
+  p.k = static_cast<const char*>(ok.k) + 2;
+  expect_rule(p, "k_cache: data pointer must be 16-byte aligned");
+  p = ok;
+  p.v_row_stride = 2 * 128 + 4;  // 520 bytes
+  expect_rule(p, "v_cache: row stride 260 elements (520 bytes) must be a multiple of 16 bytes");
+  p = ok;
+  alignas(16) static char fresh[64];
+  p.k_new = p.v_new = fresh;
+  p.seqlen_new = 2;
+  p.k_new_row_stride = p.v_new_row_stride = 2 * 128;
+  p.k_new_head_stride = p.v_new_head_stride = 128;
+  p.k_new_batch_stride = p.v_new_batch_stride = 2 * 2 * 128;
+  EXPECT_TRUE(decode::check_kvcache_support(p).ok());
+  p.k_new_head_stride = 100;
+  expect_rule(p, "k_new: head stride 100 elements");
+  p = ok;
+  p.out_batch_stride = 8 * 128 + 1;
+  expect_rule(p, "out: batch (or block) stride 1025 elements");
+  // A head stride over one head, or a row stride over one row, is never used: any value is fine.
+  p = decode_params(2, 1, 1, 1, 64, 512);
+  p.q_head_stride = 3;
+  p.q_row_stride = 5;
+  EXPECT_TRUE(decode::check_kvcache_support(p).ok()) << decode::check_kvcache_support(p).message();
+}
+
+// Every head dim of the issue has a decode kernel for both dtypes, chosen on an H200 and on an A100; a head
+// dim between buckets runs in the next one; the table's shared memory is the kernel's.
+TEST(CudaKvcachePlan, GeneratedDecodeRows) {
+  namespace gen = flashattn::cuda::generated;
+  int rows = 0;
+  for (int r = 0; r < gen::kKernelCount; ++r) {
+    const KernelEntry& e = gen::kKernelTable[r];
+    if (e.kind != KernelKind::kKvcache) continue;
+    ++rows;
+    EXPECT_FALSE(e.dropout) << e.name;
+    EXPECT_EQ(e.block_m % 16, 0) << e.name;
+    EXPECT_EQ((e.block_n / e.warps) % 16, 0) << e.name;
+    EXPECT_EQ(e.smem_bytes, int64_t(e.block_m + 2 * e.stages * e.block_n) * e.head_dim * 2) << e.name;
+    EXPECT_LE(e.smem_bytes, 163 * 1024) << e.name << " does not fit an sm_80 CTA";
+    EXPECT_EQ(std::string(e.name).rfind("dec_", 0), 0u) << e.name;
+  }
+  EXPECT_EQ(rows, 12) << "2 dtypes x 6 head-dim buckets";
+  for (fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
+    for (int d : {32, 40, 64, 80, 96, 128, 160, 192, 256}) {
+      KvcacheParams p = decode_params(1, 1, 8, 2, d, 1024);
+      p.dtype = dtype;
+      for (const auto& device : {h200(), a100()}) {
+        const KernelEntry& e = decode_kernel_for(p, device);
+        EXPECT_EQ(e.kind, KernelKind::kKvcache);
+        EXPECT_EQ(e.dtype, dtype);
+        EXPECT_GE(e.head_dim, d);
+        EXPECT_LT(e.head_dim - d, 64) << "the smallest bucket >= D";
+      }
+    }
+  KvcacheParams big = decode_params(1, 1, 8, 2, 264, 1024);
+  int index = -1;
+  const Status s = choose_kernel(KernelKind::kKvcache, big, limits_of(h200()), gen::kKernelTable, gen::kKernelCount,
+                                 "80-real 90a-real", &index);
+  EXPECT_EQ(s.code(), FA_ERROR_NOT_COMPILED);
+  EXPECT_NE(s.message().find("cuda kvcache"), std::string::npos) << s.message();
+  const std::string summary = flashattn::cuda::compiled_kernels_summary();
+  EXPECT_NE(summary.find("kvcache: "), std::string::npos) << summary;
+}
+
+}  // namespace
