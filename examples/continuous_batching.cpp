@@ -30,12 +30,16 @@ using flashattn::toy::ServerConfig;
 using flashattn::toy::StepLog;
 
 int usage(const char* message) {
-  std::fprintf(stderr, "continuous_batching: %s\n", message);
-  std::fprintf(stderr,
+  FILE* stream = message ? stderr : stdout;
+  if (message) std::fprintf(stderr, "continuous_batching: %s\n", message);
+  std::fprintf(stream,
                "usage: continuous_batching [--device cpu|cuda] [--dtype float32|float16|bfloat16] [--requests N]\n"
                "       [--num-blocks N] [--block-size N] [--prefill-chunk N] [--seed N] [--heads-q N] [--heads-k N]\n"
-               "       [--head-dim N] [--threads N] [--verify]\n");
-  return 2;
+               "       [--head-dim N] [--threads N] [--verify]\n"
+               "A toy continuous-batching server over the paged KV cache (flashattn/kv_cache.hpp): requests arrive\n"
+               "and finish at different steps; each step prefills new prompts and decodes one token for every\n"
+               "active sequence in one fa_kvcache call. --verify checks every call against the float64 reference.\n");
+  return message ? 2 : 0;
 }
 
 // A mixed workload: arrivals spread over the first steps, prompts from 1 to 96 tokens, 1 to 32 decode
@@ -111,6 +115,7 @@ int main(int argc, char** argv) {
     const bool has_value = i + 1 < argc;
     auto value = [&]() { return std::string(argv[++i]); };
     auto number = [&]() { return std::atoi(argv[++i]); };
+    if (a == "--help" || a == "-h") return usage(nullptr);
     if (a == "--verify") verify = true;
     else if (!has_value) return usage(("missing value after " + a).c_str());
     else if (a == "--device") {

@@ -151,6 +151,11 @@ typedef struct fa_kvcache_args {
   fa_tensor out;            /* (B, Sq, Hq, Dv) */
   fa_tensor lse;            /* optional float32 (B, Hq, Sq) */
   int32_t num_splits;       /* split-KV: 0 = chosen by the backend (see fa_plan_kvcache) */
+  int32_t check_indices;    /* nonzero: on CUDA, check cache_seqlens and block_table on the device and
+                               report a bad entry before anything is written (one stream synchronisation;
+                               not allowed inside a CUDA graph capture). Zero: bad entries are never
+                               read or written through, and their sequence gets NaN in out and lse.
+                               Host tensors are always checked. */
   fa_tensor workspace;      /* optional uint8, >= plan.workspace_bytes; absent: allocated inside */
 } fa_kvcache_args;
 

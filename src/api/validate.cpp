@@ -1,7 +1,9 @@
 #include "api/validate.hpp"
 
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <string>
 #include <thread>
 
@@ -12,6 +14,15 @@ namespace {
 
 constexpr int kMaxHeadDim = 1024;  // a sanity bound for every backend; CUDA compiles fewer
 constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
+
+// The integer in a C enum field, read without an enum-typed load: a caller may pass any int there,
+// and loading a value outside the enumerators as the enum type is undefined behaviour in C++.
+template <typename Enum>
+int raw_enum(const Enum& field) {
+  std::underlying_type_t<Enum> value;
+  std::memcpy(&value, &field, sizeof(value));
+  return int(value);
+}
 
 const char* device_name(fa_device_kind d) { return d == FA_DEVICE_CUDA ? "cuda" : "cpu"; }
 
@@ -36,9 +47,9 @@ Status check_basic(const Arg& a) {
   if (a.t.ndim > 0 && a.t.shape[a.t.ndim - 1] > 1 && a.t.strides[a.t.ndim - 1] != 1)
     return FA_INVALID("%s: last dimension must be contiguous (stride 1), got stride %lld", a.name,
                       (long long)a.t.strides[a.t.ndim - 1]);
-  if (a.t.device != FA_DEVICE_CPU && a.t.device != FA_DEVICE_CUDA)
-    return FA_INVALID("%s: unknown device kind %d", a.name, int(a.t.device));
-  if (a.t.dtype < FA_FLOAT32 || a.t.dtype > FA_UINT8) return FA_INVALID("%s: unknown dtype %d", a.name, int(a.t.dtype));
+  const int device = raw_enum(a.t.device), dtype = raw_enum(a.t.dtype);
+  if (device != FA_DEVICE_CPU && device != FA_DEVICE_CUDA) return FA_INVALID("%s: unknown device kind %d", a.name, device);
+  if (dtype < FA_FLOAT32 || dtype > FA_UINT8) return FA_INVALID("%s: unknown dtype %d", a.name, dtype);
   return Status();
 }
 
@@ -403,6 +414,9 @@ const char* backend_name(fa_backend backend) {
 }
 
 Status resolve_backend(const fa_options& options, fa_device_kind device, int device_id, fa_backend* backend) {
+  const int requested = raw_enum(options.backend);
+  if (requested < FA_BACKEND_AUTO || requested > FA_BACKEND_CUDA)
+    return FA_INVALID("options.backend: unknown backend %d", requested);
   switch (options.backend) {
     case FA_BACKEND_AUTO:
       *backend = device == FA_DEVICE_CUDA ? FA_BACKEND_CUDA : FA_BACKEND_CPU_FLASH;
@@ -570,6 +584,7 @@ Status make_kvcache_params(const fa_kvcache_args& a, const fa_options& options, 
   }
   if (a.num_splits < 0) return FA_INVALID("num_splits: must be >= 0 (0 = chosen by the backend), got %d", a.num_splits);
   p->num_splits = a.num_splits;
+  p->check_indices = a.check_indices != 0;
   if (a.workspace.data != nullptr) {
     const Arg w{"workspace", a.workspace};
     FA_RETURN_IF_ERROR(check_basic(w));

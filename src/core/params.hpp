@@ -111,6 +111,7 @@ struct KvcacheParams : AttentionParams {
   int seqlen_rotary;
   bool rotary_interleaved;
   int num_splits;                // 0 = chosen by the backend (its plan), else >= 1
+  bool check_indices;            // CUDA: check device index tensors before any write (syncs the stream)
   void* workspace;
   int64_t workspace_bytes;
 };

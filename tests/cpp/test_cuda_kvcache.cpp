@@ -43,6 +43,7 @@ struct KvCase {
   int batch = 2, seqlen_q = 1, heads_q = 8, heads_k = 2, head_dim = 128;
   std::vector<int> cached = {37, 300};  // cache_seqlens per sequence
   int seqlen_new = 0;
+  bool check_indices = false;           // fa_kvcache_args.check_indices (the checked mode)
   int capacity = 400;                   // keys per sequence the cache holds
   int block_size = 0;                   // 0: contiguous cache; else paged with this block size
   bool repeat_blocks = false;           // paged: table entries drawn with repeats (read-only cases)
@@ -355,6 +356,7 @@ Status run_gpu(const KvCase& c, KvTensors& t, fa_stats* stats = nullptr) {
   DeviceKv d(t);
   fa_kvcache_args a = d.args();
   a.num_splits = c.num_splits;
+  a.check_indices = c.check_indices;
   fa_options o = d.options(c);
   o.stats = stats;
   const Status s = synchronize(flashattn::kvcache(a, o));
@@ -362,15 +364,6 @@ Status run_gpu(const KvCase& c, KvTensors& t, fa_stats* stats = nullptr) {
   return s;
 }
 
-// Sets an environment variable for a scope.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
-  ~ScopedEnv() { unsetenv(name_); }
-
- private:
-  const char* name_;
-};
 #else
 Status run_gpu(const KvCase&, KvTensors&, fa_stats* = nullptr) { return Status(FA_ERROR_NOT_COMPILED, "no CUDA in this build"); }
 #endif
@@ -744,8 +737,8 @@ TEST(CudaKvcache, InvalidIndicesDefaultMode) {
 // Checked mode: a clear error naming the entry, before any write (caches and the poisoned out untouched).
 TEST(CudaKvcache, InvalidIndicesCheckedMode) {
   SKIP_WITHOUT_GPU();
-  ScopedEnv check("FLASHATTN_KVCACHE_CHECK", "1");
   KvCase c = invalid_case();
+  c.check_indices = true;
   auto rng = fa_test::make_rng("checked");
   KvTensors t = make_kv(c, rng);
   break_indices(c, t);
@@ -809,15 +802,16 @@ TEST(CudaKvcache, PlanWorkspaceAndCudaGraph) {
   o.stats = &stats;
   // The checked mode cannot be captured: a clear error, and the capture is abandoned cleanly.
   {
-    ScopedEnv check("FLASHATTN_KVCACHE_CHECK", "1");
+    fa_kvcache_args checked = a;
+    checked.check_indices = 1;
     ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-    s = flashattn::kvcache(a, o);
+    s = flashattn::kvcache(checked, o);
     cudaGraph_t abandoned = nullptr;
     cudaStreamEndCapture(stream, &abandoned);
     if (abandoned) cudaGraphDestroy(abandoned);
     cudaGetLastError();
     EXPECT_EQ(s.code(), FA_ERROR_UNSUPPORTED) << s.to_string();
-    EXPECT_NE(s.message().find("FLASHATTN_KVCACHE_CHECK"), std::string::npos) << s.message();
+    EXPECT_EQ(s.message().rfind("check_indices:", 0), 0u) << s.message();
   }
   // One eager step first (kernel attributes are set on a first launch, outside any capture); the graph's
   // first replay then appends the same rows again.

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
@@ -87,6 +88,12 @@ void check_backward_rule(const std::string& what, const std::function<void(Dense
 
 constexpr fa_status kInvalid = FA_ERROR_INVALID_ARGUMENT;
 
+// Stores an arbitrary integer in a C enum field, as a C caller can (without a C++ enum conversion).
+template <typename Enum>
+void set_raw(Enum& field, int value) {
+  std::memcpy(&field, &value, sizeof(field));
+}
+
 // Drops the leading dimension of a contiguous view (keeps the last dimension contiguous), so that
 // a rank rule is what fails, not the stride rule.
 void drop_leading_dim(fa_tensor& t) {
@@ -105,8 +112,8 @@ TEST(Validation, TensorBasics) {
   check_forward_rule("negative extent", [](DenseCall& c) { c.fwd.k.shape[1] = -1; }, {kInvalid, "k: dimension 1 has negative extent"});
   check_forward_rule("negative stride", [](DenseCall& c) { c.fwd.v.strides[0] = -5; }, {kInvalid, "v: stride of dimension 0 must be non-negative"});
   check_forward_rule("last dim strided", [](DenseCall& c) { c.fwd.q.strides[3] = 2; }, {kInvalid, "q: last dimension must be contiguous"});
-  check_forward_rule("unknown device", [](DenseCall& c) { c.fwd.k.device = fa_device_kind(7); }, {kInvalid, "k: unknown device kind"});
-  check_forward_rule("unknown dtype", [](DenseCall& c) { c.fwd.k.dtype = fa_dtype(42); }, {kInvalid, "k: unknown dtype"});
+  check_forward_rule("unknown device", [](DenseCall& c) { set_raw(c.fwd.k.device, 7); }, {kInvalid, "k: unknown device kind"});
+  check_forward_rule("unknown dtype", [](DenseCall& c) { set_raw(c.fwd.k.dtype, 42); }, {kInvalid, "k: unknown dtype"});
   check_forward_rule("int q", [](DenseCall& c) { c.fwd.q.dtype = FA_INT32; }, {kInvalid, "q: dtype must be float32, float16 or bfloat16"});
   check_forward_rule("mixed dtypes", [](DenseCall& c) { c.fwd.v.dtype = FA_FLOAT16; }, {kInvalid, "v: dtype must match q"});
   check_forward_rule("out dtype", [](DenseCall& c) { c.fwd.out.dtype = FA_BFLOAT16; }, {kInvalid, "out: dtype must match q"});
@@ -158,7 +165,7 @@ TEST(Validation, Options) {
   check_forward_rule("dropout negative", [](DenseCall& c) { c.options.dropout_p = -0.1f; }, {kInvalid, "options.dropout_p: must be in [0, 1)"});
   check_forward_rule("dropout nan", [](DenseCall& c) { c.options.dropout_p = kNaN; }, {kInvalid, "options.dropout_p: must be in [0, 1)"});
   check_forward_rule("threads", [](DenseCall& c) { c.options.num_threads = -1; }, {kInvalid, "options.num_threads: must be >= 0"});
-  check_forward_rule("backend unknown", [](DenseCall& c) { c.options.backend = fa_backend(9); }, {kInvalid, "options.backend: unknown backend 9"});
+  check_forward_rule("backend unknown", [](DenseCall& c) { set_raw(c.options.backend, 9); }, {kInvalid, "options.backend: unknown backend 9"});
   check_forward_rule("cuda backend on cpu tensors", [](DenseCall& c) { c.options.backend = FA_BACKEND_CUDA; }, {kInvalid, "options.backend: cuda needs tensors on a CUDA device"});
   check_forward_rule("cpu backend on cuda tensors", [](DenseCall& c) {
     for (fa_tensor* t : {&c.fwd.q, &c.fwd.k, &c.fwd.v, &c.fwd.out, &c.fwd.lse}) t->device = FA_DEVICE_CUDA;

@@ -20,7 +20,7 @@
 // Index safety without host checks (cache_seqlens and block_table are device memory): a sequence whose
 // cache_seqlens entry is outside [0, capacity - S_new] gets NaN in out and lse and nothing is read for it; a
 // block id outside [0, num_blocks) is never dereferenced (its rows load as zeros) and makes the CTA's result
-// NaN. The opt-in checked mode (FLASHATTN_KVCACHE_CHECK=1, src/cuda/decode/kvcache.cpp) reports both as
+// NaN. The opt-in checked mode (fa_kvcache_args.check_indices, src/cuda/decode/kvcache.cpp) reports both as
 // errors before any kernel writes.
 #pragma once
 

@@ -21,11 +21,6 @@
 namespace flashattn::cuda::decode {
 namespace {
 
-bool checked_mode() {
-  const char* value = std::getenv(kCheckEnvironmentVariable);
-  return value != nullptr && value[0] != '\0' && std::strcmp(value, "0") != 0;
-}
-
 // Makes `device` current for the scope of a call and restores the caller's device afterwards.
 class DeviceGuard {
  public:
@@ -96,9 +91,8 @@ Status check_indices(const DecodeArgs& args, cudaStream_t stream) {
   FA_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
   if (capture != cudaStreamCaptureStatusNone)
     return error(FA_ERROR_UNSUPPORTED,
-                 "options.stream: %s=1 synchronises the stream to check cache_seqlens and block_table, which a CUDA "
-                 "graph capture does not allow; unset it while capturing",
-                 kCheckEnvironmentVariable);
+                 "check_indices: checking cache_seqlens and block_table synchronises the stream, which a CUDA "
+                 "graph capture does not allow; set check_indices = 0 while capturing");
   unsigned long long* status_device = nullptr;
   FA_CUDA_RETURN_IF_ERROR(cudaMalloc(&status_device, sizeof(unsigned long long)));
   unsigned long long status = kGuardAllValid;
@@ -119,16 +113,16 @@ Status check_indices(const DecodeArgs& args, cudaStream_t stream) {
     FA_CUDA_RETURN_IF_ERROR(cudaMemcpy(&cached, p.cache_seqlens + b, sizeof(cached), cudaMemcpyDeviceToHost));
     return error(FA_ERROR_INVALID_ARGUMENT,
                  "cache_seqlens: entry %d = %d plus S_new = %d must be in [0, %d] (the cache capacity); checked on the "
-                 "device (%s=1), nothing was written",
-                 b, cached, p.seqlen_new, p.seqlen_k, kCheckEnvironmentVariable);
+                 "device (check_indices), nothing was written",
+                 b, cached, p.seqlen_new, p.seqlen_k);
   }
   int32_t id = 0;
   FA_CUDA_RETURN_IF_ERROR(
       cudaMemcpy(&id, p.block_table + b * p.block_table_batch_stride + column, sizeof(id), cudaMemcpyDeviceToHost));
   return error(FA_ERROR_INVALID_ARGUMENT,
-               "block_table: entry (%d, %d) = %d is not a block id in [0, %d); checked on the device (%s=1), nothing "
-               "was written",
-               b, column, id, p.num_blocks, kCheckEnvironmentVariable);
+               "block_table: entry (%d, %d) = %d is not a block id in [0, %d); checked on the device (check_indices), "
+               "nothing was written",
+               b, column, id, p.num_blocks);
 }
 
 }  // namespace
@@ -154,7 +148,7 @@ Status run_kvcache(const KvcacheParams& p) {
   DeviceGuard guard(p.device_id);
   FA_CUDA_RETURN_IF_ERROR(guard.status());
   const auto stream = static_cast<cudaStream_t>(p.stream);
-  if (checked_mode()) FA_RETURN_IF_ERROR(check_indices(make_decode_args(p, s.plan, nullptr), stream));
+  if (p.check_indices) FA_RETURN_IF_ERROR(check_indices(make_decode_args(p, s.plan, nullptr), stream));
 
   // Without a caller workspace the partials live in a stream-ordered allocation (capturable as graph
   // nodes); with the planned workspace the call allocates nothing.

@@ -13,8 +13,8 @@
 // write through a block id outside [0, num_blocks) or past a sequence's cache, a sequence whose
 // cache_seqlens entry is outside [0, capacity - S_new] is not appended to and gets NaN in out and lse, and a
 // split that meets a bad block id makes its rows NaN (the call itself returns OK: it cannot know).
-// The checked mode, FLASHATTN_KVCACHE_CHECK=1 in the environment (read at every call; for debugging and
-// tests), runs a guard kernel first and synchronises the stream: a bad entry is then reported as
+// The checked mode, fa_kvcache_args.check_indices (for debugging and servers that cannot trust their
+// tables), runs a guard kernel first and synchronises the stream: a bad entry is then reported as
 // FA_ERROR_INVALID_ARGUMENT naming the entry (the same wording as the host-side rules of validate.cpp),
 // before any kernel writes anything. It cannot run inside a CUDA graph capture (that is an error).
 #pragma once
@@ -23,9 +23,6 @@
 #include "core/status.hpp"
 
 namespace flashattn::cuda::decode {
-
-// The environment variable of the checked mode ("1": on; unset, empty or "0": off).
-constexpr const char* kCheckEnvironmentVariable = "FLASHATTN_KVCACHE_CHECK";
 
 Status plan_kvcache(const KvcacheParams& params, fa_kvcache_plan* plan);
 Status run_kvcache(const KvcacheParams& params);
