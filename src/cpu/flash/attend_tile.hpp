@@ -156,7 +156,7 @@ inline void attend_keys(const AttentionParams& p, const QueryTile& t, const Sequ
       }
       const float m_old = w.row_max[r];
       const float m_tile = row_max(s_row, n);
-      const float m_new = m_tile > m_old ? m_tile : m_old;
+      const float m_new = max_propagating_nan(m_tile, m_old);  // a NaN max sticks to the row
       if (m_new == kNegInf) {  // no visible key yet: P = 0 (and never exp2(-inf - -inf) = NaN)
         fill(s_row, n, 0.f);
         continue;
@@ -189,6 +189,7 @@ struct RowResult {
 };
 inline RowResult finish_row(const ForwardTiles& w, int r, float keep_scale) {
   const float l = w.row_sum[r];
+  if (std::isnan(l)) return RowResult{l, l};  // a NaN input reached this row: out and lse are NaN
   if (!(l > 0.f)) return RowResult{0.f, kNegInf};
   // lse = ln(sum_j e^{s_j}) = m2 * ln2 + ln(l), with m2 the base-2 max
   return RowResult{keep_scale / l, w.row_max[r] * kLn2 + std::log(l)};

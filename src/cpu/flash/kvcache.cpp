@@ -230,7 +230,7 @@ Status kvcache(const KvcacheParams& p) {
         float lse_max = kNegInf;
         for (int s = 0; s < plan.splits; ++s) {
           const float lse = partial_lse[s * plan.partial_rows + row];
-          lse_max = lse > lse_max ? lse : lse_max;
+          lse_max = max_propagating_nan(lse, lse_max);
         }
         const SequenceExtent e = extent_after_append(p, b);
         const int64_t out_row = q_offset(p, p.out_batch_stride, p.out_row_stride, p.out_head_stride, b, e, i, h);

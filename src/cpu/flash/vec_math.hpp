@@ -94,16 +94,20 @@ inline void exp2_shifted(float* x, int n, float shift) {
 // GCC 12 stops vectorising it once the helper is inlined into a large mainloop.
 constexpr int kReductionLanes = 16;
 
-// Largest element of x[0, n); -inf when n == 0 or all are -inf.
+// The larger of a and b, NaN when either is NaN: a NaN score must spoil its row (the NaN/Inf
+// policy), not vanish as it would through `a > b ? a : b` or fmaxf.
+inline float max_propagating_nan(float a, float b) { return (a > b || a != a) ? a : b; }
+
+// Largest element of x[0, n); -inf when n == 0 or all are -inf; NaN when any is NaN.
 inline float row_max(const float* x, int n) {
   float lane[kReductionLanes];
   for (int l = 0; l < kReductionLanes; ++l) lane[l] = kNegInf;
   int j = 0;
   for (; j + kReductionLanes <= n; j += kReductionLanes)
-    for (int l = 0; l < kReductionLanes; ++l) lane[l] = x[j + l] > lane[l] ? x[j + l] : lane[l];
+    for (int l = 0; l < kReductionLanes; ++l) lane[l] = max_propagating_nan(x[j + l], lane[l]);
   float m = kNegInf;
-  for (; j < n; ++j) m = x[j] > m ? x[j] : m;
-  for (int l = 0; l < kReductionLanes; ++l) m = lane[l] > m ? lane[l] : m;
+  for (; j < n; ++j) m = max_propagating_nan(x[j], m);
+  for (int l = 0; l < kReductionLanes; ++l) m = max_propagating_nan(lane[l], m);
   return m;
 }
 

@@ -54,9 +54,10 @@ void probabilities(const HeadProblem& p, std::vector<double>* probs, std::vector
     for (int j = 0; j < sk; ++j) {
       if (!visible(p, i, j)) continue;
       row[j] = score(p, i, j, dscore_draw ? &(*dscore_draw)[size_t(i) * sk + j] : nullptr);
-      row_max = std::max(row_max, row[j]);
+      // NaN-propagating max: a NaN score must spoil its row, not vanish (std::max would drop it)
+      if (std::isnan(row[j]) || row[j] > row_max) row_max = row[j];
     }
-    if (row_max == kNegInf) continue;  // no visible key: P = 0, lse = -inf
+    if (row_max == kNegInf) continue;  // no visible key (or all at -inf): P = 0, lse = -inf
     double sum = 0;
     for (int j = 0; j < sk; ++j)
       if (visible(p, i, j)) sum += std::exp(row[j] - row_max);

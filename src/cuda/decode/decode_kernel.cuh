@@ -415,18 +415,21 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
       float merged_max = -INFINITY;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) merged_max = fmaxf(merged_max, merge_stats[w * kBlockM + row].x);
+      // exp2f(-inf) = 0 for warps that saw no key. When no warp has a finite max, each sum is 0, or NaN
+      // where a NaN input reached the row (its max stayed -inf under fmaxf): add the sums as they are.
       float merged_sum = 0.f;
-      if (merged_max != -INFINITY) {
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
-          const float2 st = merge_stats[w * kBlockM + row];
-          merged_sum += st.y * exp2f(st.x - merged_max);  // exp2f(-inf) = 0 for warps that saw no key
-        }
+      for (int w = 0; w < kWarps; ++w) {
+        const float2 st = merge_stats[w * kBlockM + row];
+        merged_sum += merged_max == -INFINITY ? st.y : st.y * exp2f(st.x - merged_max);
       }
       // This warp's share of the normalised row: exp2(own max - merged max) / merged sum (0 for an empty row).
       const float own_max = merge_stats[warp * kBlockM + row].x;
-      const float factor = merged_sum > 0.f ? exp2f(own_max - merged_max) / merged_sum : 0.f;
-      row_lse_log2[mt][half] = merged_sum > 0.f ? merged_max + log2f(merged_sum) : -INFINITY;
+      // merged_sum == 0: no visible key (O = 0, LSE = -inf); NaN: a NaN input reached the row and
+      // propagates (the NaN/Inf policy)
+      const bool no_visible_key = merged_sum == 0.f;
+      const float factor = no_visible_key ? 0.f : exp2f(own_max - merged_max) / merged_sum;
+      row_lse_log2[mt][half] = no_visible_key ? -INFINITY : merged_max + log2f(merged_sum);
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt)
         *reinterpret_cast<float2*>(merge_o + (warp * kBlockM + row) * kMergeRow + dt * 8 + 2 * quad_col) =

@@ -404,8 +404,10 @@ __global__ void __launch_bounds__(C::kThreads) forward_kernel(const __grid_const
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float sum = quad_sum(row_sum[mt][half]);
-      // sum == 0 only when the row saw no visible key: O = 0 and LSE = -inf, never NaN.
-      const float inv = sum > 0.f ? keep_scale / sum : 0.f;
+      // sum == 0 only when the row saw no visible key: O = 0 and LSE = -inf, never NaN. A NaN sum
+      // means a NaN input reached the row: it propagates to O and LSE (the NaN/Inf policy).
+      const bool no_visible_key = sum == 0.f;
+      const float inv = no_visible_key ? 0.f : keep_scale / sum;
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         o_acc[mt][dt][2 * half] *= inv;
@@ -414,7 +416,7 @@ __global__ void __launch_bounds__(C::kThreads) forward_kernel(const __grid_const
       const int i = query_row(mt, half);
       if (params.lse != nullptr && quad_col == 0 && i < ext.seqlen_q)
         params.lse[lse_offset(params, b, ext, i, h)] =
-            sum > 0.f ? (row_max[mt][half] * score_log2_scale + log2f(sum)) * kLn2 : -INFINITY;
+            no_visible_key ? -INFINITY : (row_max[mt][half] * score_log2_scale + log2f(sum)) * kLn2;
     }
   // Each warp reads only its own Q rows (A operands), so after its last ldmatrix it may overwrite them.
 #pragma unroll
