@@ -4,12 +4,55 @@ K/V TB/s of ours (contiguous, paged) against the streaming-read bandwidth and ag
 with the issue's targets: >= 90% of streaming read, >= 1.0x cuDNN, paged within 5% of contiguous.
 
   python3 bench/compare_decode.py ours.json peers.json
+  python3 bench/compare_decode.py --sweep sweep.json [more.json ...]
+
+The table takes ours' library points at the heuristic's split count (runner "lib", splits_asked 0); a
+"paged-seq" layout (block ids in order) is shown beside the shuffled one when present. --sweep prints one
+compact line per (layout, B, S, runner, pdl) of a tuning sweep (flashattn_decode_tiles --splits /
+--runners / --pdl): K/V TB/s per split count asked (0 = heuristic, whose count is in brackets),
+the best marked with '*'; then per (layout, B, S) the five fastest configurations.
 """
 import json
 import sys
 
 
+def sweep(paths):
+    points = []
+    for path in paths:
+        try:
+            points += [p for p in json.load(open(path))["points"] if p.get("kv_tbs", -1) > 0]
+        except (OSError, ValueError) as e:
+            print(f"({path}: {e})")
+    curves, shapes = {}, {}
+    for p in points:
+        key = (p["layout"], p["batch"], p["cache"], p.get("runner", "lib"), p.get("pdl", -1))
+        curves.setdefault(key, []).append(p)
+        shapes.setdefault(key[:3], []).append(p)
+    for key, ps in sorted(curves.items()):
+        if len(ps) < 2:
+            continue
+        best = max(p["kv_tbs"] for p in ps)
+        cells = []
+        for p in sorted(ps, key=lambda p: p.get("splits_asked", 0)):
+            asked = p.get("splits_asked", 0)
+            label = f"h{p['splits']}" if asked == 0 else str(asked)
+            cells.append(f"{label}:{p['kv_tbs']:.2f}{'*' if p['kv_tbs'] == best else ''}")
+        layout, b, s, runner, pd = key
+        print(f"{layout[:6]:6s} B{b} S{s} {runner} pd{pd}| " + " ".join(cells))
+    for p in points:  # a variant whose output is not the library's (rel. L2 > 1e-2; -2: the call failed)
+        c = p.get("check_rel_l2", -1)
+        if c > 1e-2 or c < -1.5:
+            print(f"CHECK FAIL {p['layout']} B{p['batch']} S{p['cache']} {p.get('runner')} s{p['splits']}: {c}")
+    for (layout, b, s), ps in sorted(shapes.items()):
+        top = sorted(ps, key=lambda p: -p["kv_tbs"])[:5]
+        print(f"TOP {layout[:6]:6s} B{b} S{s}| " + " ".join(
+            f"{p.get('runner', 'lib')}/s{p['splits']}/pd{p.get('pdl', -1)}:{p['kv_tbs']:.2f}"
+            f"({p['us_per_call']:.1f}us)" for p in top))
+
+
 def main():
+    if sys.argv[1] == "--sweep":
+        return sweep(sys.argv[2:])
     ours = json.load(open(sys.argv[1]))
     peers = json.load(open(sys.argv[2])) if len(sys.argv) > 2 else {"points": [], "env": {}}
     cfg = ours["config"]
@@ -26,12 +69,14 @@ def main():
 
     table = {}
     for p in ours["points"]:
+        if p.get("runner", "lib") != "lib" or p.get("splits_asked", 0) != 0:
+            continue
         table.setdefault((p["batch"], p["cache"]), {})[p["layout"]] = p
     print(f"{'B':>5} {'S':>7} | {'contig':>7} {'paged':>7} {'p/c':>6} {'vs read':>7} | {'cuDNN':>7} {'ours/cuDNN':>10} "
           f"| {'cuDNN MHA':>9} {'FA2':>6} | verdict")
     misses = 0
     for (b, s), row in sorted(table.items()):
-        c, pg = row.get("contiguous", {}), row.get("paged", {})
+        c, pg, seq = row.get("contiguous", {}), row.get("paged", {}), row.get("paged-seq", {})
         ct, pt = c.get("kv_tbs", -1), pg.get("kv_tbs", -1)
         if ct is None or ct <= 0:
             print(f"{b:5d} {s:7d} | {c.get('error', '')}{pg.get('error', '')}")
@@ -47,7 +92,8 @@ def main():
         misses += verdict != "ok"
         fmt = lambda x: f"{x:7.3f}" if x else "      -"
         print(f"{b:5d} {s:7d} | {ct:7.3f} {pt:7.3f} {pt / ct:6.3f} {ct / read:6.1%} | {fmt(cudnn)} "
-              f"{(ct / cudnn if cudnn else 0):10.2f} | {fmt(cudnn_mha):>9} {fmt(fa2)[1:]} | {verdict}")
+              f"{(ct / cudnn if cudnn else 0):10.2f} | {fmt(cudnn_mha):>9} {fmt(fa2)[1:]} | {verdict}"
+              + (f" (paged in order {seq['kv_tbs'] / ct:.3f})" if seq.get("kv_tbs", -1) > 0 else ""))
     print(f"{misses} point(s) miss a target")
 
 

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_common.hpp"
 #include "core/dtype.hpp"
 #include "flashattn/flashattn.hpp"
 
@@ -31,23 +32,6 @@ namespace {
 
 constexpr int64_t kTokens = 16384;  // B * S of every point of the sweep
 constexpr int64_t kHidden = 2048;   // H * D
-
-#define CHECK_CUDA(call)                                                                       \
-  do {                                                                                         \
-    const cudaError_t e_ = (call);                                                             \
-    if (e_ != cudaSuccess) {                                                                   \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                            \
-    }                                                                                          \
-  } while (0)
-
-std::vector<int> parse_ints(const std::string& s) {
-  std::vector<int> v;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) v.push_back(std::stoi(item));
-  return v;
-}
 
 std::vector<std::string> parse_words(const std::string& s) {
   std::vector<std::string> v;
@@ -245,9 +229,9 @@ int main(int argc, char** argv) {
     fill_random(k.data, elements, dtype, 2);
     fill_random(v.data, elements, dtype, 3);
     fill_random(dout.data, elements, dtype, 4);
-    for (int d : parse_ints(dims_arg))
-      for (int s : parse_ints(seqlens_arg))
-        for (int causal : parse_ints(causal_arg)) {
+    for (int d : flashattn::bench::parse_ints(dims_arg))
+      for (int s : flashattn::bench::parse_ints(seqlens_arg))
+        for (int causal : flashattn::bench::parse_ints(causal_arg)) {
           const int64_t b = kTokens / s, h = kHidden / d;
           fa_forward_args fwd{};
           fwd.q = view(q.data, b, s, h, d, dtype);

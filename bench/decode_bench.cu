@@ -3,7 +3,8 @@
 //
 // Sweep (the issue's): bf16, D = 128, 32 query heads and 8 K/V heads (GQA 4), one new query per sequence,
 // batch 1..256, cache 1k..128k keys (every sequence full: cache_seqlens = S), contiguous cache and paged
-// cache (page 16, block ids shuffled). Points whose K/V exceed --budget-gib are skipped (and listed).
+// cache (page 16, block ids shuffled; "paged-seq": ids in order, to tell table/translation costs apart).
+// Points whose K/V exceed --budget-gib are skipped (and listed).
 // K/V bytes of a call = B * S * Hk * (D + Dv) * 2. Each call is planned once (fa_plan_kvcache) and runs with
 // the planned workspace; the timed unit is a CUDA graph of one call per copy of the inputs, where copies
 // are added until they exceed 2x the L2 (so every call reads from HBM, as in serving); time per call =
@@ -12,9 +13,18 @@
 // Streaming read: a read-only kernel (16-byte loads, grid-stride) over 4 GiB; device copy: cudaMemcpy D2D,
 // read + write bytes counted (DESIGN.md's anchor, 4.27 TB/s on the H200).
 //
+// Tuning sweeps (one GPU run tells the best heuristic; every knob affects speed only):
+//   --splits 0,8,16,...   split counts to time at every point (0 = the library's heuristic)
+//   --runners lib,...     "lib" = the public API; with -DFLASHATTN_BUILD_TUNING=ON (target
+//                         flashattn_decode_tiles) also tile variants such as m16n64w4s3 ("all": every one),
+//                         launched directly with the knobs below and checked against "lib"'s output
+//   --pdl 0,1             variants: programmatic dependent launch (DecodeArgs::programmatic_launch)
+//   --min-tiles N         variants: DecodeArgs::min_tiles_per_split
+//
 // Usage: flashattn_decode_bench [--json FILE] [--batches 1,4,16,64,256] [--caches 1024,...,131072]
-//                               [--heads 32:8] [--dim 128] [--page 16] [--dtype bf16|f16] [--layouts contiguous,paged]
-//                               [--budget-gib 32] [--reps 10]
+//                               [--heads 32:8] [--dim 128] [--page 16] [--dtype bf16|f16]
+//                               [--layouts contiguous,paged,paged-seq] [--budget-gib 32] [--reps 10]
+//                               [--splits 0,...] [--runners lib,...] [--pdl 0,1] [--min-tiles N]
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -23,37 +33,30 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <cmath>
 #include <ctime>
+#include <functional>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "bench_common.hpp"
 #include "flashattn/flashattn.hpp"
 
-namespace {
+#if defined(FLASHATTN_DECODE_TILE_VARIANTS)
+#include "api/validate.hpp"
+#include "cuda/decode/decode_launch.cuh"
+#include "cuda/decode/decode_plan.hpp"
+#endif
 
-#define CHECK_CUDA(call)                                                                         \
-  do {                                                                                           \
-    const cudaError_t e_ = (call);                                                               \
-    if (e_ != cudaSuccess) {                                                                     \
-      std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                              \
-    }                                                                                            \
-  } while (0)
+namespace {
 
 constexpr int64_t kStreamBytes = int64_t(4) << 30;  // the streaming-read buffer
 constexpr int kStreamThreads = 256;
 constexpr int kMaxCopies = 64;
-
-std::vector<int64_t> parse_ints(const std::string& s) {
-  std::vector<int64_t> v;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, ',')) v.push_back(std::stoll(item));
-  return v;
-}
 
 // Reads `words` 16-byte words; the XOR of everything read is stored only if it hits a value that random data
 // practically never gives, so the loads cannot be optimised away and almost nothing is written.
@@ -135,6 +138,7 @@ struct Shape {
   int64_t batch, cache;
   int heads_q, heads_k, dim, page;
   bool paged;
+  bool sequential_pages;  // paged: block ids in order (else shuffled)
   fa_dtype dtype;
   int64_t kv_bytes() const { return batch * cache * heads_k * int64_t(2 * dim) * 2; }
 };
@@ -165,10 +169,10 @@ Copy make_copy(const Shape& s, uint32_t seed, std::mt19937_64& rng) {
   a.lse = tensor(c.lse.data, {s.batch, s.heads_q, 1}, FA_FLOAT32);
   a.cache_seqlens = tensor(c.seqlens.data, {s.batch}, FA_INT32);
   if (s.paged) {
-    const int64_t per_seq = s.cache / s.page, blocks = s.batch * per_seq;
+    const int64_t per_seq = (s.cache + s.page - 1) / s.page, blocks = s.batch * per_seq;
     std::vector<int32_t> ids(static_cast<size_t>(blocks));
     std::iota(ids.begin(), ids.end(), 0);
-    std::shuffle(ids.begin(), ids.end(), rng);  // a serving cache's pages are scattered
+    if (!s.sequential_pages) std::shuffle(ids.begin(), ids.end(), rng);  // a serving cache's pages are scattered
     c.table = Buffer(blocks * 4);
     CHECK_CUDA(cudaMemcpy(c.table.data, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
     a.k_cache = tensor(c.k.data, {blocks, s.page, s.heads_k, s.dim}, s.dtype);
@@ -187,55 +191,159 @@ std::string json_safe(std::string s) {
   return s;
 }
 
+// The knobs of one timed configuration (all affect speed only). -1: the library's default.
+struct Knobs {
+  std::string runner = "lib";
+  int splits = 0;  // 0: the heuristic's
+  int pdl = -1, min_tiles = -1;
+};
+
 struct Result {
   double us_graph = -1, us_eager = -1, kv_tbs = -1;
+  double check = -1;  // variants: relative L2 difference of out from the library's (lib: -1)
   int splits = 0, copies = 0;
   std::string kernel, error;
 };
 
-Result run_point(const Shape& s, int reps, int64_t l2_bytes, cudaStream_t stream) {
-  Result r;
-  std::mt19937_64 rng(uint64_t(s.batch * 1315423911u + s.cache));
-  r.copies = int(std::min<int64_t>(kMaxCopies, std::max<int64_t>(1, (2 * l2_bytes) / s.kv_bytes() + 1)));
-  std::vector<Copy> copies;
-  for (int c = 0; c < r.copies; ++c) copies.push_back(make_copy(s, uint32_t(1000 * c + 7), rng));
-  fa_options o;
-  fa_options_init(&o);
-  o.backend = FA_BACKEND_CUDA;
-  o.stream = stream;
-  fa_kvcache_plan plan{};
-  flashattn::Status st = flashattn::kvcache_plan(copies[0].args, o, &plan);
-  if (!st.ok()) {
-    r.error = st.to_string();
-    return r;
+// How one configuration runs a call on copy c: through the public API, or a tile variant launched directly.
+using CallFn = std::function<flashattn::Status(Copy& c)>;
+
+#if defined(FLASHATTN_DECODE_TILE_VARIANTS)
+// ---- tile variants (tuning only): the decode kernel instantiated here with other tiles ----
+namespace cu = flashattn::cuda;
+namespace dec = flashattn::cuda::decode;
+
+struct Variant {
+  const char* name;
+  int block_m, block_n, warps, stages;
+  int64_t smem_bytes;
+  flashattn::Status (*launch)(const dec::DecodeArgs&, const dec::DecodePlan&, cudaStream_t);
+  flashattn::Status (*prepare)(int device, bool* programmatic);
+};
+// A config type of this file's own: the library instantiates decode_kernel<DecodeConfig<...>> too, and two
+// translation units registering the same kernel (non-rdc) confuse the runtime (cudaFuncSetAttribute on
+// one copy, the launch on the other: "invalid argument"). Deriving a new type gives the variants their own
+// kernels.
+template <int M, int N, int W, int S>
+struct BenchConfig : dec::DecodeConfig<__nv_bfloat16, 128, M, N, W, S, false> {};
+#define DECODE_VARIANT(M, N, W, S)                                                                                   \
+  Variant {                                                                                                          \
+    "m" #M "n" #N "w" #W "s" #S, M, N, W, S, cu::decode_smem_bytes<BenchConfig<M, N, W, S>>(),                      \
+        &cu::launch_decode_args<BenchConfig<M, N, W, S>>, &cu::prepare_decode_kernel<BenchConfig<M, N, W, S>>        \
   }
-  r.splits = plan.num_splits;
-  std::vector<Buffer> workspaces;
-  for (Copy& c : copies) {
-    c.args.num_splits = plan.num_splits;
-    if (plan.workspace_bytes > 0) {
-      workspaces.emplace_back(plan.workspace_bytes);
-      c.args.workspace = tensor(workspaces.back().data, {plan.workspace_bytes}, FA_UINT8);
+// bf16, D = 128 (the issue's shape). smem = (16 + 2 stages N) * 256 bytes; CTAs per H200 SM in brackets.
+// (Round of 2026-11-30 05:07, B = 1, S = 128k, heuristic splits: n64w4s2 3.92 TB/s, n64w4s3 3.80, n32w2s3 3.71,
+// n128w8s2 3.09, n32w2s4 2.85, n128w4s2 2.76, n64w4s4 2.42, n32w2s6 2.22: the 1-CTA-per-SM and 64-thread
+// deep-pipeline tiles are out.)
+const Variant kVariants[] = {
+    DECODE_VARIANT(16, 64, 4, 3),  // 100 KiB [2]: the library's tile
+    DECODE_VARIANT(16, 64, 4, 2),  //  68 KiB [3]
+    DECODE_VARIANT(16, 32, 2, 3),  //  52 KiB [4], 64 threads
+    DECODE_VARIANT(16, 32, 2, 2),  //  36 KiB [4+], 64 threads
+    DECODE_VARIANT(16, 64, 2, 2),  //  68 KiB [3], 64 threads, 32 keys per warp
+};
+
+const Variant* find_variant(const std::string& name) {
+  for (const Variant& v : kVariants)
+    if (name == v.name) return &v;
+  return nullptr;
+}
+
+// A call of variant v with knobs k on copy c (the same plan / workspace rules as the library's launcher).
+struct VariantCall {
+  const Variant* v;
+  Knobs k;
+  cudaStream_t stream;
+  dec::DecodeDevice device;
+  std::vector<Buffer>* workspaces;
+  int splits = 0;
+  flashattn::Status operator()(Copy& c) {
+    fa_options o;
+    fa_options_init(&o);
+    o.backend = FA_BACKEND_CUDA;
+    o.stream = stream;
+    flashattn::KvcacheParams p;
+    FA_RETURN_IF_ERROR(flashattn::api::make_kvcache_params(c.args, o, &p));
+    FA_RETURN_IF_ERROR(dec::check_kvcache_support(p));
+    bool programmatic = false;
+    FA_RETURN_IF_ERROR(v->prepare(0, &programmatic));
+    cu::KernelEntry entry{cu::KernelKind::kKvcache, p.dtype, 128, v->block_m, v->block_n, v->warps, v->stages, false, v->smem_bytes, v->name};
+    p.num_splits = k.splits;
+    dec::DecodePlan plan;
+    FA_RETURN_IF_ERROR(dec::make_decode_plan(p, entry, device, &plan));
+    splits = plan.num_splits;
+    p.num_splits = plan.num_splits;
+    // one workspace per copy (a graph of many copies runs them in order; never shared by two calls in flight)
+    size_t index = size_t(&c - copies_base);
+    while (workspaces->size() <= index) workspaces->emplace_back();
+    if ((*workspaces)[index].bytes < plan.workspace_bytes) (*workspaces)[index] = Buffer(plan.workspace_bytes);
+    p.workspace = (*workspaces)[index].data;
+    p.workspace_bytes = (*workspaces)[index].bytes;
+    dec::DecodeArgs a = dec::make_decode_args(p, plan, p.workspace);
+    a.programmatic_launch = (k.pdl < 0 ? dec::kProgrammaticLaunch : k.pdl != 0) && programmatic ? 1 : 0;
+    if (k.min_tiles >= 1) a.min_tiles_per_split = k.min_tiles;
+    return v->launch(a, plan, stream);
+  }
+  Copy* copies_base = nullptr;
+};
+#endif
+
+// Relative L2 difference of two device bf16/f16 arrays (both finite expected; NaN propagates).
+[[maybe_unused]] double rel_l2(const void* a, const void* b, int64_t count, fa_dtype dtype) {
+  std::vector<uint16_t> ha(static_cast<size_t>(count)), hb(static_cast<size_t>(count));
+  CHECK_CUDA(cudaMemcpy(ha.data(), a, size_t(count) * 2, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(hb.data(), b, size_t(count) * 2, cudaMemcpyDeviceToHost));
+  auto value = [&](uint16_t x) {
+    uint32_t bits = uint32_t(x) << 16;
+    if (dtype == FA_BFLOAT16) {
+      float f;
+      std::memcpy(&f, &bits, 4);
+      return double(f);
     }
+    __half h;
+    std::memcpy(&h, &x, 2);
+    return double(__half2float(h));
+  };
+  double diff = 0, norm = 0;
+  for (int64_t n = 0; n < count; ++n) {
+    const double x = value(ha[size_t(n)]), y = value(hb[size_t(n)]);
+    diff += (x - y) * (x - y);
+    norm += y * y;
   }
-  fa_stats stats{};
-  o.stats = &stats;
-  st = flashattn::kvcache(copies[0].args, o);  // eager warm-up (also sets the kernel attributes)
+  return std::sqrt(diff / std::max(norm, 1e-300));
+}
+
+// Times `call` over all copies: eager (copy 0) and as one CUDA graph of every copy.
+Result time_calls(const Shape& s, std::vector<Copy>& copies, const CallFn& call, int reps, cudaStream_t stream) {
+  Result r;
+  r.copies = int(copies.size());
+  flashattn::Status st = call(copies[0]);  // eager warm-up (also sets the kernel attributes)
   CHECK_CUDA(cudaStreamSynchronize(stream));
   if (!st.ok()) {
+    cudaGetLastError();  // a failed launch leaves its error behind: clear it for the next points
     r.error = st.to_string();
     return r;
   }
-  r.kernel = stats.kernel;
-  o.stats = nullptr;
-  r.us_eager = 1000 * time_ms(stream, reps, [&] { flashattn::kvcache(copies[0].args, o); });
+  r.us_eager = 1000 * time_ms(stream, reps, [&] { call(copies[0]); });
+  for (Copy& c : copies) st = call(c);  // every copy once outside the capture (a variant allocates its workspace here)
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  if (!st.ok()) {
+    cudaGetLastError();
+    r.error = st.to_string();
+    return r;
+  }
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (Copy& c : copies) st = flashattn::kvcache(c.args, o);
+  for (Copy& c : copies) {
+    const flashattn::Status one = call(c);
+    if (!one.ok()) st = one;
+  }
   CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
   if (!st.ok()) {
+    cudaGetLastError();
     r.error = "capture: " + st.to_string();
+    if (graph) cudaGraphDestroy(graph);
     return r;
   }
   CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
@@ -247,12 +355,114 @@ Result run_point(const Shape& s, int reps, int64_t l2_bytes, cudaStream_t stream
   return r;
 }
 
+// Every knob combination on one shape: the inputs are made once (copies until they exceed 2x the L2).
+std::vector<std::pair<Knobs, Result>> run_shape(const Shape& s, const std::vector<Knobs>& configs, int reps, int64_t l2_bytes,
+                                                cudaStream_t stream, const cudaDeviceProp& prop) {
+  std::vector<std::pair<Knobs, Result>> results;
+  std::mt19937_64 rng(uint64_t(s.batch * 1315423911u + s.cache));
+  const int n_copies = int(std::min<int64_t>(kMaxCopies, std::max<int64_t>(1, (2 * l2_bytes) / s.kv_bytes() + 1)));
+  std::vector<Copy> copies;
+  for (int c = 0; c < n_copies; ++c) copies.push_back(make_copy(s, uint32_t(1000 * c + 7), rng));
+  const int64_t out_elems = s.batch * s.heads_q * s.dim;
+  fa_options o;
+  fa_options_init(&o);
+  o.backend = FA_BACKEND_CUDA;
+  o.stream = stream;
+  // The library's output on copy 0 (heuristic splits, its own workspace): what the variants are checked against.
+  Buffer reference_out(out_elems * 2);
+  [[maybe_unused]] bool have_reference = false;  // read by the tile variants only
+  for (Copy& c : copies) {
+    c.args.num_splits = 0;
+    c.args.workspace = fa_tensor{};
+  }
+  const flashattn::Status reference_status = flashattn::kvcache(copies[0].args, o);
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  if (!reference_status.ok()) {
+    cudaGetLastError();
+    std::fprintf(stderr, "reference call (library): %s\n", reference_status.to_string().c_str());
+  } else {
+    CHECK_CUDA(cudaMemcpy(reference_out.data, copies[0].out.data, size_t(out_elems) * 2, cudaMemcpyDeviceToDevice));
+    have_reference = true;
+  }
+  for (const Knobs& k : configs) {
+    Result r;
+    std::vector<Buffer> workspaces;
+    for (Copy& c : copies) {
+      c.args.num_splits = 0;
+      c.args.workspace = fa_tensor{};
+    }
+    CallFn call;
+    if (k.runner == "lib") {
+      for (Copy& c : copies) c.args.num_splits = k.splits;
+      fa_kvcache_plan plan{};
+      const flashattn::Status st = flashattn::kvcache_plan(copies[0].args, o, &plan);
+      if (!st.ok()) {
+        r.error = st.to_string();
+        results.emplace_back(k, r);
+        continue;
+      }
+      r.splits = plan.num_splits;
+      for (Copy& c : copies) {
+        c.args.num_splits = plan.num_splits;
+        if (plan.workspace_bytes > 0) {
+          workspaces.emplace_back(plan.workspace_bytes);
+          c.args.workspace = tensor(workspaces.back().data, {plan.workspace_bytes}, FA_UINT8);
+        }
+      }
+      fa_stats stats{};
+      fa_options so = o;
+      so.stats = &stats;
+      if (flashattn::kvcache(copies[0].args, so).ok()) r.kernel = stats.kernel;
+      else cudaGetLastError();
+      call = [o](Copy& c) { return flashattn::kvcache(c.args, o); };
+      const std::string kernel = r.kernel;
+      const int splits = r.splits;
+      r = time_calls(s, copies, call, reps, stream);
+      r.kernel = kernel;
+      r.splits = splits;
+    } else {
+#if defined(FLASHATTN_DECODE_TILE_VARIANTS)
+      const Variant* v = find_variant(k.runner);
+      if (v == nullptr || s.dim != 128 || s.dtype != FA_BFLOAT16) {
+        r.error = "no variant " + k.runner + " for this shape (bf16, D = 128 only)";
+        results.emplace_back(k, r);
+        continue;
+      }
+      auto vc = std::make_shared<VariantCall>();
+      vc->v = v;
+      vc->k = k;
+      vc->stream = stream;
+      vc->device = dec::DecodeDevice{0, prop.major, prop.minor, prop.multiProcessorCount, int64_t(prop.sharedMemPerBlockOptin),
+                                     int64_t(prop.sharedMemPerMultiprocessor)};
+      vc->workspaces = &workspaces;
+      vc->copies_base = copies.data();
+      call = [vc](Copy& c) { return (*vc)(c); };
+      r = time_calls(s, copies, call, reps, stream);
+      r.splits = vc->splits;
+      r.kernel = std::string("variant ") + v->name;
+      if (r.error.empty() && have_reference) {
+        CHECK_CUDA(cudaMemset(copies[0].out.data, 0xFF, size_t(out_elems) * 2));  // NaN: a call that writes nothing fails
+        const flashattn::Status st = call(copies[0]);
+        CHECK_CUDA(cudaStreamSynchronize(stream));
+        r.check = st.ok() ? rel_l2(copies[0].out.data, reference_out.data, out_elems, s.dtype) : -2;
+        if (!std::isfinite(r.check)) r.check = 99;  // NaN in the output (JSON has no NaN)
+      }
+#else
+      r.error = "runner " + k.runner + ": tile variants are in flashattn_decode_tiles (-DFLASHATTN_BUILD_TUNING=ON)";
+#endif
+    }
+    results.emplace_back(k, r);
+  }
+  return results;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string json_path, batches_arg = "1,4,16,64,256", caches_arg = "1024,4096,16384,65536,131072", heads_arg = "32:8",
-                         dtype_arg = "bf16", layouts_arg = "contiguous,paged";
-  int dim = 128, page = 16, reps = 10;
+                         dtype_arg = "bf16", layouts_arg = "contiguous,paged", splits_arg = "0", runners_arg = "lib",
+                         pdl_arg = "-1";
+  int dim = 128, page = 16, reps = 10, min_tiles = -1;
   double budget_gib = 32;
   for (int a = 1; a < argc; ++a) {
     const std::string arg = argv[a];
@@ -273,6 +483,10 @@ int main(int argc, char** argv) {
     else if (arg == "--layouts") layouts_arg = next();
     else if (arg == "--budget-gib") budget_gib = std::stod(next());
     else if (arg == "--reps") reps = std::stoi(next());
+    else if (arg == "--splits") splits_arg = next();
+    else if (arg == "--runners") runners_arg = next();
+    else if (arg == "--pdl") pdl_arg = next();
+    else if (arg == "--min-tiles") min_tiles = std::stoi(next());
     else {
       std::fprintf(stderr, "unknown argument %s (see the header of bench/decode_bench.cu)\n", arg.c_str());
       return 2;
@@ -285,6 +499,38 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  // The configurations timed at every point: runners x splits x pdl (lib takes the library's pdl only).
+  std::vector<std::string> runners;
+  {
+    std::stringstream ss(runners_arg);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+#if defined(FLASHATTN_DECODE_TILE_VARIANTS)
+      if (item == "all") {
+        for (const Variant& v : kVariants) runners.push_back(v.name);
+        continue;
+      }
+#endif
+      runners.push_back(item);
+    }
+  }
+  std::vector<Knobs> configs;
+  for (const std::string& runner : runners)
+    for (const int64_t splits : flashattn::bench::parse_ints<int64_t>(splits_arg))
+      for (const int64_t pdl : flashattn::bench::parse_ints<int64_t>(pdl_arg)) {
+        if (runner == "lib" && pdl >= 0) continue;  // not settable through the API
+        Knobs k;
+        k.runner = runner;
+        k.splits = int(splits);
+        k.pdl = int(pdl);
+        k.min_tiles = min_tiles;
+        configs.push_back(k);
+      }
+  if (configs.empty()) {
+    std::fprintf(stderr, "no configuration to time (lib takes --pdl -1 only)\n");
+    return 2;
+  }
 
   // ---- the device's own streaming bandwidth, in this run ----
   double stream_tbs = 0, copy_tbs = 0;
@@ -309,42 +555,58 @@ int main(int argc, char** argv) {
               prop.l2CacheSize >> 20, fa_version());
   std::printf("streaming read %.2f TB/s; device copy (read + write) %.2f TB/s\n", stream_tbs, copy_tbs);
   std::printf("%s, D=%d, Hq=%d, Hk=%d, 1 query per sequence, page %d\n", dtype_arg.c_str(), dim, heads_q, heads_k, page);
-  std::printf("%-10s %6s %7s | %6s %10s %10s %9s %8s | %s\n", "layout", "B", "S", "splits", "us/call", "us eager", "K/V TB/s",
-              "vs read", "kernel");
+  std::printf("%-10s %4s %6s | %-11s %2s | %6s %9s %9s %8s %7s %8s | %s\n", "layout", "B", "S", "runner", "pd",
+              "splits", "us/call", "us eager", "K/V TB/s", "vs read", "check", "kernel");
 
   std::string json = "{\n \"tool\": \"flashattn_decode_bench\",\n \"date\": \"" + std::string(date) + "\",\n \"gpu\": \"" +
                      prop.name + "\",\n";
-  char line[512];
+  char line[768];
   std::snprintf(line, sizeof(line),
                 " \"stream_read_tbs\": %.4f,\n \"device_copy_tbs\": %.4f,\n \"config\": {\"dtype\": \"%s\", \"dim\": %d, "
                 "\"heads_q\": %d, \"heads_k\": %d, \"page\": %d, \"seqlen_q\": 1},\n \"points\": [\n",
                 stream_tbs, copy_tbs, dtype_arg.c_str(), dim, heads_q, heads_k, page);
   json += line;
   bool first = true;
-  const std::vector<int64_t> batches = parse_ints(batches_arg), caches = parse_ints(caches_arg);
-  for (const std::string layout : {std::string("contiguous"), std::string("paged")}) {
-    if (layouts_arg.find(layout) == std::string::npos) continue;
+  const std::vector<int64_t> batches = flashattn::bench::parse_ints<int64_t>(batches_arg);
+  const std::vector<int64_t> caches = flashattn::bench::parse_ints<int64_t>(caches_arg);
+  std::vector<std::string> layouts;
+  {
+    std::stringstream ss(layouts_arg);
+    std::string item;
+    while (std::getline(ss, item, ',')) layouts.push_back(item);
+  }
+  for (const std::string& layout : layouts) {
+    if (layout != "contiguous" && layout != "paged" && layout != "paged-seq") {
+      std::fprintf(stderr, "unknown layout %s (contiguous, paged, paged-seq)\n", layout.c_str());
+      return 2;
+    }
     for (const int64_t batch : batches)
       for (const int64_t cache : caches) {
-        const Shape s{batch, cache, heads_q, heads_k, dim, page, layout == "paged", dtype};
-        Result r;
+        const Shape s{batch, cache, heads_q, heads_k, dim, page, layout != "contiguous", layout == "paged-seq", dtype};
+        std::vector<std::pair<Knobs, Result>> results;
         if (double(s.kv_bytes()) > budget_gib * double(int64_t(1) << 30)) {
+          Result r;
           r.error = "skipped: K/V " + std::to_string(s.kv_bytes() >> 30) + " GiB > --budget-gib";
+          for (const Knobs& k : configs) results.emplace_back(k, r);
         } else {
-          r = run_point(s, reps, prop.l2CacheSize, stream);
+          results = run_shape(s, configs, reps, prop.l2CacheSize, stream, prop);
         }
-        std::printf("%-10s %6lld %7lld | %6d %10.2f %10.2f %9.3f %7.1f%% | %s%s\n", layout.c_str(), (long long)batch,
-                    (long long)cache, r.splits, r.us_graph, r.us_eager, r.kv_tbs, 100 * r.kv_tbs / stream_tbs,
-                    r.kernel.c_str(), r.error.c_str());
-        std::fflush(stdout);
-        std::snprintf(line, sizeof(line),
-                      "  %s{\"layout\": \"%s\", \"batch\": %lld, \"cache\": %lld, \"kv_bytes\": %lld, \"splits\": %d, "
-                      "\"copies\": %d, \"us_per_call\": %.3f, \"us_eager\": %.3f, \"kv_tbs\": %.4f, \"fraction_of_stream_read\": "
-                      "%.4f, \"kernel\": \"%s\", \"error\": \"%s\"}",
-                      first ? "" : ",", layout.c_str(), (long long)batch, (long long)cache, (long long)s.kv_bytes(), r.splits,
-                      r.copies, r.us_graph, r.us_eager, r.kv_tbs, r.kv_tbs / stream_tbs, r.kernel.c_str(), json_safe(r.error).c_str());
-        json += std::string(first ? "" : "\n") + line;
-        first = false;
+        for (const auto& [k, r] : results) {
+          std::printf("%-10s %4lld %6lld | %-11s %2d | %6d %9.2f %9.2f %8.3f %6.1f%% %8.1e | %s%s\n", layout.c_str(),
+                      (long long)batch, (long long)cache, k.runner.c_str(), k.pdl, r.splits, r.us_graph,
+                      r.us_eager, r.kv_tbs, 100 * r.kv_tbs / stream_tbs, r.check, r.kernel.c_str(), r.error.c_str());
+          std::fflush(stdout);
+          std::snprintf(line, sizeof(line),
+                        "  %s{\"layout\": \"%s\", \"batch\": %lld, \"cache\": %lld, \"kv_bytes\": %lld, \"runner\": \"%s\", "
+                        "\"splits_asked\": %d, \"pdl\": %d, \"min_tiles\": %d, \"splits\": %d, \"copies\": %d, "
+                        "\"us_per_call\": %.3f, \"us_eager\": %.3f, \"kv_tbs\": %.4f, \"fraction_of_stream_read\": %.4f, "
+                        "\"check_rel_l2\": %.3g, \"kernel\": \"%s\", \"error\": \"%s\"}",
+                        first ? "" : ",", layout.c_str(), (long long)batch, (long long)cache, (long long)s.kv_bytes(),
+                        k.runner.c_str(), k.splits, k.pdl, k.min_tiles, r.splits, r.copies, r.us_graph, r.us_eager,
+                        r.kv_tbs, r.kv_tbs / stream_tbs, r.check, r.kernel.c_str(), json_safe(r.error).c_str());
+          json += std::string(first ? "" : "\n") + line;
+          first = false;
+        }
       }
   }
   json += "\n ]\n}\n";

@@ -9,7 +9,13 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 build=${1:?usage: pack.sh BUILD_DIR}
 mkdir -p .gpucarry
-tar -C "$build" -cf - tests/cpp/flashattn_tests bench/flashattn_cuda_bench bench/flashattn_decode_bench tools/flashattn | xz -T2 -6 > .gpucarry/bins.tar.xz
+# The static binaries share most of their bytes (every kernel, BLAS): xz -9's 64 MiB dictionary
+# stores them about once (4 binaries of ~54 MB: 5-6 MB), where -6 stored each (15 MB).
+bins=(tests/cpp/flashattn_tests bench/flashattn_cuda_bench bench/flashattn_decode_bench tools/flashattn)
+for tuning in bench/flashattn_forward_tiles bench/flashattn_backward_tiles; do  # -DFLASHATTN_BUILD_TUNING=ON
+  [[ -x "$build/$tuning" ]] && bins+=("$tuning")
+done
+tar -C "$build" -cf - "${bins[@]}" | xz -T1 -9 > .gpucarry/bins.tar.xz
 blas=$(mktemp -d)
 cp -L /usr/lib/x86_64-linux-gnu/openblas-openmp/libopenblas.so.0 /usr/lib/x86_64-linux-gnu/libgfortran.so.5 \
       /usr/lib/x86_64-linux-gnu/libquadmath.so.0 "$blas/"

@@ -24,6 +24,8 @@
 #   FA_RACECHECK_TESTS gtest filter run under compute-sanitizer racecheck
 #   FA_MEMORY=1        the peak-memory sweep (ours: flashattn_cuda_bench --memory; torch: peers.py --memory)
 #   FA_DECODE=1        the decode benchmark (flashattn_decode_bench; FA_DECODE_ARGS) beside torch's decode
+#   FA_TUNING=1        the tile-tuning harnesses when BUILD_DIR has them (-DFLASHATTN_BUILD_TUNING=ON):
+#                      bench/flashattn_forward_tiles, bench/flashattn_backward_tiles (FA_TUNING_ARGS)
 #   FA_PYTHON=1        build the Python package here (pip, no network: CUDA for sm_90a, OpenBLAS from
 #                      .gpucarry/blas.tar.xz) and run tests/python and python/bench_overhead.py
 #   FA_BENCH_ARGS, FA_PEERS_ARGS   extra arguments;  FA_TEST_TIMEOUT (seconds, default 300)
@@ -110,6 +112,14 @@ if [[ "${FA_DECODE:-0}" == "1" ]]; then
   PYTHONUNBUFFERED=1 timeout 150 python3 "$here/bench/peers_decode.py" --json "$work/decode_peers.json" "${decode_args[@]}" \
       > "$work/decode_peers.log" 2>&1 || tail -5 "$work/decode_peers.log"
   python3 "$here/bench/compare_decode.py" "$work/decode_ours.json" "$work/decode_peers.json" 2>&1 | tee -a "$summary"
+fi
+if [[ "${FA_TUNING:-0}" == "1" ]]; then
+  for harness in forward_tiles backward_tiles; do
+    [[ -x "$build/bench/flashattn_$harness" ]] || continue
+    note "== tuning harness $harness"
+    timeout 200 "$build/bench/flashattn_$harness" ${FA_TUNING_ARGS:-} > "$work/$harness.log" 2>&1
+    tail -40 "$work/$harness.log" | tee -a "$summary"
+  done
 fi
 if [[ "${FA_PYTHON:-0}" == "1" ]]; then
   note "== Python package on the GPU"

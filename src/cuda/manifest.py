@@ -56,6 +56,7 @@ class Tile:
     block_n: int  # key rows per K/V tile
     warps: int    # warps per CTA (block_m / warps query rows per warp, a multiple of 16)
     stages: int   # K/V shared-memory stages: 2 = double-buffered, 1 = K and V alternate (less smem)
+    warp_keys: int = 16  # backward only: keys per warp (16 or 32: 32 reuses each Q / dO fragment twice)
 
 
 # ---- forward tuning table: affects speed, registers and shared memory only, never results ----
@@ -65,17 +66,23 @@ class Tile:
 FORWARD_TILES = {
     (32, False): Tile(128, 128, 4, 2),   # 40 KiB; 32 query rows per warp amortise the K fragments
     (32, True): Tile(128, 64, 4, 2),     # 24 KiB; N = 128 spills with Philox's registers
-    (64, False): Tile(128, 64, 4, 2),    # 48 KiB; N = 128 spills ~100 bytes (ptxas -v, 2026-11-30)
+    # D = 64: N = 128 halves the per-tile overhead (barrier, row max, load issue) per key; spill-free since the
+    # lazy rescale and whole-tile loads (was 112 bytes). bench/forward_tiles.cu, H200, 2026-11-30 05:07 UTC,
+    # S = 16k: 325.5 vs 293.5 (N = 64) TFLOP/s non-causal, 314.2 vs 282.9 causal.
+    (64, False): Tile(128, 128, 4, 2),   # 80 KiB
     (64, True): Tile(128, 64, 4, 2),     # 48 KiB; S fragments halve to leave registers for Philox
     (96, False): Tile(128, 64, 4, 2),    # 72 KiB
     (96, True): Tile(128, 64, 4, 2),
-    (128, False): Tile(128, 64, 4, 2),   # 96 KiB: two CTAs (8 warps) per SM
+    (128, False): Tile(128, 64, 4, 2),   # 96 KiB: two CTAs (8 warps) per SM; 372.4 TFLOP/s at S = 16k (s1: 370.2,
+                                         # m64 w4: 297.9, m128 n128 w8: 321.3; H200, 2026-11-30)
     (128, True): Tile(128, 64, 4, 2),
     (192, False): Tile(128, 64, 8, 2),   # 144 KiB; 16 rows per warp keep O at 96 registers
     (192, True): Tile(128, 64, 8, 2),
-    # D = 256: double-buffered K/V (192 KiB) is 6-7% faster on the H200 (bench/forward_tiles.cu, 2026-11-30:
-    # 298 vs 280 TFLOP/s at S = 16k); sm_80's 163 KiB takes the single-buffered 128 KiB tile.
-    (256, False): [Tile(128, 64, 8, 2), Tile(128, 64, 8, 1)],
+    # D = 256: 16 query rows per warp either way (O is 128 registers); 64 x 64 with 4 warps and K / V alternating
+    # (96 KiB) runs two CTAs per SM and has twice the CTAs for causal / short sequences. bench/forward_tiles.cu,
+    # H200, 2026-11-30 05:07 UTC, non-causal / causal TFLOP/s: S = 512 267.2 / 192.5 (m128 n64 w8 s2: 252.6 /
+    # 177.6), 2k 305.3 / 258.2 (296.7 / 246.1), 8k 317.1 / 292.3 (311.4 / 283.0), 16k 314.4 / 323.6 (315.5 / 316.0).
+    (256, False): Tile(64, 64, 4, 1),
     (256, True): [Tile(128, 64, 8, 2), Tile(128, 64, 8, 1)],
 }
 
@@ -86,19 +93,25 @@ FORWARD_TILES = {
 # smem = 2 * block_n * D * 2 (K, V) + 2 * stages * block_m * D * 2 (Q, dO) + dS^T (and P^T when split)
 # + row statistics; see backward_smem_bytes in src/cuda/sm80/backward_plan.hpp.
 BACKWARD_TILES = {
-    (32, False): Tile(64, 128, 8, 2),    # 50 KiB; dK + dV = 32 registers per thread
+    # warp_keys = 32: each warp owns 32 keys x (block_m / warps_d) queries of S^T / dP^T and 32 keys x
+    # (D / warps_d) columns of dK / dV, so every Q / dO fragment it reads from shared memory feeds two m16
+    # key blocks (the backward was bound by shared-memory bandwidth: ncu L1/TEX 77% with 16 keys per warp).
+    # 4-warp tiles that fit twice in an SM let two CTAs hide each other's barriers (D <= 64; larger D
+    # needs 8 warps to hold dK + dV). TFLOP/s below: bench/backward_tiles.cu, H200, bf16, S = 16k, 2026-11-30.
+    (32, False): Tile(64, 128, 4, 2, 32),   # 49 KiB: 250.6 vs 180.5 for m64 n128 w8 k16
     (32, True): Tile(64, 128, 8, 2),
-    (64, False): Tile(128, 128, 8, 2),   # 130 KiB; measured 228 vs 214 TFLOP/s (m64) at S = 16k on the H200
-    (64, True): Tile(64, 128, 8, 2),
-    (96, False): Tile(64, 128, 8, 2),    # 113 KiB
+    (64, False): Tile(64, 128, 4, 2, 32),   # 81 KiB, 2 CTAs/SM: 328.1; 242.1 for m128 n128 w8 k32
+    (64, True): Tile(64, 128, 8, 2),        # dropout's Philox state spills 80 bytes with the 4-warp tile
+    (96, False): Tile(64, 128, 8, 2),       # 113 KiB: 228.8; m64 n64 w4 k32 (2 CTAs/SM) was no faster
     (96, True): Tile(64, 128, 8, 2),
-    (128, False): Tile(64, 128, 8, 2),   # 145 KiB; dK + dV = 128 registers, S/dP in two 32-query passes
-    (128, True): Tile(64, 128, 8, 2),
-    (192, False): Tile(64, 64, 8, 2),    # 161 KiB (fits sm_80's 163); dK/dV columns split over 2 warps
-    (192, True): Tile(64, 64, 8, 2),
-    (256, False): Tile(32, 64, 8, 2),    # 137 KiB; dK/dV columns split over 2 warps. m64n64: 194 vs 170
-                                         # TFLOP/s (S = 16k, H200) but 209 KiB: sm_90 only, so not here
-    (256, True): Tile(32, 64, 8, 2),
+    (128, False): Tile(64, 128, 8, 2, 32),  # 161 KiB (fits sm_80's 163): 300.7; 16 keys per warp 258.1,
+                                            # m64 n64 w4 k32 (2 CTAs/SM) 244.7 (before the dq_accum change)
+    (128, True): Tile(64, 128, 8, 2, 32),
+    (192, False): Tile(64, 64, 8, 2, 32),   # 161 KiB: 226.5
+    (192, True): Tile(64, 64, 8, 2, 32),
+    # D = 256: m64n64 needs 209 KiB (sm_90 only): 255.2 (k16: 227.6); sm_80's 163 KiB takes m32n64.
+    (256, False): [Tile(64, 64, 8, 2, 32), Tile(32, 64, 8, 2)],
+    (256, True): [Tile(64, 64, 8, 2, 32), Tile(32, 64, 8, 2)],
 }
 
 FORWARD_DTYPES = ["f16", "bf16"]
@@ -134,8 +147,9 @@ class Kernel:
     def name(self):
         t = self.tile
         flags = "_dropout" if self.dropout else ""
+        keys = f"k{t.warp_keys}" if t.warp_keys != 16 else ""
         return (f"{self.kind}_sm80_{self.dtype}_d{self.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}"
-                f"s{t.stages}{flags}")
+                f"s{t.stages}{keys}{flags}")
 
     @property
     def smem_bytes(self):
@@ -143,7 +157,7 @@ class Kernel:
         if self.kind in ("fwd", "dec"):  # Q, then stages x (K, V)
             return (t.block_m + 2 * t.stages * t.block_n) * self.head_dim * 2
         # backward: mirrors backward_smem_bytes (src/cuda/sm80/backward_plan.hpp)
-        warps_d = t.warps // (t.block_n // 16)
+        warps_d = t.warps // (t.block_n // t.warp_keys)
         return (2 * t.block_n * self.head_dim * 2 + 2 * t.stages * t.block_m * self.head_dim * 2
                 + (2 if warps_d > 1 else 1) * t.block_n * t.block_m * 2 + 2 * t.stages * t.block_m * 4)
 
@@ -161,15 +175,20 @@ def kernels():
                         assert tile.block_m % 16 == 0 and (tile.block_n // tile.warps) % 16 == 0 and not dropout, \
                             f"{kind} d{head_dim}: m16 row tiles, k16 key slices per warp, no dropout"
                         assert 2 <= tile.stages <= 4, f"{kind} d{head_dim}: 2 to 4 K/V stages"
-                    else:  # backward: 16 keys per warp along block_n; the rest of the warps split dK/dV columns
-                        warps_n = tile.block_n // 16
-                        assert tile.warps % warps_n == 0, f"{kind} d{head_dim}: warps must be a multiple of block_n / 16"
-                        assert tile.block_m % 16 == 0 and tile.warps % (tile.block_m // 16) == 0, \
-                            f"{kind} d{head_dim}: block_m / 16 must divide warps (dQ rows per warp)"
+                    else:  # backward: warp_keys keys per warp along block_n; the rest of the warps split dK/dV columns
+                        warps_n = tile.block_n // tile.warp_keys
+                        assert tile.warp_keys in (16, 32), f"{kind} d{head_dim}: 16 or 32 keys per warp"
+                        assert tile.warps % warps_n == 0, f"{kind} d{head_dim}: warps must be a multiple of block_n / warp_keys"
+                        assert tile.block_m % tile.warp_keys == 0 and tile.warps % (tile.block_m // tile.warp_keys) == 0, \
+                            f"{kind} d{head_dim}: block_m / warp_keys must divide warps (dQ rows per warp)"
                         assert tile.stages == 2, f"{kind} d{head_dim}: the backward double-buffers Q / dO"
+                        warps_d, dq_warps_d = tile.warps // warps_n, tile.warps // (tile.block_m // tile.warp_keys)
+                        assert (head_dim // warps_d) % 16 == 0 and (head_dim // dq_warps_d) % 16 == 0, \
+                            f"{kind} d{head_dim}: dK/dV and dQ columns per warp must be multiples of 16"
                     assert tile.block_n % 32 == 0, f"{kind} d{head_dim}: block_n must be a multiple of 32 (Philox layout)"
                     assert head_dim % 32 == 0, f"{kind} d{head_dim}: head-dim buckets are multiples of 32"
                     assert tile.stages in (1, 2) or kind == "dec"
+                    assert tile.warp_keys == 16 or kind == "bwd", f"{kind} d{head_dim}: warp_keys is a backward tile field"
                     rows.append(Kernel(kind, dtype, head_dim, tile, dropout))
     return rows
 
@@ -178,8 +197,9 @@ def kernel_cu(k):
     header, template, params = KINDS[k.kind]
     element, _ = DTYPES[k.dtype]
     t = k.tile
+    extra = f", {t.warp_keys}" if t.warp_keys != 16 else ""
     config = (f"{CONFIG_TYPES.get(k.kind, 'KernelConfig')}<{element}, {k.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
-              f"{'true' if k.dropout else 'false'}>")
+              f"{'true' if k.dropout else 'false'}{extra}>")
     return f"""// {BANNER}
 #include "{header}"
 
@@ -197,13 +217,13 @@ def kernel_table_hpp(rows):
              "#pragma once", "", '#include "cuda/kernel_entry.hpp"', "",
              "namespace flashattn::cuda::generated {", "",
              "inline constexpr KernelEntry kKernelTable[] = {",
-             "    // kind, dtype, head dim, block_m, block_n, warps, stages, dropout, smem bytes, name"]
+             "    // kind, dtype, head dim, block_m, block_n, warps, stages, dropout, smem bytes, name, warp keys"]
     for k in rows:
         _, fa_dtype = DTYPES[k.dtype]
         kind = {"fwd": "KernelKind::kForward", "bwd": "KernelKind::kBackward", "dec": "KernelKind::kKvcache"}[k.kind]
         t = k.tile
         lines.append(f"    {{{kind}, {fa_dtype}, {k.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
-                     f"{'true' if k.dropout else 'false'}, {k.smem_bytes}, \"{k.name}\"}},")
+                     f"{'true' if k.dropout else 'false'}, {k.smem_bytes}, \"{k.name}\", {t.warp_keys}}},")
     if not rows:
         lines.append("    {}")
     lines += ["};", f"inline constexpr int kKernelCount = {len(rows)};", "",

@@ -81,6 +81,33 @@ TEST(CudaBackwardPlan, TileRangesMatchBruteForce) {
   }
 }
 
+// dq_accum's fragment order (backward_plan.hpp) is a permutation of the row-major block of one (b, h):
+// every (row, column) has its own slot inside [0, rows * D), and the four values of one MMA lane (rows
+// r and r + 8, columns 2q and 2q + 1 of an m16n8 block) are the 16-byte-aligned slots 4 * lane .. + 3.
+TEST(CudaBackwardPlan, DqAccumIndexIsAPermutationInFragmentOrder) {
+  for (const int d : {32, 64, 96, 128, 192, 256}) {
+    const int rows = 2 * sm80::kBackwardRowAlign;
+    std::vector<int> seen(size_t(rows) * d, 0);
+    for (int i = 0; i < rows; ++i)
+      for (int c = 0; c < d; ++c) {
+        const int64_t index = sm80::dq_accum_index(i, c, d);
+        ASSERT_GE(index, 0);
+        ASSERT_LT(index, int64_t(rows) * d);
+        ++seen[size_t(index)];
+      }
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), int64_t(rows) * d) << "D = " << d;
+    for (int lane = 0; lane < 32; ++lane) {
+      const int group = lane / 4, quad = lane % 4;
+      const int64_t base = sm80::dq_accum_index(16 + group, 8 + 2 * quad, d);  // row block 1, column block 1
+      EXPECT_EQ(base % 4, 0);
+      EXPECT_EQ(sm80::dq_accum_index(16 + group, 8 + 2 * quad + 1, d), base + 1);
+      EXPECT_EQ(sm80::dq_accum_index(16 + group + 8, 8 + 2 * quad, d), base + 2);
+      EXPECT_EQ(sm80::dq_accum_index(16 + group + 8, 8 + 2 * quad + 1, d), base + 3);
+      EXPECT_EQ(base, (int64_t(d / 8) + 1) * 128 + 4 * lane);
+    }
+  }
+}
+
 // O(S): the workspace grows linearly with the sequence length, never with Sq x Sk.
 TEST(CudaBackwardPlan, WorkspaceIsLinearInSequenceLength) {
   flashattn::BackwardParams p{};
@@ -115,7 +142,8 @@ TEST(CudaBackwardPlan, ManifestSharedMemoryMatchesKernel) {
   for (const auto& e : flashattn::cuda::generated::kKernelTable) {
     if (e.kind != flashattn::cuda::KernelKind::kBackward) continue;
     ++rows;
-    EXPECT_EQ(e.smem_bytes, sm80::backward_smem_bytes(e.head_dim, e.block_m, e.block_n, e.warps, e.stages)) << e.name;
+    EXPECT_EQ(e.smem_bytes, sm80::backward_smem_bytes(e.head_dim, e.block_m, e.block_n, e.warps, e.stages, e.warp_keys))
+        << e.name;
   }
   EXPECT_GT(rows, 0) << "no backward kernel in the generated table";
 }
@@ -155,7 +183,7 @@ Case make_case(const fa_test::Problem& p, std::mt19937_64& rng) {
   return c;
 }
 
-fa_options host_options(const Case& c) {
+[[maybe_unused]] fa_options host_options(const Case& c) {  // unused without CUDA
   fa_options o = c.options;
   if (present(c.alibi)) o.alibi_slopes = const_cast<HostTensor&>(c.alibi).view();
   return o;

@@ -576,7 +576,7 @@ TEST(CudaKvcache, PagedEqualsContiguousBitwise) {
     const KvTensors source = make_kv(c, rng);
     KvTensors contiguous = source;
     ASSERT_TRUE(run_gpu(c, contiguous).ok());
-    for (const int block_size : {16, 256, 3}) {
+    for (const int block_size : {16, 256, 3, 1}) {  // 1: a block id per key, 64 ids per K/V tile
       KvCase pc = c;
       pc.block_size = block_size;
       KvTensors paged = make_kv(pc, rng);  // its own shuffled block table; then the contiguous case's values

@@ -184,6 +184,14 @@ TEST(CudaKvcachePlan, SplitHeuristic) {
   EXPECT_EQ(decode::choose_num_splits(8, slots, 10), 10 / decode::kMinTilesPerSplit);
   EXPECT_EQ(decode::choose_num_splits(8, slots, 1), 1);
   EXPECT_EQ(decode::choose_num_splits(8, slots, 0), 1);
+  // The shape on an H200 (8 K/V heads, one m-block each, 264 slots of the D = 128 tile): one nearly
+  // full wave, the split counts measured fastest (decode_plan.hpp); a 1 k cache (16 tiles) takes one tile each.
+  EXPECT_EQ(decode::choose_num_splits(1 * 8, slots, 2048), 32);
+  EXPECT_EQ(decode::choose_num_splits(4 * 8, slots, 2048), 8);
+  EXPECT_EQ(decode::choose_num_splits(16 * 8, slots, 128), 2);
+  EXPECT_EQ(decode::choose_num_splits(64 * 8, slots, 128), 1);
+  EXPECT_EQ(decode::choose_num_splits(1 * 8, slots, 16), 16);
+  EXPECT_EQ(decode::choose_num_splits(4 * 8, slots, 16), 8);
   // Monotone in the batch: more sequences never need more splits.
   int previous = decode::kMaxSplits;
   for (int64_t ctas = 1; ctas <= 512; ctas *= 2) {
@@ -238,6 +246,7 @@ TEST(CudaKvcachePlan, DecodeArgs) {
   EXPECT_EQ(a.num_splits, 4);
   EXPECT_EQ(a.p.num_splits, 4);
   EXPECT_EQ(a.page_shift, -1) << "contiguous cache";
+  EXPECT_EQ(a.programmatic_launch, 0) << "the launcher decides, from the device";
   const auto lse = reinterpret_cast<uintptr_t>(a.partial_lse), ws = reinterpret_cast<uintptr_t>(workspace + 1);
   EXPECT_EQ(lse % decode::kWorkspaceAlignment, 0u);
   EXPECT_GE(lse, ws);

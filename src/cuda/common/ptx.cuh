@@ -3,7 +3,8 @@
 //
 //   mma_m16n8k16      tensor-core MMA, A row-major 16x16, B col-major 16x8, fp32 accumulate
 //   ldmatrix_x4/_x2   shared -> registers, 8x8 b16 tiles in the mma fragment layout (.trans too)
-//   cp_async_16       global -> shared, 16 bytes, bypassing registers (zero-fill when !valid)
+//   cp_async_16       global -> shared, 16 bytes, bypassing registers (zero-fill when !valid);
+//                     cp_async_16_full: always 16 bytes, no predicate
 //   exp2_approx       ex2.approx.ftz.f32: 2^x in ~2 ulp; the softmax uses exp2 with log2(e) folded
 //                     into the scale
 #pragma once
@@ -90,6 +91,10 @@ __device__ __forceinline__ void ldmatrix_x2_trans(uint32_t (&r)[2], uint32_t sme
 __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* global_ptr, bool valid) {
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(global_ptr), "r"(src_bytes));
+}
+// Unpredicated form for tiles known to be whole (no zero-fill): no source-size register, no select.
+__device__ __forceinline__ void cp_async_16_full(uint32_t smem_addr, const void* global_ptr) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(global_ptr));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Waits until at most `kPending` committed groups are still in flight (this thread's copies only:

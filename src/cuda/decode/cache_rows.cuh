@@ -11,12 +11,33 @@ namespace flashattn::cuda::decode {
 
 // ---- cache rows: contiguous (B, S_cache, Hk, D) or paged (num_blocks, block_size, Hk, D) ----
 
+// Block-table column (page) of key row j: a shift for power-of-two block sizes, else a division.
+__device__ __forceinline__ int page_of(const DecodeArgs& a, int j) {
+  return a.page_shift >= 0 ? (j >> a.page_shift) : (j / a.p.page_block_size);
+}
+
 // Block id of key row j of sequence b (paged caches only; j must be below the sequence's key count, so the
 // table entry read is one of its first ceil(Sk / block_size) <= max_blocks columns).
 __device__ __forceinline__ int32_t page_id_of(const DecodeArgs& a, int b, int j) {
   const KvcacheParams& p = a.p;
-  const int page = a.page_shift >= 0 ? (j >> a.page_shift) : (j / p.page_block_size);
-  return p.block_table[b * p.block_table_batch_stride + page];
+  return p.block_table[b * p.block_table_batch_stride + page_of(a, j)];
+}
+
+// ---- decode-only PTX (the shared ones are in cuda/common/ptx.cuh) ----
+// Programmatic dependent launch (sm_90+; the launcher sets the attribute only there, and without it both
+// are no-ops). wait: block until the grids this one depends on (the previous kernels of the stream) have
+// finished and their writes are visible; every decode kernel calls it before touching global memory.
+// launch_dependents: let the next kernel of the stream start its launch now (it waits for us in its own
+// wait), hiding its launch latency behind our work.
+__device__ __forceinline__ void wait_for_previous_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_next_grid_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }
 
 // Element offsets of key row j (head hk) in the K and V caches, given its block id when paged (`id` is

@@ -10,22 +10,25 @@
 #include <cstdint>
 
 #include "cuda/common/check.hpp"
+#include "cuda/common/ptx.cuh"
 #include "cuda/decode/cache_rows.cuh"
 #include "cuda/decode/decode_aux.hpp"
+#include "cuda/decode/programmatic_launch.cuh"
 
 namespace flashattn::cuda::decode {
 namespace {
 
 constexpr int kAppendThreads = 256;
 constexpr int64_t kMaxAppendBlocks = 1 << 16;  // grid-stride beyond this (affects speed only)
-constexpr int kCombineWarps = 4;               // one warp per output row of an m-block
-constexpr int kMaxDvPerLane = 256 / 32;        // Dv <= 256 (the largest bucket): 8 columns per lane
+constexpr int kCombineWarps = 4;               // combine CTA: 128 threads
 constexpr int kGuardThreads = 128;
 
 // ---- append: one thread per (sequence, new token, K/V head, pair of elements) ----
 template <typename Element>
 __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_constant__ DecodeArgs args) {
   const KvcacheParams& p = args.p;
+  wait_for_previous_grids();  // programmatic dependent launch (sm_90): the caller's writes are visible from here
+  allow_next_grid_launch();
   const int pairs = p.head_dim / 2;
   const int64_t total = int64_t(p.batch) * p.seqlen_new * p.heads_k * pairs;
   Element* k_cache = static_cast<Element*>(const_cast<void*>(p.k));
@@ -58,16 +61,33 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
   }
 }
 
-// ---- combine: one CTA per (m-block, K/V head, sequence), one warp per packed row ----
+// ---- combine: one CTA per (m-block, K/V head, sequence) ----
+// Latency-bound at small batch (a few rows, a few dozen splits): the work is arranged so that every memory
+// access is in as few dependent rounds as possible. Phase 1, one warp per row: the lanes read the split
+// LSEs (one round), reduce their max and weight sum. Phase 2, one thread per (row, 4 columns): the partials of
+// kCombineUnroll splits are loaded at once (independent loads; the LSEs again, now from L1) and summed in
+// split order, so the result is the same on every run.
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
   return v;
 }
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+constexpr int kCombineUnroll = 16;     // partial loads in flight per thread (affects speed and registers only)
+constexpr int kCombineMaxRows = 64;    // packed rows per m-block held in shared memory (>= every DECODE_TILES block_m)
+
 template <typename Element>
 __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const __grid_constant__ DecodeArgs args) {
   const KvcacheParams& p = args.p;
   const int m_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  // Programmatic dependent launch (sm_90): this CTA may be resident before the attention kernel ends;
+  // its partials are complete and visible only after the wait.
+  wait_for_previous_grids();
+  allow_next_grid_launch();
   const int cached = p.cache_seqlens[b];
   if (!cache_length_ok(cached, p.seqlen_new, p.seqlen_k)) return;  // the attention kernel wrote NaN directly
   const BlockRows rows = block_rows(args, m_block, cached + p.seqlen_new);
@@ -77,11 +97,14 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const __gri
   const int64_t split_stride = int64_t(p.batch) * p.heads_q * p.seqlen_q;  // partial rows per split
   const int dv = p.head_dim_v;
   Element* out = static_cast<Element*>(p.out);
+  __shared__ float lse_max_smem[kCombineMaxRows], inv_sum_smem[kCombineMaxRows];
+
+  // ---- phase 1: per row, the largest split LSE (weights exp(lse_s - max) <= 1: no overflow) and the weight
+  // sum; NaN from a split that met a bad block id; no split saw a key: out = 0, lse = -inf (never NaN) ----
   for (int row = warp; row < rows.rows; row += kCombineWarps) {
     const int r = rows.row_begin + row;
     const int i = r / args.group, h = hk * args.group + r % args.group;
     const int64_t prow = partial_row(p, b, h, i);
-    // The largest split LSE (weights exp(lse_s - max) <= 1: no overflow); NaN from a split that met a bad block id.
     float lse_max = -INFINITY;
     bool any_nan = false;
     for (int s = lane; s < used; s += 32) {
@@ -91,30 +114,50 @@ __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const __gri
     }
     lse_max = warp_max(lse_max);
     any_nan = __any_sync(0xffffffffu, any_nan);
-    float acc[kMaxDvPerLane];
-#pragma unroll
-    for (int k = 0; k < kMaxDvPerLane; ++k) acc[k] = 0.f;
     float weight_sum = 0.f;
+    if (lse_max != -INFINITY)
+      for (int s = lane; s < used; s += 32) weight_sum += expf(args.partial_lse[s * split_stride + prow] - lse_max);
+    weight_sum = warp_sum(weight_sum);
+    const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
+    if (lane == 0) {
+      lse_max_smem[row] = lse_max;
+      inv_sum_smem[row] = any_nan ? NAN : inv;  // NaN poisons the whole row in phase 2
+      const float lse = any_nan ? NAN : (weight_sum > 0.f ? lse_max + logf(weight_sum) : -INFINITY);
+      if (p.lse != nullptr) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] = lse;
+    }
+  }
+  __syncthreads();
+
+  // ---- phase 2: out = sum_s exp(lse_s - max) out_s / sum, 4 columns per thread ----
+  const int quads = dv / 4;  // Dv % 8 == 0
+  for (int idx = threadIdx.x; idx < rows.rows * quads; idx += 32 * kCombineWarps) {
+    const int row = idx / quads, col = (idx % quads) * 4;
+    const int r = rows.row_begin + row;
+    const int i = r / args.group, h = hk * args.group + r % args.group;
+    const int64_t prow = partial_row(p, b, h, i);
+    const float lse_max = lse_max_smem[row], inv = inv_sum_smem[row];
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     if (lse_max != -INFINITY) {
-#pragma unroll 4
-      for (int s = 0; s < used; ++s) {  // split order: the same sums on every run (independent loads in flight)
-        const float lse = args.partial_lse[s * split_stride + prow];
-        const float weight = expf(lse - lse_max);  // 0 for a split whose keys this row does not see (lse_s = -inf)
-        weight_sum += weight;
-        const float* part = args.partial_out + (s * split_stride + prow) * dv;
+      for (int s0 = 0; s0 < used; s0 += kCombineUnroll) {
+        float weight[kCombineUnroll];
+        float4 part[kCombineUnroll];
 #pragma unroll
-        for (int k = 0; k < kMaxDvPerLane; ++k)
-          if (lane + 32 * k < dv) acc[k] += weight * part[lane + 32 * k];
+        for (int u = 0; u < kCombineUnroll; ++u) {  // all loads first: one round of memory latency
+          const int s = s0 + u;
+          weight[u] = s < used ? args.partial_lse[s * split_stride + prow] : -INFINITY;
+          part[u] = s < used ? *reinterpret_cast<const float4*>(args.partial_out + (s * split_stride + prow) * dv + col)
+                             : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < kCombineUnroll; ++u) {  // in split order; weight 0 for a split whose keys this row does not see
+          const float w = expf(weight[u] - lse_max);
+          acc.x += w * part[u].x, acc.y += w * part[u].y, acc.z += w * part[u].z, acc.w += w * part[u].w;
+        }
       }
     }
-    // No split saw a key: out = 0, lse = -inf (never NaN).
-    const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
-    const float lse = any_nan ? NAN : (weight_sum > 0.f ? lse_max + logf(weight_sum) : -INFINITY);
-    Element* out_row = out + b * p.out_batch_stride + int64_t(i) * p.out_row_stride + h * p.out_head_stride;
-#pragma unroll
-    for (int k = 0; k < kMaxDvPerLane; ++k)
-      if (lane + 32 * k < dv) out_row[lane + 32 * k] = Element(any_nan ? NAN : acc[k] * inv);
-    if (lane == 0 && p.lse != nullptr) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] = lse;
+    Element* out_row = out + b * p.out_batch_stride + int64_t(i) * p.out_row_stride + h * p.out_head_stride + col;
+    const uint2 packed = make_uint2(ElementTraits<Element>::pack(acc.x * inv, acc.y * inv), ElementTraits<Element>::pack(acc.z * inv, acc.w * inv));
+    *reinterpret_cast<uint2*>(out_row) = packed;  // 8-byte aligned: 16-byte aligned rows, col % 4 == 0
   }
 }
 
@@ -140,16 +183,16 @@ Status launch_append_typed(const DecodeArgs& args, cudaStream_t stream) {
   const KvcacheParams& p = args.p;
   const int64_t total = int64_t(p.batch) * p.seqlen_new * p.heads_k * (p.head_dim / 2);
   const int64_t blocks = std::min<int64_t>((total + kAppendThreads - 1) / kAppendThreads, kMaxAppendBlocks);
-  append_kernel<Element><<<unsigned(blocks), kAppendThreads, 0, stream>>>(args);
-  FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  FA_CUDA_RETURN_IF_ERROR(launch_decode_kernel(&append_kernel<Element>, dim3(unsigned(blocks)), dim3(kAppendThreads), 0, stream,
+                                               args.programmatic_launch != 0, args));
   return Status();
 }
 
 template <typename Element>
 Status launch_combine_typed(const DecodeArgs& args, cudaStream_t stream) {
   const dim3 grid(args.m_blocks, args.p.heads_k, args.p.batch);
-  combine_kernel<Element><<<grid, 32 * kCombineWarps, 0, stream>>>(args);
-  FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  FA_CUDA_RETURN_IF_ERROR(launch_decode_kernel(&combine_kernel<Element>, grid, dim3(32 * kCombineWarps), 0, stream,
+                                               args.programmatic_launch != 0, args));
   return Status();
 }
 
@@ -164,7 +207,7 @@ Status launch_append(const DecodeArgs& args, void* stream) {
 
 Status launch_combine(const DecodeArgs& args, void* stream) {
   if (args.num_splits < 2 || args.m_blocks == 0 || args.p.batch == 0) return Status();
-  if (args.p.head_dim_v > 32 * kMaxDvPerLane) return error(FA_ERROR_INTERNAL, "combine: Dv %d > 256", args.p.head_dim_v);
+  if (args.block_m > kCombineMaxRows) return error(FA_ERROR_INTERNAL, "combine: block_m %d > %d", args.block_m, kCombineMaxRows);
   const auto s = static_cast<cudaStream_t>(stream);
   return args.p.dtype == FA_BFLOAT16 ? launch_combine_typed<__nv_bfloat16>(args, s) : launch_combine_typed<__half>(args, s);
 }

@@ -92,6 +92,11 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
 
   Element* out_gmem = static_cast<Element*>(p.out);
   const int d_chunks = p.head_dim / 8;  // D may be below the bucket kHeadDim: the rest is zero-filled
+  // Launched as a programmatic dependent (sm_90): everything above overlapped the previous kernel's tail;
+  // from here on global memory is read and written, so the previous kernels (the append, the caller's
+  // producers of q and the caches) must be complete. Then the combine may start launching.
+  wait_for_previous_grids();
+  allow_next_grid_launch();
   const int cached = p.cache_seqlens[b];
   const int seqlen_k = cached + p.seqlen_new;  // keys after the append
   const bool length_ok = cache_length_ok(cached, p.seqlen_new, p.seqlen_k);

@@ -1,6 +1,8 @@
 // Launch of one decode configuration of the manifest (src/cuda/manifest.py, DECODE_TILES). Each generated
 // file src/cuda/generated/kernels/dec_*.cu instantiates launch_kvcache_sm80 once. On the caller's stream:
 //   append (when k_new is given) -> attention (grid m_blocks * num_splits, Hk, B) -> combine (num_splits > 1)
+// On sm_90+ the three launch as programmatic dependents (programmatic_launch.cuh): each one's launch
+// overlaps the previous kernel, and waits for it on the device before touching memory.
 // Allocates nothing: params.num_splits is resolved and params.workspace holds the plan's workspace
 // (src/cuda/decode/kvcache.cpp does both), so the whole sequence can be captured in a CUDA graph.
 #pragma once
@@ -16,6 +18,7 @@
 #include "cuda/decode/decode_aux.hpp"
 #include "cuda/decode/decode_kernel.cuh"
 #include "cuda/decode/decode_plan.hpp"
+#include "cuda/decode/programmatic_launch.cuh"
 
 namespace flashattn::cuda {
 
@@ -25,34 +28,58 @@ constexpr int decode_smem_bytes() {
   return (C::kBlockM + 2 * C::kStages * C::kBlockN) * C::kHeadDim * 2;
 }
 
+// Once per device and kernel: raise its shared-memory limit (sticky), and learn whether the device takes
+// programmatic dependent launches (compute capability 9.0+). `*programmatic` is that answer.
 template <typename C>
-Status launch_kvcache_sm80(const KvcacheParams& p, cudaStream_t stream) {
+Status prepare_decode_kernel(int device, bool* programmatic) {
   constexpr int kSmem = decode_smem_bytes<C>();
-  const decode::DecodePlan plan = decode::decode_layout(p, C::kBlockM, C::kBlockN, p.num_splits);
-  const decode::DecodeArgs args = decode::make_decode_args(p, plan, p.workspace);
+  const auto kernel = &decode::decode_kernel<C>;
+  static std::atomic<uint64_t> configured{0};     // bit d: device d done
+  static std::atomic<uint64_t> programmatic_ok{0};  // bit d: device d is sm_90+
+  const uint64_t device_bit = device >= 0 && device < 64 ? (uint64_t(1) << device) : 0;
+  if (device_bit != 0 && (configured.load(std::memory_order_acquire) & device_bit) != 0) {
+    *programmatic = (programmatic_ok.load(std::memory_order_relaxed) & device_bit) != 0;
+    return Status();
+  }
+  const cudaError_t attribute = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (attribute == cudaErrorInvalidDeviceFunction || attribute == cudaErrorNoKernelImageForDevice) {
+    cudaGetLastError();  // clear it: the call did not run
+    return error(FA_ERROR_NOT_COMPILED, "q: the kvcache kernel (D %d, %s) has no image for cuda:%d in this build",
+                 C::kHeadDim, ElementTraits<typename C::Element>::kName, device);
+  }
+  FA_CUDA_RETURN_IF_ERROR(attribute);
+  int major = 0;
+  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  *programmatic = major >= 9;
+  if (*programmatic) programmatic_ok.fetch_or(device_bit, std::memory_order_relaxed);
+  configured.fetch_or(device_bit, std::memory_order_release);
+  return Status();
+}
+
+// The kernels of one call from its resolved arguments (the launcher below, and bench/decode_bench.cu's
+// tuning variants, which set the knobs of `args` themselves).
+template <typename C>
+Status launch_decode_args(const decode::DecodeArgs& args, const decode::DecodePlan& plan, cudaStream_t stream) {
+  const KvcacheParams& p = args.p;
   if (plan.workspace_bytes > 0 && (args.partial_lse == nullptr || p.workspace_bytes < plan.workspace_bytes))
     return error(FA_ERROR_INTERNAL, "kvcache launcher: %d splits need a workspace of %lld bytes", plan.num_splits,
                  (long long)plan.workspace_bytes);
-  const auto kernel = &decode::decode_kernel<C>;
-  // Raising the kernel's shared-memory limit is per device and sticks: done once per device (bit d).
-  static std::atomic<uint64_t> configured{0};
-  const uint64_t device_bit = p.device_id < 64 ? (uint64_t(1) << p.device_id) : 0;
-  if (device_bit == 0 || (configured.load(std::memory_order_relaxed) & device_bit) == 0) {
-    const cudaError_t attribute = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (attribute == cudaErrorInvalidDeviceFunction || attribute == cudaErrorNoKernelImageForDevice) {
-      cudaGetLastError();  // clear it: the call did not run
-      return error(FA_ERROR_NOT_COMPILED, "q: the kvcache kernel (D %d, %s) has no image for cuda:%d in this build",
-                   C::kHeadDim, ElementTraits<typename C::Element>::kName, p.device_id);
-    }
-    FA_CUDA_RETURN_IF_ERROR(attribute);
-    configured.fetch_or(device_bit, std::memory_order_relaxed);
-  }
   FA_RETURN_IF_ERROR(decode::launch_append(args, stream));  // the new rows are in the cache before anyone reads it
   const dim3 grid(unsigned(plan.m_blocks) * unsigned(plan.num_splits), p.heads_k, p.batch);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return Status();
-  kernel<<<grid, C::kThreads, kSmem, stream>>>(args);
-  FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  FA_CUDA_RETURN_IF_ERROR(decode::launch_decode_kernel(&decode::decode_kernel<C>, grid, dim3(C::kThreads),
+                                                       decode_smem_bytes<C>(), stream, args.programmatic_launch != 0, args));
   return decode::launch_combine(args, stream);
+}
+
+template <typename C>
+Status launch_kvcache_sm80(const KvcacheParams& p, cudaStream_t stream) {
+  bool programmatic = false;
+  FA_RETURN_IF_ERROR(prepare_decode_kernel<C>(p.device_id, &programmatic));
+  const decode::DecodePlan plan = decode::decode_layout(p, C::kBlockM, C::kBlockN, p.num_splits);
+  decode::DecodeArgs args = decode::make_decode_args(p, plan, p.workspace);
+  args.programmatic_launch = decode::kProgrammaticLaunch && programmatic ? 1 : 0;
+  return launch_decode_args<C>(args, plan, stream);
 }
 
 }  // namespace flashattn::cuda

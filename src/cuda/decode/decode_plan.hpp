@@ -22,13 +22,19 @@ namespace flashattn::cuda::decode {
 
 // ---- split-KV tuning: affects speed only, never results (every split count gives the same attention up
 // to float rounding of the merge) ----
-constexpr int kMinTilesPerSplit = 2;       // a split streams >= 2 key tiles: below that its fixed cost (Q load,
-                                           // pipeline fill, partial write + combine read) outweighs the gain
+// Measured on the H200 (2026-11-30 05:25 UTC, bf16, D = 128, Hq 32 / Hk 8, contiguous, flashattn_decode_tiles
+// --splits sweeps; the m16n64w4s3 tile, 2 CTAs per SM = 264 slots): the best split count fills one wave:
+// B = 1: 33 splits (8 k 1.69 TB/s, 32 k 2.88, 128 k 3.94) where the old 85% rule took 29 (1.67, 2.83, 3.79);
+// B = 4: 8; B = 16: 2; B >= 64: 1. At a 1 k cache (16 tiles) one tile per split is fastest (B = 1: 16
+// splits, 10.1 us, against 12.4 us with >= 2 tiles per split).
+constexpr int kMinTilesPerSplit = 1;       // a split streams >= 1 key tile (a floor of 2 was slower at short caches)
 constexpr int kMaxSplits = 128;            // the heuristic's cap (an explicit num_splits may be larger)
 constexpr double kFullOccupancy = 0.8;     // at >= 80% of one wave of CTA slots without splitting: no split
-constexpr double kWaveEfficiencyKept = 0.85;  // smallest split count whose last-wave efficiency is within 85% of the best
+constexpr double kWaveEfficiencyKept = 0.96;  // smallest split count whose last-wave efficiency is within 96% of the best
+                                              // (B = 1: 32 of 264 slots; 0.97 would jump B = 4 from 8 to 33 splits)
 constexpr int kMaxCtasPerSm = 4;           // occupancy estimate cap (the kernels use <= 255 registers x 128 threads)
 constexpr int64_t kWorkspaceAlignment = 256;  // the partial buffers start 256-byte aligned in any caller workspace
+constexpr bool kProgrammaticLaunch = true; // sm_90+: launch the decode kernels as programmatic dependents
 
 // What planning needs to know about the device.
 struct DecodeDevice {

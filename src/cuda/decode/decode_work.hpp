@@ -35,6 +35,7 @@ struct DecodeArgs {
   int num_splits;           // the most splits of one key range (>= 1); grid.x = m_blocks * num_splits
   int min_tiles_per_split;  // a split streams at least this many key tiles (affects speed only)
   int page_shift;           // paged cache: log2(block size) when it is a power of two, else -1 (divisions)
+  int programmatic_launch;  // 1 = the kernels launch as programmatic dependents (sm_90+; set by the launcher)
   float* partial_lse;       // [num_splits][B * Hq * Sq] natural-log LSE per split; null when num_splits == 1
   float* partial_out;       // [num_splits][B * Hq * Sq][Dv] per-split output, already normalised
 };

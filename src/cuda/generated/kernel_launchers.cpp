@@ -6,7 +6,7 @@ namespace flashattn::cuda::generated {
 
 Status fwd_sm80_f16_d32_m128n128w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d32_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
-Status fwd_sm80_f16_d64_m128n64w4s2(const AttentionParams& params, void* stream);
+Status fwd_sm80_f16_d64_m128n128w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d64_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d96_m128n64w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d96_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
@@ -14,13 +14,12 @@ Status fwd_sm80_f16_d128_m128n64w4s2(const AttentionParams& params, void* stream
 Status fwd_sm80_f16_d128_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d192_m128n64w8s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d192_m128n64w8s2_dropout(const AttentionParams& params, void* stream);
-Status fwd_sm80_f16_d256_m128n64w8s2(const AttentionParams& params, void* stream);
-Status fwd_sm80_f16_d256_m128n64w8s1(const AttentionParams& params, void* stream);
+Status fwd_sm80_f16_d256_m64n64w4s1(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d256_m128n64w8s2_dropout(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d256_m128n64w8s1_dropout(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d32_m128n128w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d32_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
-Status fwd_sm80_bf16_d64_m128n64w4s2(const AttentionParams& params, void* stream);
+Status fwd_sm80_bf16_d64_m128n128w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d64_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d96_m128n64w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d96_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
@@ -28,33 +27,36 @@ Status fwd_sm80_bf16_d128_m128n64w4s2(const AttentionParams& params, void* strea
 Status fwd_sm80_bf16_d128_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d192_m128n64w8s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d192_m128n64w8s2_dropout(const AttentionParams& params, void* stream);
-Status fwd_sm80_bf16_d256_m128n64w8s2(const AttentionParams& params, void* stream);
-Status fwd_sm80_bf16_d256_m128n64w8s1(const AttentionParams& params, void* stream);
+Status fwd_sm80_bf16_d256_m64n64w4s1(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d256_m128n64w8s2_dropout(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d256_m128n64w8s1_dropout(const AttentionParams& params, void* stream);
-Status bwd_sm80_f16_d32_m64n128w8s2(const BackwardParams& params, void* stream);
+Status bwd_sm80_f16_d32_m64n128w4s2k32(const BackwardParams& params, void* stream);
 Status bwd_sm80_f16_d32_m64n128w8s2_dropout(const BackwardParams& params, void* stream);
-Status bwd_sm80_f16_d64_m128n128w8s2(const BackwardParams& params, void* stream);
+Status bwd_sm80_f16_d64_m64n128w4s2k32(const BackwardParams& params, void* stream);
 Status bwd_sm80_f16_d64_m64n128w8s2_dropout(const BackwardParams& params, void* stream);
 Status bwd_sm80_f16_d96_m64n128w8s2(const BackwardParams& params, void* stream);
 Status bwd_sm80_f16_d96_m64n128w8s2_dropout(const BackwardParams& params, void* stream);
-Status bwd_sm80_f16_d128_m64n128w8s2(const BackwardParams& params, void* stream);
-Status bwd_sm80_f16_d128_m64n128w8s2_dropout(const BackwardParams& params, void* stream);
-Status bwd_sm80_f16_d192_m64n64w8s2(const BackwardParams& params, void* stream);
-Status bwd_sm80_f16_d192_m64n64w8s2_dropout(const BackwardParams& params, void* stream);
+Status bwd_sm80_f16_d128_m64n128w8s2k32(const BackwardParams& params, void* stream);
+Status bwd_sm80_f16_d128_m64n128w8s2k32_dropout(const BackwardParams& params, void* stream);
+Status bwd_sm80_f16_d192_m64n64w8s2k32(const BackwardParams& params, void* stream);
+Status bwd_sm80_f16_d192_m64n64w8s2k32_dropout(const BackwardParams& params, void* stream);
+Status bwd_sm80_f16_d256_m64n64w8s2k32(const BackwardParams& params, void* stream);
 Status bwd_sm80_f16_d256_m32n64w8s2(const BackwardParams& params, void* stream);
+Status bwd_sm80_f16_d256_m64n64w8s2k32_dropout(const BackwardParams& params, void* stream);
 Status bwd_sm80_f16_d256_m32n64w8s2_dropout(const BackwardParams& params, void* stream);
-Status bwd_sm80_bf16_d32_m64n128w8s2(const BackwardParams& params, void* stream);
+Status bwd_sm80_bf16_d32_m64n128w4s2k32(const BackwardParams& params, void* stream);
 Status bwd_sm80_bf16_d32_m64n128w8s2_dropout(const BackwardParams& params, void* stream);
-Status bwd_sm80_bf16_d64_m128n128w8s2(const BackwardParams& params, void* stream);
+Status bwd_sm80_bf16_d64_m64n128w4s2k32(const BackwardParams& params, void* stream);
 Status bwd_sm80_bf16_d64_m64n128w8s2_dropout(const BackwardParams& params, void* stream);
 Status bwd_sm80_bf16_d96_m64n128w8s2(const BackwardParams& params, void* stream);
 Status bwd_sm80_bf16_d96_m64n128w8s2_dropout(const BackwardParams& params, void* stream);
-Status bwd_sm80_bf16_d128_m64n128w8s2(const BackwardParams& params, void* stream);
-Status bwd_sm80_bf16_d128_m64n128w8s2_dropout(const BackwardParams& params, void* stream);
-Status bwd_sm80_bf16_d192_m64n64w8s2(const BackwardParams& params, void* stream);
-Status bwd_sm80_bf16_d192_m64n64w8s2_dropout(const BackwardParams& params, void* stream);
+Status bwd_sm80_bf16_d128_m64n128w8s2k32(const BackwardParams& params, void* stream);
+Status bwd_sm80_bf16_d128_m64n128w8s2k32_dropout(const BackwardParams& params, void* stream);
+Status bwd_sm80_bf16_d192_m64n64w8s2k32(const BackwardParams& params, void* stream);
+Status bwd_sm80_bf16_d192_m64n64w8s2k32_dropout(const BackwardParams& params, void* stream);
+Status bwd_sm80_bf16_d256_m64n64w8s2k32(const BackwardParams& params, void* stream);
 Status bwd_sm80_bf16_d256_m32n64w8s2(const BackwardParams& params, void* stream);
+Status bwd_sm80_bf16_d256_m64n64w8s2k32_dropout(const BackwardParams& params, void* stream);
 Status bwd_sm80_bf16_d256_m32n64w8s2_dropout(const BackwardParams& params, void* stream);
 Status dec_sm80_f16_d32_m16n128w4s4(const KvcacheParams& params, void* stream);
 Status dec_sm80_f16_d64_m16n128w4s3(const KvcacheParams& params, void* stream);
@@ -72,7 +74,7 @@ Status dec_sm80_bf16_d256_m16n64w4s2(const KvcacheParams& params, void* stream);
 const KernelLaunch kKernelLaunch[] = {
     {&fwd_sm80_f16_d32_m128n128w4s2, nullptr, nullptr},
     {&fwd_sm80_f16_d32_m128n64w4s2_dropout, nullptr, nullptr},
-    {&fwd_sm80_f16_d64_m128n64w4s2, nullptr, nullptr},
+    {&fwd_sm80_f16_d64_m128n128w4s2, nullptr, nullptr},
     {&fwd_sm80_f16_d64_m128n64w4s2_dropout, nullptr, nullptr},
     {&fwd_sm80_f16_d96_m128n64w4s2, nullptr, nullptr},
     {&fwd_sm80_f16_d96_m128n64w4s2_dropout, nullptr, nullptr},
@@ -80,13 +82,12 @@ const KernelLaunch kKernelLaunch[] = {
     {&fwd_sm80_f16_d128_m128n64w4s2_dropout, nullptr, nullptr},
     {&fwd_sm80_f16_d192_m128n64w8s2, nullptr, nullptr},
     {&fwd_sm80_f16_d192_m128n64w8s2_dropout, nullptr, nullptr},
-    {&fwd_sm80_f16_d256_m128n64w8s2, nullptr, nullptr},
-    {&fwd_sm80_f16_d256_m128n64w8s1, nullptr, nullptr},
+    {&fwd_sm80_f16_d256_m64n64w4s1, nullptr, nullptr},
     {&fwd_sm80_f16_d256_m128n64w8s2_dropout, nullptr, nullptr},
     {&fwd_sm80_f16_d256_m128n64w8s1_dropout, nullptr, nullptr},
     {&fwd_sm80_bf16_d32_m128n128w4s2, nullptr, nullptr},
     {&fwd_sm80_bf16_d32_m128n64w4s2_dropout, nullptr, nullptr},
-    {&fwd_sm80_bf16_d64_m128n64w4s2, nullptr, nullptr},
+    {&fwd_sm80_bf16_d64_m128n128w4s2, nullptr, nullptr},
     {&fwd_sm80_bf16_d64_m128n64w4s2_dropout, nullptr, nullptr},
     {&fwd_sm80_bf16_d96_m128n64w4s2, nullptr, nullptr},
     {&fwd_sm80_bf16_d96_m128n64w4s2_dropout, nullptr, nullptr},
@@ -94,33 +95,36 @@ const KernelLaunch kKernelLaunch[] = {
     {&fwd_sm80_bf16_d128_m128n64w4s2_dropout, nullptr, nullptr},
     {&fwd_sm80_bf16_d192_m128n64w8s2, nullptr, nullptr},
     {&fwd_sm80_bf16_d192_m128n64w8s2_dropout, nullptr, nullptr},
-    {&fwd_sm80_bf16_d256_m128n64w8s2, nullptr, nullptr},
-    {&fwd_sm80_bf16_d256_m128n64w8s1, nullptr, nullptr},
+    {&fwd_sm80_bf16_d256_m64n64w4s1, nullptr, nullptr},
     {&fwd_sm80_bf16_d256_m128n64w8s2_dropout, nullptr, nullptr},
     {&fwd_sm80_bf16_d256_m128n64w8s1_dropout, nullptr, nullptr},
-    {nullptr, &bwd_sm80_f16_d32_m64n128w8s2, nullptr},
+    {nullptr, &bwd_sm80_f16_d32_m64n128w4s2k32, nullptr},
     {nullptr, &bwd_sm80_f16_d32_m64n128w8s2_dropout, nullptr},
-    {nullptr, &bwd_sm80_f16_d64_m128n128w8s2, nullptr},
+    {nullptr, &bwd_sm80_f16_d64_m64n128w4s2k32, nullptr},
     {nullptr, &bwd_sm80_f16_d64_m64n128w8s2_dropout, nullptr},
     {nullptr, &bwd_sm80_f16_d96_m64n128w8s2, nullptr},
     {nullptr, &bwd_sm80_f16_d96_m64n128w8s2_dropout, nullptr},
-    {nullptr, &bwd_sm80_f16_d128_m64n128w8s2, nullptr},
-    {nullptr, &bwd_sm80_f16_d128_m64n128w8s2_dropout, nullptr},
-    {nullptr, &bwd_sm80_f16_d192_m64n64w8s2, nullptr},
-    {nullptr, &bwd_sm80_f16_d192_m64n64w8s2_dropout, nullptr},
+    {nullptr, &bwd_sm80_f16_d128_m64n128w8s2k32, nullptr},
+    {nullptr, &bwd_sm80_f16_d128_m64n128w8s2k32_dropout, nullptr},
+    {nullptr, &bwd_sm80_f16_d192_m64n64w8s2k32, nullptr},
+    {nullptr, &bwd_sm80_f16_d192_m64n64w8s2k32_dropout, nullptr},
+    {nullptr, &bwd_sm80_f16_d256_m64n64w8s2k32, nullptr},
     {nullptr, &bwd_sm80_f16_d256_m32n64w8s2, nullptr},
+    {nullptr, &bwd_sm80_f16_d256_m64n64w8s2k32_dropout, nullptr},
     {nullptr, &bwd_sm80_f16_d256_m32n64w8s2_dropout, nullptr},
-    {nullptr, &bwd_sm80_bf16_d32_m64n128w8s2, nullptr},
+    {nullptr, &bwd_sm80_bf16_d32_m64n128w4s2k32, nullptr},
     {nullptr, &bwd_sm80_bf16_d32_m64n128w8s2_dropout, nullptr},
-    {nullptr, &bwd_sm80_bf16_d64_m128n128w8s2, nullptr},
+    {nullptr, &bwd_sm80_bf16_d64_m64n128w4s2k32, nullptr},
     {nullptr, &bwd_sm80_bf16_d64_m64n128w8s2_dropout, nullptr},
     {nullptr, &bwd_sm80_bf16_d96_m64n128w8s2, nullptr},
     {nullptr, &bwd_sm80_bf16_d96_m64n128w8s2_dropout, nullptr},
-    {nullptr, &bwd_sm80_bf16_d128_m64n128w8s2, nullptr},
-    {nullptr, &bwd_sm80_bf16_d128_m64n128w8s2_dropout, nullptr},
-    {nullptr, &bwd_sm80_bf16_d192_m64n64w8s2, nullptr},
-    {nullptr, &bwd_sm80_bf16_d192_m64n64w8s2_dropout, nullptr},
+    {nullptr, &bwd_sm80_bf16_d128_m64n128w8s2k32, nullptr},
+    {nullptr, &bwd_sm80_bf16_d128_m64n128w8s2k32_dropout, nullptr},
+    {nullptr, &bwd_sm80_bf16_d192_m64n64w8s2k32, nullptr},
+    {nullptr, &bwd_sm80_bf16_d192_m64n64w8s2k32_dropout, nullptr},
+    {nullptr, &bwd_sm80_bf16_d256_m64n64w8s2k32, nullptr},
     {nullptr, &bwd_sm80_bf16_d256_m32n64w8s2, nullptr},
+    {nullptr, &bwd_sm80_bf16_d256_m64n64w8s2k32_dropout, nullptr},
     {nullptr, &bwd_sm80_bf16_d256_m32n64w8s2_dropout, nullptr},
     {nullptr, nullptr, &dec_sm80_f16_d32_m16n128w4s4},
     {nullptr, nullptr, &dec_sm80_f16_d64_m16n128w4s3},

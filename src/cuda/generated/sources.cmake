@@ -2,7 +2,7 @@
 set(FLASHATTN_CUDA_GENERATED_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d32_m128n128w4s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d32_m128n64w4s2_dropout.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d64_m128n64w4s2.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d64_m128n128w4s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d64_m128n64w4s2_dropout.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d96_m128n64w4s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d96_m128n64w4s2_dropout.cu
@@ -10,13 +10,12 @@ set(FLASHATTN_CUDA_GENERATED_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m128n64w4s2_dropout.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d192_m128n64w8s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d192_m128n64w8s2_dropout.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d256_m128n64w8s2.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d256_m128n64w8s1.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d256_m64n64w4s1.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d256_m128n64w8s2_dropout.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d256_m128n64w8s1_dropout.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d32_m128n128w4s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d32_m128n64w4s2_dropout.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d64_m128n64w4s2.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d64_m128n128w4s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d64_m128n64w4s2_dropout.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d96_m128n64w4s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d96_m128n64w4s2_dropout.cu
@@ -24,33 +23,36 @@ set(FLASHATTN_CUDA_GENERATED_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m128n64w4s2_dropout.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d192_m128n64w8s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d192_m128n64w8s2_dropout.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d256_m128n64w8s2.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d256_m128n64w8s1.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d256_m64n64w4s1.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d256_m128n64w8s2_dropout.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d256_m128n64w8s1_dropout.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_f16_d32_m64n128w8s2.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_f16_d32_m64n128w4s2k32.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_f16_d32_m64n128w8s2_dropout.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_f16_d64_m128n128w8s2.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_f16_d64_m64n128w4s2k32.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_f16_d64_m64n128w8s2_dropout.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_f16_d96_m64n128w8s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_f16_d96_m64n128w8s2_dropout.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_f16_d128_m64n128w8s2.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_f16_d128_m64n128w8s2_dropout.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_f16_d192_m64n64w8s2.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_f16_d192_m64n64w8s2_dropout.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_f16_d128_m64n128w8s2k32.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_f16_d128_m64n128w8s2k32_dropout.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_f16_d192_m64n64w8s2k32.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_f16_d192_m64n64w8s2k32_dropout.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_f16_d256_m64n64w8s2k32.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_f16_d256_m32n64w8s2.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_f16_d256_m64n64w8s2k32_dropout.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_f16_d256_m32n64w8s2_dropout.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_bf16_d32_m64n128w8s2.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_bf16_d32_m64n128w4s2k32.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_bf16_d32_m64n128w8s2_dropout.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_bf16_d64_m128n128w8s2.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_bf16_d64_m64n128w4s2k32.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_bf16_d64_m64n128w8s2_dropout.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_bf16_d96_m64n128w8s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_bf16_d96_m64n128w8s2_dropout.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_bf16_d128_m64n128w8s2.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_bf16_d128_m64n128w8s2_dropout.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_bf16_d192_m64n64w8s2.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_bf16_d192_m64n64w8s2_dropout.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_bf16_d128_m64n128w8s2k32.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_bf16_d128_m64n128w8s2k32_dropout.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_bf16_d192_m64n64w8s2k32.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_bf16_d192_m64n64w8s2k32_dropout.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_bf16_d256_m64n64w8s2k32.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_bf16_d256_m32n64w8s2.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_bf16_d256_m64n64w8s2k32_dropout.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/bwd_sm80_bf16_d256_m32n64w8s2_dropout.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_f16_d32_m16n128w4s4.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_f16_d64_m16n128w4s3.cu

@@ -12,14 +12,19 @@
 //   dQ += dS K                               (float32 atomics into dq_accum; times scale afterwards)
 // Everything is computed transposed (keys on the MMA's M side): S^T = K Q^T and dP^T = V dO^T have
 // the accumulator layout of an A operand with keys as rows, so P^T and dS^T feed dV and dK straight
-// from registers when one warp holds all kBlockM queries of its 16 keys (kWarpsD == 1). With larger
-// head dims the dK / dV columns are split over kWarpsD warps, which then exchange P^T and dS^T
-// through shared memory.
+// from registers when one warp holds all kBlockM queries of its keys (kWarpsD == 1). Otherwise the
+// queries of S^T and the dK / dV columns are split over kWarpsD warps, which then exchange P^T and
+// dS^T through shared memory.
 //
-// Warp layout (w = warp index):  key rows    16 * (w % kWarpsN) .. +16       (S^T, dP^T, dK, dV)
+// Warp layout (w = warp index, K = kWarpKeys = 16 or 32 keys per warp, set by the manifest):
+//                                key rows    K * (w % kWarpsN) .. +K       (S^T, dP^T, dK, dV)
 //                                query cols  (w / kWarpsN) * kBlockM / kWarpsD ..  (S^T, dP^T)
 //                                head cols   (w / kWarpsN) * kHeadDim / kWarpsD .. (dK, dV)
-//   dQ = dS K is split differently: 16 query rows x kHeadDim / kDqWarpsD columns per warp.
+//   dQ = dS K is split differently: K query rows x kHeadDim / kDqWarpsD columns per warp.
+// Why K = 32: the kernel is bound by shared-memory (ldmatrix) bandwidth, and a warp that owns two m16
+// key blocks uses every Q / dO fragment it reads for both (likewise each K fragment of dQ for two
+// query blocks): at D = 128, 64 x 128 tiles, 8 warps, ldmatrix traffic per tile drops from 1472 to
+// 1152 x4-loads (-22%).
 // MMA fragment notation: lane = 4 * group + quad; an m16n8 accumulator holds rows group and
 // group + 8, columns 2 * quad and 2 * quad + 1.
 //
@@ -27,10 +32,12 @@
 // softcap and ALiBi run only on tiles that need them. Deterministic mode orders the dQ additions of
 // the key tiles of each query tile by a semaphore per (b, h, query tile): same bits run to run.
 //
-// Speed (H200, bf16, 2026-11-30): 231 TFLOP/s at D = 128, S = 16k (FlashAttention-2: 308). ncu on
-// this kernel: bound by shared memory (ldmatrix) bandwidth: L1/TEX 77%, SM 36%, a third of the
-// stalls on MIO. The 1-D warp layout (each warp: 16 keys x all queries of the tile) makes every warp
-// read all of Q and dO; a 2-D layout with more reuse per warp, or wgmma on sm_90a, is the next step.
+// Speed (H200, bf16, bench/backward_tiles.cu, 2026-11-30 05:25 UTC; FlashAttention-2 of torch 2.11 on that
+// H200 at 03:15 UTC: 281.4 / 298.5 / 252.6 TFLOP/s): S = 16k non-causal, D = 64: 328.1, D = 128: 300.7, D = 256:
+// 255.2. What got it there from 229 / 230 / 172: 32 keys per warp (each Q / dO fragment feeds two key
+// blocks), 4-warp tiles that fit twice per SM where dK + dV allow (D <= 64), dq_accum in MMA-fragment
+// order (one coalesced 16-byte reduction per lane instead of two scattered 8-byte ones; ncu had shown
+// the LSU queue (lg_throttle) as a top stall) and dQ in two passes at D = 256 (no spills).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -75,30 +82,36 @@ struct BackwardTraits {
   static constexpr int kStages = Config::kStages;    // Q / dO shared-memory stages
   static constexpr bool kDropout = Config::kDropout;
 
-  static constexpr int kWarpsN = kBlockN / 16;        // warps along keys (16 keys each)
-  static constexpr int kWarpsD = kWarps / kWarpsN;    // warps sharing those keys
+  static constexpr int kWarpKeys = Config::kWarpKeys;  // keys per warp: 16 or 32 (m16 blocks of the MMA)
+  static constexpr int kKeyFrags = kWarpKeys / 16;     // m16 key blocks per warp
+  static constexpr int kWarpsN = kBlockN / kWarpKeys;  // warps along keys
+  static constexpr int kWarpsD = kWarps / kWarpsN;     // warps sharing those keys
   static constexpr int kQueriesPerWarp = kBlockM / kWarpsD;
-  static constexpr int kSFrags = kQueriesPerWarp / 8;  // n8 blocks of S^T / dP^T per warp
   static constexpr int kDPerWarp = kHeadDim / kWarpsD;
-  static constexpr int kAccFrags = kDPerWarp / 8;      // n8 blocks of dK / dV per warp
-  static constexpr int kDqWarpsM = kBlockM / 16;
+  static constexpr int kAccFrags = kDPerWarp / 8;      // n8 blocks of dK / dV per warp and key block
+  // dQ = dS K: kWarpKeys query rows (kDqRowFrags m16 blocks) x kDqDPerWarp head columns per warp.
+  static constexpr int kDqRowFrags = kWarpKeys / 16;
+  static constexpr int kDqWarpsM = kBlockM / kWarpKeys;
   static constexpr int kDqWarpsD = kWarps / kDqWarpsM;
   static constexpr int kDqDPerWarp = kHeadDim / kDqWarpsD;
   static constexpr int kDqFrags = kDqDPerWarp / 8;
+  // dQ is computed in kDqSplit passes of kDqPassFrags n8 column blocks when a warp has more than 4 (D = 256):
+  // 32 fewer live registers next to dK / dV for a second read of the dS fragments. Affects speed only.
+  static constexpr int kDqSplit = kDqFrags > 4 && kDqFrags % 4 == 0 ? kDqFrags / 4 : 1;
+  static constexpr int kDqPassFrags = kDqFrags / kDqSplit;
   static constexpr bool kPInRegisters = kWarpsD == 1;
-  // S^T / dP^T of a warp are computed in kSplit passes of kSubQueries queries when P stays in
-  // registers: 32 when dK + dV (D >= 96) or Philox (dropout) already hold many registers, else 64.
-  // Fewer live registers for a few more ldmatrix. Affects registers and speed only.
-  static constexpr int kPassQueries = (kHeadDim >= 96 || kDropout) ? 32 : 64;
-  static constexpr int kSubQueries =
-      kPInRegisters && kPassQueries < kQueriesPerWarp ? kPassQueries : kQueriesPerWarp;
+  // S^T / dP^T of a warp are computed in kSplit passes of kSubQueries queries: 32 when dK + dV
+  // (D >= 96, or two key blocks per warp) or Philox (dropout) already hold many registers, else 64.
+  // Fewer live registers for a few more ldmatrix of K / V. Affects registers and speed only.
+  static constexpr int kPassQueries = (kHeadDim >= 96 || kDropout || kKeyFrags > 1) ? 32 : 64;
+  static constexpr int kSubQueries = kPassQueries < kQueriesPerWarp ? kPassQueries : kQueriesPerWarp;
   static constexpr int kSplit = kQueriesPerWarp / kSubQueries;
   static constexpr int kSubFrags = kSubQueries / 8;
 
-  static_assert(kBlockN % 16 == 0 && kWarps % kWarpsN == 0, "block_n / 16 warps along keys must divide warps");
+  static_assert(kBlockN % kWarpKeys == 0 && kWarps % kWarpsN == 0, "block_n / warp_keys warps along keys must divide warps");
   static_assert(kSubFrags % 2 == 0, "each pass's query columns must be a multiple of 16 (k16 steps)");
   static_assert(kAccFrags % 2 == 0, "each warp's dK/dV columns must be a multiple of 16 (ldmatrix x4)");
-  static_assert(kBlockM % 16 == 0 && kWarps % kDqWarpsM == 0, "block_m / 16 dQ warp rows must divide warps");
+  static_assert(kBlockM % kWarpKeys == 0 && kWarps % kDqWarpsM == 0, "block_m / warp_keys dQ warp rows must divide warps");
   static_assert(kDqFrags % 2 == 0 && kDqDPerWarp * kDqWarpsD == kHeadDim, "dQ columns per warp: multiple of 16");
   static_assert(kStages == 2, "the backward double-buffers Q / dO (prefetch of the next query tile)");
   static_assert(kBlockM % 4 == 0, "lse / dsum rows are copied 4 floats (16 bytes) at a time");
@@ -136,14 +149,15 @@ __device__ __forceinline__ float2 unpack2<__nv_bfloat16>(uint32_t bits) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
 }
 
-// Adds (x, y) to dst[0..1] in global memory (dst 8-byte aligned), as reductions (no value returned).
-// sm_90+: one 8-byte vector reduction (red.global.add.v2.f32, PTX 8.1); before: two scalar ones.
-__device__ __forceinline__ void atomic_add_pair(float* dst, float x, float y) {
+// Adds v[0..3] to dst[0..3] in global memory (dst 16-byte aligned), as reductions (no value returned).
+// sm_90+: one 16-byte vector reduction (red.global.add.v4.f32, PTX 8.1); before: four scalar ones.
+__device__ __forceinline__ void atomic_add_float4(float* dst, const float (&v)[4]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(x), "f"(y) : "memory");
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
+               : "memory");
 #else
-  atomicAdd(dst, x);
-  atomicAdd(dst + 1, y);
+#pragma unroll
+  for (int x = 0; x < 4; ++x) atomicAdd(dst + x, v[x]);
 #endif
 }
 
@@ -219,14 +233,16 @@ struct LdsmLanes {
   }
 };
 
-// One k16 step (queries q0 .. q0 + 15) of dV += (P Z)^T dO and dK += dS^T Q for the warp's 16 keys and
-// its kDPerWarp head columns from d0. B operands: dO / Q rows q0.. transposed into column-major fragments.
+// One k16 step (queries q0 .. q0 + 15) of dV += (P Z)^T dO and dK += dS^T Q for the warp's kKeyFrags
+// m16 key blocks and its kDPerWarp head columns from d0. B operands: dO / Q rows q0.. transposed into
+// column-major fragments, each read once and used for every key block of the warp.
 // lanes: LdsmLanes<QTile> of the pattern lane_row = lane % 16 (rows +0/+8), lane_chunk = lane / 16.
 template <class T>
-__device__ __forceinline__ void mma_dkdv(float (&dk_acc)[T::kAccFrags][4], float (&dv_acc)[T::kAccFrags][4],
-                                         const uint32_t (&p_frag)[4], const uint32_t (&ds_frag)[4], uint32_t q_smem,
-                                         uint32_t do_smem, int q0, int d0,
-                                         const LdsmLanes<T::QTile::kChunksPerBlockRow>& lanes) {
+__device__ __forceinline__ void mma_dkdv(float (&dk_acc)[T::kKeyFrags][T::kAccFrags][4],
+                                         float (&dv_acc)[T::kKeyFrags][T::kAccFrags][4],
+                                         const uint32_t (&p_frag)[T::kKeyFrags][4],
+                                         const uint32_t (&ds_frag)[T::kKeyFrags][4], uint32_t q_smem, uint32_t do_smem,
+                                         int q0, int d0, const LdsmLanes<T::QTile::kChunksPerBlockRow>& lanes) {
   using Element = typename T::Element;
 #pragma unroll
   for (int f = 0; f < T::kAccFrags; f += 2) {
@@ -235,10 +251,13 @@ __device__ __forceinline__ void mma_dkdv(float (&dk_acc)[T::kAccFrags][4], float
     uint32_t do_frag[4], q_frag[4];
     ldmatrix_x4_trans(do_frag, do_smem + offset);
     ldmatrix_x4_trans(q_frag, q_smem + offset);
-    mma_m16n8k16<Element>(dv_acc[f], p_frag, {do_frag[0], do_frag[1]});
-    mma_m16n8k16<Element>(dv_acc[f + 1], p_frag, {do_frag[2], do_frag[3]});
-    mma_m16n8k16<Element>(dk_acc[f], ds_frag, {q_frag[0], q_frag[1]});
-    mma_m16n8k16<Element>(dk_acc[f + 1], ds_frag, {q_frag[2], q_frag[3]});
+#pragma unroll
+    for (int kf = 0; kf < T::kKeyFrags; ++kf) {
+      mma_m16n8k16<Element>(dv_acc[kf][f], p_frag[kf], {do_frag[0], do_frag[1]});
+      mma_m16n8k16<Element>(dv_acc[kf][f + 1], p_frag[kf], {do_frag[2], do_frag[3]});
+      mma_m16n8k16<Element>(dk_acc[kf][f], ds_frag[kf], {q_frag[0], q_frag[1]});
+      mma_m16n8k16<Element>(dk_acc[kf][f + 1], ds_frag[kf], {q_frag[2], q_frag[3]});
+    }
   }
 }
 
@@ -295,17 +314,18 @@ __global__ void backward_postprocess_kernel(const BackwardParams p, const Backwa
   const int c = int(item % chunks);
   const int h = int((item / chunks) % p.heads_q);
   const int i = int(item / (int64_t(chunks) * p.heads_q));
-  const float* acc = ws.dq_accum + ((int64_t(b) * p.heads_q + h) * ws.padded_seqlen_q + i) * head_dim_accum + c * 8;
-  const float4 lo = *reinterpret_cast<const float4*>(acc);
-  const float4 hi = *reinterpret_cast<const float4*>(acc + 4);
+  // Columns c*8 .. c*8+7 of row i: four float pairs, 16 bytes apart (dq_accum_index, backward_plan.hpp).
+  const float* acc = ws.dq_accum + (int64_t(b) * p.heads_q + h) * ws.padded_seqlen_q * head_dim_accum +
+                     dq_accum_index(i, c * 8, head_dim_accum);
   const float s = p.softmax_scale;
-  uint4 packed;
-  packed.x = pack2<Element>(lo.x * s, lo.y * s);
-  packed.y = pack2<Element>(lo.z * s, lo.w * s);
-  packed.z = pack2<Element>(hi.x * s, hi.y * s);
-  packed.w = pack2<Element>(hi.z * s, hi.w * s);
+  uint32_t packed[4];
+#pragma unroll
+  for (int pair = 0; pair < 4; ++pair) {
+    const float2 v = *reinterpret_cast<const float2*>(acc + 4 * pair);  // columns c*8 + 2*pair, +1
+    packed[pair] = pack2<Element>(v.x * s, v.y * s);
+  }
   Element* dq = static_cast<Element*>(p.dq) + q_offset(p, p.dq_batch_stride, p.dq_row_stride, p.dq_head_stride, b, e, i, h);
-  *reinterpret_cast<uint4*>(dq + c * 8) = packed;
+  *reinterpret_cast<uint4*>(dq + c * 8) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -330,7 +350,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   float* lse_smem = reinterpret_cast<float*>(smem + T::kLseOffset);    // [stage][kBlockM]
   float* dsum_smem = reinterpret_cast<float*>(smem + T::kDsumOffset);  // [stage][kBlockM]
 
-  const int n_tile = blockIdx.x, b = blockIdx.y, hk = blockIdx.z;
+  const int n_tile = blockIdx.x, b = blockIdx.y, hk = blockIdx.z;  // grid: backward_launch.cuh
   const SequenceExtent e = sequence_extent(p, b);
   const int j0 = n_tile * kBlockN;  // first key of the tile (sequence-relative)
   if (j0 >= e.seqlen_k) return;     // the grid covers the longest sequence; this one is shorter
@@ -341,10 +361,10 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group_row = lane / 4, quad = lane % 4;  // mma fragment coordinates (see top of file)
   const int warp_n = warp % T::kWarpsN, warp_d = T::kWarpsD == 1 ? 0 : warp / T::kWarpsN;
-  const int key_w0 = warp_n * 16;                      // this warp's keys in the tile
+  const int key_w0 = warp_n * T::kWarpKeys;           // this warp's keys in the tile
   const int query_w0 = warp_d * T::kQueriesPerWarp;    // its S^T columns
   const int d_w0 = warp_d * T::kDPerWarp;              // its dK / dV columns
-  const int dq_m0 = (warp % T::kDqWarpsM) * 16;        // its dQ rows
+  const int dq_m0 = (warp % T::kDqWarpsM) * T::kWarpKeys;    // its dQ rows
   const int dq_d0 = (warp / T::kDqWarpsM) * T::kDqDPerWarp;  // and dQ columns
   // ldmatrix x4 lane patterns: "rows" = lane % 16 (8x8 tiles at rows +0/+8), chunk + lane / 16;
   // "cols" = lane % 8 + 8 (lane / 16) (tiles at rows +0/+8 are the 3rd/4th), chunk + (lane / 8) % 2.
@@ -398,11 +418,13 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     }
   };
 
-  float dk_acc[T::kAccFrags][4], dv_acc[T::kAccFrags][4];
+  float dk_acc[T::kKeyFrags][T::kAccFrags][4], dv_acc[T::kKeyFrags][T::kAccFrags][4];
 #pragma unroll
-  for (int f = 0; f < T::kAccFrags; ++f)
+  for (int kf = 0; kf < T::kKeyFrags; ++kf)
 #pragma unroll
-    for (int x = 0; x < 4; ++x) dk_acc[f][x] = dv_acc[f][x] = 0.f;
+    for (int f = 0; f < T::kAccFrags; ++f)
+#pragma unroll
+      for (int x = 0; x < 4; ++x) dk_acc[kf][f][x] = dv_acc[kf][f][x] = 0.f;
 
   const float scale_log2 = p.softmax_scale * kLog2e;
   const bool has_softcap = p.softcap > 0.f;
@@ -449,29 +471,38 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     for (int sub = 0; sub < T::kSplit; ++sub) {
       const int sub_q0 = query_w0 + sub * T::kSubQueries;  // first query column of this pass
 
-      // ---- S^T = K Q^T and dP^T = V dO^T: 16 keys x kSubQueries queries ----
-      float s_acc[T::kSubFrags][4], dp_acc[T::kSubFrags][4];
+      // ---- S^T = K Q^T and dP^T = V dO^T: kWarpKeys keys x kSubQueries queries ----
+      float s_acc[T::kKeyFrags][T::kSubFrags][4], dp_acc[T::kKeyFrags][T::kSubFrags][4];
 #pragma unroll
-      for (int f = 0; f < T::kSubFrags; ++f)
+      for (int kf = 0; kf < T::kKeyFrags; ++kf)
 #pragma unroll
-        for (int x = 0; x < 4; ++x) s_acc[f][x] = dp_acc[f][x] = 0.f;
+        for (int f = 0; f < T::kSubFrags; ++f)
+#pragma unroll
+          for (int x = 0; x < 4; ++x) s_acc[kf][f][x] = dp_acc[kf][f][x] = 0.f;
 #pragma unroll
       for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        // A: 16 keys x 16 head columns; B: Q / dO rows (queries) x the same 16 columns.
-        uint32_t k_frag[4], v_frag[4];
-        const uint32_t a_offset = qk_rows.template offset<KTile>(key_w0, kk);
-        ldmatrix_x4(k_frag, k_smem + a_offset);
-        ldmatrix_x4(v_frag, v_smem + a_offset);
+        // A: 16 keys x 16 head columns per key block; B: Q / dO rows (queries) x the same 16 columns,
+        // each B fragment used for every key block of the warp.
+        uint32_t k_frag[T::kKeyFrags][4], v_frag[T::kKeyFrags][4];
+#pragma unroll
+        for (int kf = 0; kf < T::kKeyFrags; ++kf) {
+          const uint32_t a_offset = qk_rows.template offset<KTile>(key_w0 + 16 * kf, kk);
+          ldmatrix_x4(k_frag[kf], k_smem + a_offset);
+          ldmatrix_x4(v_frag[kf], v_smem + a_offset);
+        }
 #pragma unroll
         for (int f = 0; f < T::kSubFrags; f += 2) {
           const uint32_t b_offset = qk_cols.template offset<QTile>(sub_q0 + f * 8, kk);
           uint32_t q_frag[4], do_frag[4];
           ldmatrix_x4(q_frag, q_smem + b_offset);
           ldmatrix_x4(do_frag, do_smem + b_offset);
-          mma_m16n8k16<Element>(s_acc[f], k_frag, {q_frag[0], q_frag[1]});
-          mma_m16n8k16<Element>(s_acc[f + 1], k_frag, {q_frag[2], q_frag[3]});
-          mma_m16n8k16<Element>(dp_acc[f], v_frag, {do_frag[0], do_frag[1]});
-          mma_m16n8k16<Element>(dp_acc[f + 1], v_frag, {do_frag[2], do_frag[3]});
+#pragma unroll
+          for (int kf = 0; kf < T::kKeyFrags; ++kf) {
+            mma_m16n8k16<Element>(s_acc[kf][f], k_frag[kf], {q_frag[0], q_frag[1]});
+            mma_m16n8k16<Element>(s_acc[kf][f + 1], k_frag[kf], {q_frag[2], q_frag[3]});
+            mma_m16n8k16<Element>(dp_acc[kf][f], v_frag[kf], {do_frag[0], do_frag[1]});
+            mma_m16n8k16<Element>(dp_acc[kf][f + 1], v_frag[kf], {do_frag[2], do_frag[3]});
+          }
         }
       }
 
@@ -487,37 +518,41 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
             const int i = i0 + query_local;
             const float lse2 = lse_tile[query_local];
             const float dsum = dsum_tile[query_local];
-            // One Philox call covers both of this thread's keys (group_row and group_row + 8: the
-            // same 32-key block and the same (j / 2) % 4, see core/philox.hpp).
-            [[maybe_unused]] Philox4x32 random{};
-            if constexpr (T::kDropout)
-              random = dropout_random_block(p.dropout_seed, p.dropout_offset, dropout_bh, uint32_t(i),
-                                            uint32_t(j0 + key_w0 + group_row));
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int x = 2 * half + col;  // accumulator element: row group_row + 8 * half, column col
-              const int j = j0 + key_w0 + group_row + 8 * half;
-              const float raw = s_acc[f][x];  // q.k, unscaled
-              float score_log2 = raw * scale_log2, dtanh = 1.f;
-              float prob;
-              if constexpr (kGeneral) {
-                if (has_softcap) {
-                  // softcap * tanh(scale * q.k / softcap); its derivative w.r.t. scale * q.k is 1 - tanh^2.
-                  const float t = tanhf(raw * softcap_inv_scale);
-                  score_log2 = softcap_log2 * t;
-                  dtanh = 1.f - t * t;
-                }
-                score_log2 -= alibi_log2 * fabsf(float(i + mask.diagonal - j));
-                prob = exp2_approx(score_log2 - lse2);
-                if (!(j < seqlen_k && mask.visible(i, j))) prob = 0.f;
-              } else {
-                prob = exp2_approx(score_log2 - lse2);
-              }
-              float z = 1.f;  // dropout multiplier
+            for (int kf = 0; kf < T::kKeyFrags; ++kf) {
+              const int key_f0 = key_w0 + 16 * kf;  // first key (tile-relative) of this key block
+              // One Philox call covers both of this thread's keys of the block (group_row and
+              // group_row + 8: the same 32-key block and the same (j / 2) % 4, see core/philox.hpp).
+              [[maybe_unused]] Philox4x32 random{};
               if constexpr (T::kDropout)
-                z = dropout_u16_select(random, uint32_t(j)) >= dropout_threshold ? dropout_rescale : 0.f;
-              dp_acc[f][x] = prob * (dp_acc[f][x] * z - dsum) * dtanh;  // dS (w.r.t. scale * q.k, unscaled)
-              s_acc[f][x] = prob * z;                                  // P * Z, for dV
+                random = dropout_random_block(p.dropout_seed, p.dropout_offset, dropout_bh, uint32_t(i),
+                                              uint32_t(j0 + key_f0 + group_row));
+#pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                const int x = 2 * half + col;  // accumulator element: row group_row + 8 * half, column col
+                const int j = j0 + key_f0 + group_row + 8 * half;
+                const float raw = s_acc[kf][f][x];  // q.k, unscaled
+                float score_log2 = raw * scale_log2, dtanh = 1.f;
+                float prob;
+                if constexpr (kGeneral) {
+                  if (has_softcap) {
+                    // softcap * tanh(scale * q.k / softcap); its derivative w.r.t. scale * q.k is 1 - tanh^2.
+                    const float t = tanhf(raw * softcap_inv_scale);
+                    score_log2 = softcap_log2 * t;
+                    dtanh = 1.f - t * t;
+                  }
+                  score_log2 -= alibi_log2 * fabsf(float(i + mask.diagonal - j));
+                  prob = exp2_approx(score_log2 - lse2);
+                  if (!(j < seqlen_k && mask.visible(i, j))) prob = 0.f;
+                } else {
+                  prob = exp2_approx(score_log2 - lse2);
+                }
+                float z = 1.f;  // dropout multiplier
+                if constexpr (T::kDropout)
+                  z = dropout_u16_select(random, uint32_t(j)) >= dropout_threshold ? dropout_rescale : 0.f;
+                dp_acc[kf][f][x] = prob * (dp_acc[kf][f][x] * z - dsum) * dtanh;  // dS (w.r.t. scale * q.k, unscaled)
+                s_acc[kf][f][x] = prob * z;                                        // P * Z, for dV
+              }
             }
           }
         }
@@ -529,17 +564,20 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 
       // ---- stage dS^T (always: dQ needs every warp's keys) and P^T (when split over warps) ----
 #pragma unroll
-      for (int f = 0; f < T::kSubFrags; ++f) {
-        const int chunk = (sub_q0 + f * 8) / 8;
+      for (int kf = 0; kf < T::kKeyFrags; ++kf) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = key_w0 + group_row + 8 * half;
-          const uint32_t offset = STile::chunk_offset(row, chunk) + quad * 4;  // 2 elements per quad lane
-          const uint32_t ds2 = pack2<Element>(dp_acc[f][2 * half], dp_acc[f][2 * half + 1]);
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_smem + offset), "r"(ds2));
-          if constexpr (!T::kPInRegisters) {
-            const uint32_t p2 = pack2<Element>(s_acc[f][2 * half], s_acc[f][2 * half + 1]);
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(p_smem + offset), "r"(p2));
+        for (int f = 0; f < T::kSubFrags; ++f) {
+          const int chunk = (sub_q0 + f * 8) / 8;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int row = key_w0 + 16 * kf + group_row + 8 * half;
+            const uint32_t offset = STile::chunk_offset(row, chunk) + quad * 4;  // 2 elements per quad lane
+            const uint32_t ds2 = pack2<Element>(dp_acc[kf][f][2 * half], dp_acc[kf][f][2 * half + 1]);
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_smem + offset), "r"(ds2));
+            if constexpr (!T::kPInRegisters) {
+              const uint32_t p2 = pack2<Element>(s_acc[kf][f][2 * half], s_acc[kf][f][2 * half + 1]);
+              asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(p_smem + offset), "r"(p2));
+            }
           }
         }
       }
@@ -549,15 +587,18 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
 #pragma unroll
         for (int kk = 0; kk < T::kSubFrags / 2; ++kk) {
           // The m16n8 accumulators of query blocks 2kk and 2kk+1 are exactly an m16k16 A fragment.
-          uint32_t p_frag[4], ds_frag[4];
-          p_frag[0] = pack2<Element>(s_acc[2 * kk][0], s_acc[2 * kk][1]);
-          p_frag[1] = pack2<Element>(s_acc[2 * kk][2], s_acc[2 * kk][3]);
-          p_frag[2] = pack2<Element>(s_acc[2 * kk + 1][0], s_acc[2 * kk + 1][1]);
-          p_frag[3] = pack2<Element>(s_acc[2 * kk + 1][2], s_acc[2 * kk + 1][3]);
-          ds_frag[0] = pack2<Element>(dp_acc[2 * kk][0], dp_acc[2 * kk][1]);
-          ds_frag[1] = pack2<Element>(dp_acc[2 * kk][2], dp_acc[2 * kk][3]);
-          ds_frag[2] = pack2<Element>(dp_acc[2 * kk + 1][0], dp_acc[2 * kk + 1][1]);
-          ds_frag[3] = pack2<Element>(dp_acc[2 * kk + 1][2], dp_acc[2 * kk + 1][3]);
+          uint32_t p_frag[T::kKeyFrags][4], ds_frag[T::kKeyFrags][4];
+#pragma unroll
+          for (int kf = 0; kf < T::kKeyFrags; ++kf) {
+            p_frag[kf][0] = pack2<Element>(s_acc[kf][2 * kk][0], s_acc[kf][2 * kk][1]);
+            p_frag[kf][1] = pack2<Element>(s_acc[kf][2 * kk][2], s_acc[kf][2 * kk][3]);
+            p_frag[kf][2] = pack2<Element>(s_acc[kf][2 * kk + 1][0], s_acc[kf][2 * kk + 1][1]);
+            p_frag[kf][3] = pack2<Element>(s_acc[kf][2 * kk + 1][2], s_acc[kf][2 * kk + 1][3]);
+            ds_frag[kf][0] = pack2<Element>(dp_acc[kf][2 * kk][0], dp_acc[kf][2 * kk][1]);
+            ds_frag[kf][1] = pack2<Element>(dp_acc[kf][2 * kk][2], dp_acc[kf][2 * kk][3]);
+            ds_frag[kf][2] = pack2<Element>(dp_acc[kf][2 * kk + 1][0], dp_acc[kf][2 * kk + 1][1]);
+            ds_frag[kf][3] = pack2<Element>(dp_acc[kf][2 * kk + 1][2], dp_acc[kf][2 * kk + 1][3]);
+          }
           mma_dkdv<T>(dk_acc, dv_acc, p_frag, ds_frag, q_smem, do_smem, sub_q0 + kk * 16, d_w0, qk_rows);
         }
       }
@@ -568,55 +609,72 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     if constexpr (!T::kPInRegisters) {
 #pragma unroll
       for (int kk = 0; kk < kBlockM / 16; ++kk) {
-        const uint32_t a_offset = s_rows.template offset<STile>(key_w0, kk);
-        uint32_t p_frag[4], ds_frag[4];
-        ldmatrix_x4(p_frag, p_smem + a_offset);
-        ldmatrix_x4(ds_frag, ds_smem + a_offset);
+        uint32_t p_frag[T::kKeyFrags][4], ds_frag[T::kKeyFrags][4];
+#pragma unroll
+        for (int kf = 0; kf < T::kKeyFrags; ++kf) {
+          const uint32_t a_offset = s_rows.template offset<STile>(key_w0 + 16 * kf, kk);
+          ldmatrix_x4(p_frag[kf], p_smem + a_offset);
+          ldmatrix_x4(ds_frag[kf], ds_smem + a_offset);
+        }
         mma_dkdv<T>(dk_acc, dv_acc, p_frag, ds_frag, q_smem, do_smem, kk * 16, d_w0, qk_rows);
       }
     }
 
-    // ---- dQ_tile = dS K: 16 query rows x kDqDPerWarp columns per warp, summed over the tile's keys ----
-    float dq_acc[T::kDqFrags][4];
-#pragma unroll
-    for (int f = 0; f < T::kDqFrags; ++f)
-#pragma unroll
-      for (int x = 0; x < 4; ++x) dq_acc[f][x] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      // A = dS (queries x keys) read transposed from dS^T [key][query]: keys kk*16.., queries dq_m0..
-      uint32_t ds_frag[4];
-      ldmatrix_x4_trans(ds_frag, ds_smem + s_cols.template offset<STile>(kk * 16, dq_m0 / 16));
-#pragma unroll
-      for (int f = 0; f < T::kDqFrags; f += 2) {
-        uint32_t k_frag[4];  // B = K (keys x head columns), transposed
-        ldmatrix_x4_trans(k_frag, k_smem + qk_rows.template offset<KTile>(kk * 16, dq_d0 / 16 + f / 2));
-        mma_m16n8k16<Element>(dq_acc[f], ds_frag, {k_frag[0], k_frag[1]});
-        mma_m16n8k16<Element>(dq_acc[f + 1], ds_frag, {k_frag[2], k_frag[3]});
-      }
-    }
-
-    // ---- dq_accum += dQ_tile. Deterministic mode: key tiles of one query tile add in index order ----
+    // ---- dQ_tile = dS K: kWarpKeys query rows x kDqDPerWarp columns per warp, summed over the tile's keys,
+    //      in kDqSplit passes of kDqPassFrags column blocks (fewer live registers), each added to dq_accum.
+    //      Deterministic mode: the key tiles of one query tile add in index order (semaphore).
     int* semaphore = nullptr;
-    if (p.deterministic) {
+    if (p.deterministic)
       semaphore = ws.semaphores + (int64_t(b) * p.heads_q + h) * (ws.padded_seqlen_q / kBlockM) + m_tile;
-      const int turn = n_tile - first_key_tile_of_query_tile(mask, kBlockM, kBlockN, m_tile);
-      if (threadIdx.x == 0) {
-        // Key tiles before ours of this query tile are earlier CTAs of this (b, hk) (lower blockIdx.x,
-        // dispatched first), which never wait on later ones: no deadlock.
-        while (atomicAdd(semaphore, 0) != turn) __nanosleep(64);
-        __threadfence();  // acquire: order our adds after the previous tile's
+    // Fragment order (dq_accum_index): the accumulator of an m16n8 block is 4 contiguous floats per lane.
+    // Block (row block r, column block f) of this warp is (r * kHeadDim / 8 + f) blocks of 128 floats
+    // after its first one: compile-time offsets from one pointer. Rows past the sequence add exact
+    // zeros (their dS is 0) inside the padded region: no guard needed.
+    float* dq_warp = ws.dq_accum + (int64_t(b) * p.heads_q + h) * ws.padded_seqlen_q * kHeadDim +
+                     (int64_t((i0 + dq_m0) / 16) * (kHeadDim / 8) + dq_d0 / 8) * 128 + 4 * lane;
+#pragma unroll
+    for (int pass = 0; pass < T::kDqSplit; ++pass) {
+      const int f0 = pass * T::kDqPassFrags;  // first column block (n8) of this pass
+      float dq_acc[T::kDqRowFrags][T::kDqPassFrags][4];
+#pragma unroll
+      for (int r = 0; r < T::kDqRowFrags; ++r)
+#pragma unroll
+        for (int f = 0; f < T::kDqPassFrags; ++f)
+#pragma unroll
+          for (int x = 0; x < 4; ++x) dq_acc[r][f][x] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        // A = dS (queries x keys) read transposed from dS^T [key][query]: keys kk*16.., queries dq_m0..
+        uint32_t ds_frag[T::kDqRowFrags][4];
+#pragma unroll
+        for (int r = 0; r < T::kDqRowFrags; ++r)
+          ldmatrix_x4_trans(ds_frag[r], ds_smem + s_cols.template offset<STile>(kk * 16, dq_m0 / 16 + r));
+#pragma unroll
+        for (int f = 0; f < T::kDqPassFrags; f += 2) {
+          uint32_t k_frag[4];  // B = K (keys x head columns), transposed; used for every row block
+          ldmatrix_x4_trans(k_frag, k_smem + qk_rows.template offset<KTile>(kk * 16, dq_d0 / 16 + (f0 + f) / 2));
+#pragma unroll
+          for (int r = 0; r < T::kDqRowFrags; ++r) {
+            mma_m16n8k16<Element>(dq_acc[r][f], ds_frag[r], {k_frag[0], k_frag[1]});
+            mma_m16n8k16<Element>(dq_acc[r][f + 1], ds_frag[r], {k_frag[2], k_frag[3]});
+          }
+        }
       }
-      __syncthreads();
-    }
-    // Rows past the sequence add exact zeros (their dS is 0) inside the padded region: no guard needed.
-    float* dq_rows = ws.dq_accum + ((int64_t(b) * p.heads_q + h) * ws.padded_seqlen_q + i0 + dq_m0 + group_row) * kHeadDim +
-                     dq_d0 + 2 * quad;
+      if (p.deterministic && pass == 0) {
+        const int turn = n_tile - first_key_tile_of_query_tile(mask, kBlockM, kBlockN, m_tile);
+        if (threadIdx.x == 0) {
+          // Key tiles before ours of this query tile are earlier CTAs of this (b, hk) (lower blockIdx.x,
+          // dispatched first), which never wait on later ones: no deadlock.
+          while (atomicAdd(semaphore, 0) != turn) __nanosleep(64);
+          __threadfence();  // acquire: order our adds after the previous tile's
+        }
+        __syncthreads();
+      }
 #pragma unroll
-    for (int f = 0; f < T::kDqFrags; ++f) {
+      for (int r = 0; r < T::kDqRowFrags; ++r)
 #pragma unroll
-      for (int half = 0; half < 2; ++half)
-        atomic_add_pair(dq_rows + half * 8 * kHeadDim + f * 8, dq_acc[f][2 * half], dq_acc[f][2 * half + 1]);
+        for (int f = 0; f < T::kDqPassFrags; ++f)
+          atomic_add_float4(dq_warp + (r * (kHeadDim / 8) + f0 + f) * 128, dq_acc[r][f]);
     }
     if (p.deterministic) {
       __threadfence();  // release: our adds are visible before the next key tile's turn
@@ -632,18 +690,22 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   Element* dk = static_cast<Element*>(p.dk);
   Element* dv = static_cast<Element*>(p.dv);
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int j = j0 + key_w0 + group_row + 8 * half;
-    if (j >= seqlen_k) continue;
-    const int64_t dk_row = kv_offset(p, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, b, e, j, hk);
-    const int64_t dv_row = kv_offset(p, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, b, e, j, hk);
+  for (int kf = 0; kf < T::kKeyFrags; ++kf) {
 #pragma unroll
-    for (int f = 0; f < T::kAccFrags; ++f) {
-      const int col = d_w0 + f * 8 + 2 * quad;
-      if (col >= p.head_dim) continue;
-      *reinterpret_cast<uint32_t*>(dk + dk_row + col) =
-          pack2<Element>(dk_acc[f][2 * half] * p.softmax_scale, dk_acc[f][2 * half + 1] * p.softmax_scale);
-      *reinterpret_cast<uint32_t*>(dv + dv_row + col) = pack2<Element>(dv_acc[f][2 * half], dv_acc[f][2 * half + 1]);
+    for (int half = 0; half < 2; ++half) {
+      const int j = j0 + key_w0 + 16 * kf + group_row + 8 * half;
+      if (j >= seqlen_k) continue;
+      const int64_t dk_row = kv_offset(p, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, b, e, j, hk);
+      const int64_t dv_row = kv_offset(p, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, b, e, j, hk);
+#pragma unroll
+      for (int f = 0; f < T::kAccFrags; ++f) {
+        const int col = d_w0 + f * 8 + 2 * quad;
+        if (col >= p.head_dim) continue;
+        *reinterpret_cast<uint32_t*>(dk + dk_row + col) = pack2<Element>(dk_acc[kf][f][2 * half] * p.softmax_scale,
+                                                                         dk_acc[kf][f][2 * half + 1] * p.softmax_scale);
+        *reinterpret_cast<uint32_t*>(dv + dv_row + col) =
+            pack2<Element>(dv_acc[kf][f][2 * half], dv_acc[kf][f][2 * half + 1]);
+      }
     }
   }
 }

@@ -9,7 +9,7 @@
 //   3. postprocess dq = softmax_scale * dq_accum, converted to the element type
 // Workspace (O(S): linear in the number of tokens, never Sq x Sk), rows padded per (sequence, head)
 // to a multiple of kBackwardRowAlign so every query tile reads whole, 16-byte aligned blocks:
-//   dq_accum   float32 [B, Hq, padded_seqlen_q, head_dim_bucket]
+//   dq_accum   float32 [B, Hq, padded_seqlen_q, head_dim_bucket] in MMA-fragment order (below)
 //   lse_log2   float32 [B, Hq, padded_seqlen_q]
 //   dsum       float32 [B, Hq, padded_seqlen_q]
 //   semaphore  int32   [B, Hq, padded_seqlen_q / block_m]   (deterministic mode only)
@@ -63,6 +63,20 @@ FA_HD BackwardWorkspaceLayout backward_workspace_layout(const BackwardParams& p,
   return w;
 }
 
+// ---- dq_accum's element order ----
+// Within the [padded_seqlen_q, head_dim_bucket] block of one (b, h), the 16-row x 8-column blocks of dQ
+// are stored one after another (row block major, then column block), and inside a block the four
+// floats that one lane holds in an m16n8 MMA accumulator are contiguous:
+//   lane = 4 * (r % 8) + (c % 8) / 2,  element = 2 * (r / 8) + c % 2      (r = i % 16, c = d % 8)
+// so a warp adds its accumulator to dq_accum with one 16-byte reduction per lane, 512 contiguous bytes
+// per instruction (the row-major order took two 8-byte reductions spread over 8 rows). The postprocess
+// reads it back with the same function.
+constexpr FA_HD int64_t dq_accum_index(int64_t i, int d, int head_dim_bucket) {
+  const int64_t block = (i / 16) * (head_dim_bucket / 8) + d / 8;
+  const int r = int(i % 16), c = d % 8;
+  return block * 128 + (4 * (r % 8) + c / 2) * 4 + 2 * (r / 8) + c % 2;
+}
+
 // ---- which tiles do work ----
 // Tile pair (query tile m, key tile n) holds a visible (i, j) iff the band of visible keys of its
 // queries, [i_first + diagonal - window_left, i_last + diagonal + window_right] (contiguous because
@@ -102,8 +116,9 @@ FA_HD int first_key_tile_of_query_tile(const WindowMask& mask, int block_m, int 
 
 // Bytes of dynamic shared memory of the main kernel (mirrors BackwardTraits::kSmemBytes; the manifest
 // computes the same formula for dispatch). Affects occupancy only.
-constexpr FA_HD int64_t backward_smem_bytes(int head_dim, int block_m, int block_n, int warps, int stages) {
-  const int warps_d = warps / (block_n / 16);
+constexpr FA_HD int64_t backward_smem_bytes(int head_dim, int block_m, int block_n, int warps, int stages,
+                                            int warp_keys) {
+  const int warps_d = warps / (block_n / warp_keys);  // > 1: P^T goes through shared memory too
   const int64_t kv = 2 * int64_t(block_n) * head_dim * 2;
   const int64_t q_do = 2 * int64_t(stages) * block_m * head_dim * 2;
   const int64_t ds_p = (warps_d > 1 ? 2 : 1) * int64_t(block_n) * block_m * 2;

@@ -9,11 +9,14 @@
 //                  straddle a boundary of a warp's rows; tiles that no query of the CTA sees are never
 //                  loaded, and a warp skips the math of tiles that none of its own rows sees
 //   softmax        running row max / sum in registers (quad shuffles), exp2 with the scale and log2(e)
-//                  folded into one multiplier
+//                  folded into one multiplier; O is rescaled only when a row's max grows by more than
+//                  kMaxStaleLog2 (lazy rescaling, below), so interior tiles usually skip it
 //   dropout        keep bits from core/philox.hpp (one Philox call per row per 32 keys), applied to P before
 //                  P V and not to the row sum
 //   O += P V       P converted to 16-bit in registers: the m16n8 accumulator layout of S is the A-operand
-//                  layout of the next mma, so P never touches shared memory; V read with ldmatrix.trans
+//                  layout of the next mma, so P never touches shared memory; V read with ldmatrix.trans.
+//                  Without dropout the row sums come from the same P fragments times a column of ones
+//                  (one more mma per k16 step instead of kBlockN / 4 FADDs per row pair)
 // Epilogue: O / rowsum (x 1 / (1 - p) with dropout) through shared memory to 16-byte global stores; LSE.
 //
 // Shared memory: Q (kBlockM x kHeadDim), then kStages x (K, V) tiles (kBlockN x kHeadDim each), all
@@ -25,6 +28,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/mask.hpp"
 #include "core/params.hpp"
@@ -37,6 +41,23 @@ namespace flashattn::cuda::sm80 {
 
 constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * kLog2e)
 constexpr float kLn2 = 0.6931471805599453f;    // ln(2): converts the log2-domain LSE back to natural log
+
+// Lazy rescaling of the online softmax (affects speed only, never results beyond rounding). The running
+// max m of a row only has to bound the scores well enough that exp2(s - m) cannot overflow: O / sum and
+// the LSE (m + log2(sum)) are exact for any m. So a row keeps its stale max while the tile's max exceeds it
+// by at most kMaxStaleLog2 (log2 units): P and the row sum then hold values up to 2^8 = 256 (fp32 sum and
+// 16-bit P have room to spare), and when no row of a warp moved, the warp skips the multiply of all of O
+// (kHeadDim / 2 per row) that an eager rescale costs on every tile. Measured (bench/forward_tiles.cu, H200,
+// 2026-11-30 05:07 UTC, S = 16k non-causal, TFLOP/s, lazy vs eager, both with whole-tile loads): D = 64
+// (m128 n128) 325.5 vs 307.4; D = 128 (m128 n64) 372.4 vs 354.3; D = 256 (m128 n64 w8) 315.5 vs 310.1.
+constexpr float kMaxStaleLog2 = 8.f;
+
+// A config may set `static constexpr bool kLazyRescale = false` to get the eager rescale (the tuning
+// harness compares both); KernelConfig does not name it, and the default is lazy.
+template <typename C, typename = void>
+struct LazyRescaleOf : std::true_type {};
+template <typename C>
+struct LazyRescaleOf<C, std::void_t<decltype(C::kLazyRescale)>> : std::bool_constant<C::kLazyRescale> {};
 
 // Copies rows [0, rows_valid) x 16-byte chunks [0, d_chunks) of a kRows x kHeadDim tile from global memory
 // into the swizzled tile at `tile_smem`, zero-filling the rest (rows past the sequence, columns past D), so
@@ -70,8 +91,63 @@ __device__ __forceinline__ void load_tile_async(uint32_t tile_smem, const Elemen
   }
 }
 
+// The same copy for a whole tile of a dense (or varlen) tensor: every row and chunk valid, rows `row_stride`
+// elements apart. No predicates and no selects; a thread's source moves by one 64-bit add per pass, and the
+// column blocks are immediate offsets. Interior K/V tiles take this path (about 8 instructions fewer per
+// 16-byte copy, i.e. ~100 per tile of the kernel's ~1500 at D = 64, N = 128; SASS, 2026-11-30), which also
+// freed the registers that made D = 64, N = 128 spill. Measured (as above, with vs without, lazy rescale on):
+// D = 64 325.5 vs 299.3; D = 128 372.4 vs 358.8; D = 256 315.5 vs 300.5 TFLOP/s.
+template <int kRows, int kHeadDim, int kThreads, typename Element>
+__device__ __forceinline__ void load_full_tile_async(uint32_t tile_smem, const Element* gmem, int64_t row_stride,
+                                                     int tid) {
+  using Tile = SwizzledTile<kRows, kHeadDim>;
+  constexpr int kChunksPerBlockRow = Tile::kChunksPerBlockRow;
+  constexpr int kRowsPerPass = kThreads / kChunksPerBlockRow;
+  static_assert(kThreads % kChunksPerBlockRow == 0 && kRowsPerPass % 8 == 0 && kRows % kRowsPerPass == 0,
+                "passes of whole swizzle periods");
+  const int row_lane = tid / kChunksPerBlockRow;
+  const int chunk_lane = tid % kChunksPerBlockRow;
+  const uint32_t lane_part = tile_smem + Tile::lane_offset(row_lane, chunk_lane);
+  const Element* src = gmem + row_lane * row_stride + chunk_lane * 8;
+  const int64_t pass_stride = kRowsPerPass * row_stride;
+#pragma unroll
+  for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+#pragma unroll
+    for (int block = 0; block < kHeadDim / Tile::kBlockCols; ++block)
+      cp_async_16_full(Tile::offset(lane_part, pass * kRowsPerPass, block * kChunksPerBlockRow), src + block * Tile::kBlockCols);
+    src += pass_stride;
+  }
+}
+
+// A config may set `static constexpr bool kFullTileLoads = false` to load every tile through the predicated
+// path (the tuning harness's baseline); the default takes load_full_tile_async for whole dense tiles.
+template <typename C, typename = void>
+struct FullTileLoadsOf : std::true_type {};
 template <typename C>
-__global__ void __launch_bounds__(C::kThreads) forward_kernel(const __grid_constant__ AttentionParams params) {
+struct FullTileLoadsOf<C, std::void_t<decltype(C::kFullTileLoads)>> : std::bool_constant<C::kFullTileLoads> {};
+
+// Row sums from the tensor cores (see sum_acc in the kernel), an option that is OFF by default: it sums the
+// 16-bit P that P V uses instead of the fp32 P, so the row sum, and with it the returned LSE, carries the
+// 16-bit rounding of P (relative 2^-9 per term for bf16, not averaged away on peaky rows). The GPU test at
+// S = 128k measured lse rel_l2 1.7e-5 against its 1e-5 bound (H200, 2026-11-30 06:07 UTC), where fp32 sums
+// pass; the LSE feeds the backward and any merge of partial attentions, so it stays exact. Speed it would
+// buy (bench/forward_tiles.cu, H200, 2026-11-30 05:19 UTC, S = 16k non-causal / causal TFLOP/s with /
+// without): D = 64 336.7 / 329.5 vs 323.2 / 313.6; D = 128 388.3 / 363.6 vs 377.6 / 350.5; D = 256
+// (m64 n64 w4 s1) 321.6 / 331.1 vs 315.1 / 323.7. A config may set `kSumByMma = true` (never with dropout).
+template <typename C, typename = void>
+struct SumByMmaOf : std::false_type {};
+template <typename C>
+struct SumByMmaOf<C, std::void_t<decltype(C::kSumByMma)>> : std::bool_constant<C::kSumByMma> {};
+
+// A config may set `static constexpr int kMinBlocksPerSm` (launch bounds: ptxas then caps registers at
+// 64K / (kThreads * kMinBlocksPerSm)); default 1, i.e. up to 255 registers.
+template <typename C, typename = void>
+struct MinBlocksOf : std::integral_constant<int, 1> {};
+template <typename C>
+struct MinBlocksOf<C, std::void_t<decltype(C::kMinBlocksPerSm)>> : std::integral_constant<int, C::kMinBlocksPerSm> {};
+
+template <typename C>
+__global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_kernel(const __grid_constant__ AttentionParams params) {
   using Element = typename C::Element;
   constexpr int kBlockM = C::kBlockM;
   constexpr int kBlockN = C::kBlockN;
@@ -83,6 +159,10 @@ __global__ void __launch_bounds__(C::kThreads) forward_kernel(const __grid_const
   constexpr int kDTiles = kHeadDim / 8;       // n8 column tiles of O
   constexpr int kQKSteps = kHeadDim / 16;     // k16 steps of S = Q K^T
   constexpr int kPVSteps = kBlockN / 16;      // k16 steps of O += P V
+  constexpr bool kLazyRescale = LazyRescaleOf<C>::value;
+  constexpr bool kFullTileLoads = FullTileLoadsOf<C>::value;
+  constexpr bool kSumByMma = SumByMmaOf<C>::value;
+  static_assert(!(kSumByMma && C::kDropout), "the row sum is of the undropped P: with dropout it needs the FADDs");
   using QTile = SwizzledTile<kBlockM, kHeadDim>;
   using KVTile = SwizzledTile<kBlockN, kHeadDim>;
   static_assert(kRowsPerWarp % 16 == 0, "each warp owns whole m16 tiles");
@@ -127,10 +207,15 @@ __global__ void __launch_bounds__(C::kThreads) forward_kernel(const __grid_const
       paged ? 0 : kv_offset(params, params.k_batch_stride, params.k_row_stride, params.k_head_stride, b, ext, 0, hk);
   const int64_t v_key0_offset =
       paged ? 0 : kv_offset(params, params.v_batch_stride, params.v_row_stride, params.v_head_stride, b, ext, 0, hk);
+  // Whole tiles (all kBlockN keys inside the sequence, D == kHeadDim) of dense / varlen K and V.
+  const bool full_columns = kFullTileLoads && !paged && d_chunks == QTile::kChunksPerRow;
   auto load_k = [&](int n_block, uint32_t tile_smem) {
     const int key0 = n_block * kBlockN;
     const int keys_valid = min(kBlockN, ext.seqlen_k - key0);
-    if (paged) {
+    if (full_columns && keys_valid == kBlockN) {
+      load_full_tile_async<kBlockN, kHeadDim, kThreads>(tile_smem, k_gmem + k_key0_offset + int64_t(key0) * params.k_row_stride,
+                                                        params.k_row_stride, tid);
+    } else if (paged) {
       load_tile_async<kBlockN, kHeadDim, kThreads>(
           tile_smem, k_gmem,
           [&](int r) {
@@ -146,7 +231,10 @@ __global__ void __launch_bounds__(C::kThreads) forward_kernel(const __grid_const
   auto load_v = [&](int n_block, uint32_t tile_smem) {
     const int key0 = n_block * kBlockN;
     const int keys_valid = min(kBlockN, ext.seqlen_k - key0);
-    if (paged) {
+    if (full_columns && keys_valid == kBlockN) {
+      load_full_tile_async<kBlockN, kHeadDim, kThreads>(tile_smem, v_gmem + v_key0_offset + int64_t(key0) * params.v_row_stride,
+                                                        params.v_row_stride, tid);
+    } else if (paged) {
       load_tile_async<kBlockN, kHeadDim, kThreads>(
           tile_smem, v_gmem,
           [&](int r) {
@@ -178,12 +266,17 @@ __global__ void __launch_bounds__(C::kThreads) forward_kernel(const __grid_const
       for (int c = 0; c < 4; ++c) o_acc[mt][dt][c] = 0.f;
   float row_max[kMTiles][2];  // running max of s over the keys seen, per accumulator row (-inf: none yet)
   float row_sum[kMTiles][2];  // running sum of exp2(s * scale - max), this thread's columns only
+  // kSumByMma: the row sums come from the tensor cores instead, as P times a column of ones (one extra
+  // m16n8k16 per k16 step of P V, which replaces kBlockN / 4 FADDs per row pair); every column of the n8
+  // result holds the whole row's sum (of the 16-bit P that P V uses), so no quad reduction at the end.
+  float sum_acc[kMTiles][4];
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       row_max[mt][half] = -INFINITY;
       row_sum[mt][half] = 0.f;
+      sum_acc[mt][2 * half] = sum_acc[mt][2 * half + 1] = 0.f;
     }
   // Per-lane parts of the ldmatrix addresses (see SwizzledTile::offset): A (Q) rows lane % 16 and chunk
   // lane / 16; B (K) keys lane % 8 + 8 (lane / 16) and chunk (lane / 8) % 2; B (V, transposed) keys
@@ -215,70 +308,43 @@ __global__ void __launch_bounds__(C::kThreads) forward_kernel(const __grid_const
     cp_async_commit();
   }
 
-  for (int it = 0; it < num_tiles; ++it) {
-    const int n_block = n_end - 1 - it;
-    const int key0 = n_block * kBlockN;
-    const int stage = C::kStages == 2 ? (it & 1) : 0;
-    const uint32_t k_tile = k_stage(stage);
-    const uint32_t v_tile = v_stage(stage);
-    if constexpr (C::kStages == 2) {
-      cp_async_wait<0>();  // this thread's copies of tile `it` (issued one iteration ago) have landed
-      __syncthreads();     // everyone's have; and every warp is done with tile it - 1, whose stage we refill now
-      if (it + 1 < num_tiles) {
-        load_k(n_block - 1, k_stage(stage ^ 1));
-        load_v(n_block - 1, v_stage(stage ^ 1));
-      }
-      cp_async_commit();
-    } else {
-      cp_async_wait<0>();  // K of this tile (and Q) have landed
-      __syncthreads();     // for every thread; and every warp is done with P V of the previous tile's V
-      load_v(n_block, v_tile);
-      cp_async_commit();
-    }
+  // ---- the steps of one key tile (the main loop below runs them in order) ----
+  using ScoreFrags = float[kMTiles][kNTiles][4];  // S (then P) of one key tile, m16n8 accumulator layout
+  // Warp-uniform: some row of this warp sees some key of the tile at key0 (else the warp skips its math).
+  auto warp_sees = [&](int key0) { return key0 < warp_key_end && key0 + kBlockN > warp_key_begin; };
 
-    const bool warp_sees_tile = key0 < warp_key_end && key0 + kBlockN > warp_key_begin;  // warp-uniform
-
-    // ---- S = Q K^T (fp32) ----
-    float s_acc[kMTiles][kNTiles][4];
+  // S = Q K^T (fp32) from the K tile at k_tile.
+  auto compute_scores = [&](ScoreFrags& s_acc, uint32_t k_tile) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
         for (int c = 0; c < 4; ++c) s_acc[mt][nt][c] = 0.f;
-    if (warp_sees_tile) {
 #pragma unroll
-      for (int ks = 0; ks < kQKSteps; ++ks) {
-        uint32_t q_frag[kMTiles][4];
+    for (int ks = 0; ks < kQKSteps; ++ks) {
+      uint32_t q_frag[kMTiles][4];
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)  // A: rows +lane % 16, chunk 2 ks + lane / 16
-          ldmatrix_x4(q_frag[mt], q_smem + QTile::offset(q_lane, warp * kRowsPerWarp + mt * 16, 2 * ks));
+      for (int mt = 0; mt < kMTiles; ++mt)  // A: rows +lane % 16, chunk 2 ks + lane / 16
+        ldmatrix_x4(q_frag[mt], q_smem + QTile::offset(q_lane, warp * kRowsPerWarp + mt * 16, 2 * ks));
 #pragma unroll
-        for (int np = 0; np < kNTiles / 2; ++np) {
-          // B for key tiles 2np, 2np + 1: matrices (keys +0..7, d chunk 2ks), (+0..7, 2ks+1), (+8..15, 2ks), (+8..15, 2ks+1)
-          uint32_t k_frag[4];
-          ldmatrix_x4(k_frag, k_tile + KVTile::offset(k_lane, np * 16, 2 * ks));
-          const uint32_t b_lo[2] = {k_frag[0], k_frag[1]};
-          const uint32_t b_hi[2] = {k_frag[2], k_frag[3]};
+      for (int np = 0; np < kNTiles / 2; ++np) {
+        // B for key tiles 2np, 2np + 1: matrices (keys +0..7, d chunk 2ks), (+0..7, 2ks+1), (+8..15, 2ks), (+8..15, 2ks+1)
+        uint32_t k_frag[4];
+        ldmatrix_x4(k_frag, k_tile + KVTile::offset(k_lane, np * 16, 2 * ks));
+        const uint32_t b_lo[2] = {k_frag[0], k_frag[1]};
+        const uint32_t b_hi[2] = {k_frag[2], k_frag[3]};
 #pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            mma_m16n8k16<Element>(s_acc[mt][2 * np], q_frag[mt], b_lo);
-            mma_m16n8k16<Element>(s_acc[mt][2 * np + 1], q_frag[mt], b_hi);
-          }
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          mma_m16n8k16<Element>(s_acc[mt][2 * np], q_frag[mt], b_lo);
+          mma_m16n8k16<Element>(s_acc[mt][2 * np + 1], q_frag[mt], b_hi);
         }
       }
     }
+  };
 
-    if constexpr (C::kStages == 1) {
-      cp_async_wait<0>();  // V of this tile has landed
-      __syncthreads();     // for every thread; and every warp is done reading K: refill it with the next tile
-      if (it + 1 < num_tiles) load_k(n_block - 1, k_tile);
-      cp_async_commit();
-    }
-
-    if (!warp_sees_tile) continue;  // nothing of this tile is visible to this warp's rows: O, max, sum unchanged
-
-    // ---- score transform and mask (uniform branches: only when enabled / on boundary tiles) ----
+  // Score transform and mask (uniform branches: only when enabled / on boundary tiles) of the tile at key0.
+  auto transform_and_mask = [&](ScoreFrags& s_acc, int key0) {
     if (natural_units) {
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
@@ -311,8 +377,13 @@ __global__ void __launch_bounds__(C::kThreads) forward_kernel(const __grid_const
             }
         }
     }
+  };
 
+  // Online softmax, dropout and O += P V of the (transformed, masked) tile at key0 with the V tile at v_tile.
+  auto softmax_and_pv = [&](ScoreFrags& s_acc, int key0, uint32_t v_tile) {
     // ---- online softmax: P = exp2(s * scale - max), rescale O and the sum when the max grows ----
+    float correction[kMTiles][2];  // factor of O and the sum of each row: exp2(old max - new max), or 1
+    bool rescale_any = false;      // some row of this thread moved its max on this tile
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -322,27 +393,51 @@ __global__ void __launch_bounds__(C::kThreads) forward_kernel(const __grid_const
         for (int nt = 0; nt < kNTiles; ++nt)
           tile_max = fmaxf(tile_max, fmaxf(s_acc[mt][nt][2 * half], s_acc[mt][nt][2 * half + 1]));
         tile_max = quad_max(tile_max);  // the 4 threads of a quad hold the row's columns
-        const float new_max = fmaxf(row_max[mt][half], tile_max);
+        const float old_max = row_max[mt][half];
+        const float new_max = fmaxf(old_max, tile_max);
+        // Lazy: move the max only when the tile's scores exceed the stale one by more than kMaxStaleLog2.
+        // First visible tile: new - (-inf) = +inf, moves. A row with no visible key yet: -inf - (-inf) is
+        // NaN, the compare is false and the max stays -inf.
+        const bool rescale = !kLazyRescale || (new_max - old_max) * score_log2_scale > kMaxStaleLog2;
         // A row that so far sees only masked keys keeps max = -inf; subtracting 0 instead gives
         // exp2(-inf) = 0 for its entries, where -inf - (-inf) would give NaN.
-        const float max_scaled = new_max == -INFINITY ? 0.f : new_max * score_log2_scale;
-        const float correction = exp2_approx(row_max[mt][half] * score_log2_scale - max_scaled);  // 0 on the first visit
-        row_max[mt][half] = new_max;
-        row_sum[mt][half] *= correction;
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          o_acc[mt][dt][2 * half] *= correction;
-          o_acc[mt][dt][2 * half + 1] *= correction;
-        }
+        const float row_max_now = rescale ? new_max : old_max;
+        const float max_scaled = row_max_now == -INFINITY ? 0.f : row_max_now * score_log2_scale;
+        correction[mt][half] = rescale ? exp2_approx(old_max * score_log2_scale - max_scaled) : 1.f;  // 0 on the first visit
+        rescale_any |= rescale;
+        row_max[mt][half] = row_max_now;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const float p = exp2_approx(fmaf(s_acc[mt][nt][2 * half + e], score_log2_scale, -max_scaled));
-            row_sum[mt][half] += p;  // the undropped probability: dropout rescales, it does not renormalise
             s_acc[mt][nt][2 * half + e] = p;
           }
       }
+    // Warp-uniform branch (a vote): rows of one quad decide alike, and the skip pays only when the whole warp skips.
+    if (!kLazyRescale || __any_sync(0xffffffffu, rescale_any)) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          row_sum[mt][half] *= correction[mt][half];
+          if constexpr (kSumByMma) sum_acc[mt][2 * half] *= correction[mt][half];
+#pragma unroll
+          for (int dt = 0; dt < kDTiles; ++dt) {
+            o_acc[mt][dt][2 * half] *= correction[mt][half];
+            o_acc[mt][dt][2 * half + 1] *= correction[mt][half];
+          }
+        }
+    }
+    if constexpr (!kSumByMma) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt)  // the undropped probability: dropout rescales, it does not renormalise
+            row_sum[mt][half] += s_acc[mt][nt][2 * half] + s_acc[mt][nt][2 * half + 1];
+    }
 
     // ---- dropout: zero the dropped probabilities (the 1 / (1 - p) factor is applied once, at the end) ----
     if constexpr (C::kDropout) {
@@ -394,7 +489,51 @@ __global__ void __launch_bounds__(C::kThreads) forward_kernel(const __grid_const
           mma_m16n8k16<Element>(o_acc[mt][2 * dp + 1], p_frag[mt], b_hi);
         }
       }
+      if constexpr (kSumByMma) {
+        const uint32_t ones = ElementTraits<Element>::pack(1.f, 1.f);
+        const uint32_t b_ones[2] = {ones, ones};
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) mma_m16n8k16<Element>(sum_acc[mt], p_frag[mt], b_ones);
+      }
     }
+  };
+
+  // ---- main loop: one key tile per iteration, S, softmax, P V in order ----
+  for (int it = 0; it < num_tiles; ++it) {
+    const int n_block = n_end - 1 - it;
+    const int key0 = n_block * kBlockN;
+    const int stage = C::kStages == 2 ? (it & 1) : 0;
+    const uint32_t k_tile = k_stage(stage);
+    const uint32_t v_tile = v_stage(stage);
+    if constexpr (C::kStages == 2) {
+      cp_async_wait<0>();  // this thread's copies of tile `it` (issued one iteration ago) have landed
+      __syncthreads();     // everyone's have; and every warp is done with tile it - 1, whose stage we refill now
+      if (it + 1 < num_tiles) {
+        load_k(n_block - 1, k_stage(stage ^ 1));
+        load_v(n_block - 1, v_stage(stage ^ 1));
+      }
+      cp_async_commit();
+    } else {
+      cp_async_wait<0>();  // K of this tile (and Q) have landed
+      __syncthreads();     // for every thread; and every warp is done with P V of the previous tile's V
+      load_v(n_block, v_tile);
+      cp_async_commit();
+    }
+
+    const bool warp_sees_tile = warp_sees(key0);  // warp-uniform
+    ScoreFrags s_acc;
+    if (warp_sees_tile) compute_scores(s_acc, k_tile);
+
+    if constexpr (C::kStages == 1) {
+      cp_async_wait<0>();  // V of this tile has landed
+      __syncthreads();     // for every thread; and every warp is done reading K: refill it with the next tile
+      if (it + 1 < num_tiles) load_k(n_block - 1, k_tile);
+      cp_async_commit();
+    }
+
+    if (!warp_sees_tile) continue;  // nothing of this tile is visible to this warp's rows: O, max, sum unchanged
+    transform_and_mask(s_acc, key0);
+    softmax_and_pv(s_acc, key0, v_tile);
   }
 
   // ---- epilogue: normalise, LSE, O through this warp's own Q rows of shared memory to 16-byte stores ----
@@ -403,7 +542,7 @@ __global__ void __launch_bounds__(C::kThreads) forward_kernel(const __grid_const
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float sum = quad_sum(row_sum[mt][half]);
+      const float sum = kSumByMma ? sum_acc[mt][2 * half] : quad_sum(row_sum[mt][half]);
       // sum == 0 only when the row saw no visible key: O = 0 and LSE = -inf, never NaN. A NaN sum
       // means a NaN input reached the row: it propagates to O and LSE (the NaN/Inf policy).
       const bool no_visible_key = sum == 0.f;

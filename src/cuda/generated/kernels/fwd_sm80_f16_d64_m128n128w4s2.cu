@@ -2,7 +2,7 @@
 #include "cuda/sm80/forward_launch.cuh"
 
 namespace flashattn::cuda::generated {
-Status fwd_sm80_f16_d256_m128n64w8s1(const AttentionParams& params, void* stream) {
-  return launch_forward_sm80<KernelConfig<__half, 256, 128, 64, 8, 1, false>>(params, static_cast<cudaStream_t>(stream));
+Status fwd_sm80_f16_d64_m128n128w4s2(const AttentionParams& params, void* stream) {
+  return launch_forward_sm80<KernelConfig<__half, 64, 128, 128, 4, 2, false>>(params, static_cast<cudaStream_t>(stream));
 }
 }  // namespace flashattn::cuda::generated

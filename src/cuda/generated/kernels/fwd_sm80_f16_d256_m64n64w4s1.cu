@@ -2,7 +2,7 @@
 #include "cuda/sm80/forward_launch.cuh"
 
 namespace flashattn::cuda::generated {
-Status fwd_sm80_f16_d256_m128n64w8s2(const AttentionParams& params, void* stream) {
-  return launch_forward_sm80<KernelConfig<__half, 256, 128, 64, 8, 2, false>>(params, static_cast<cudaStream_t>(stream));
+Status fwd_sm80_f16_d256_m64n64w4s1(const AttentionParams& params, void* stream) {
+  return launch_forward_sm80<KernelConfig<__half, 256, 64, 64, 4, 1, false>>(params, static_cast<cudaStream_t>(stream));
 }
 }  // namespace flashattn::cuda::generated
