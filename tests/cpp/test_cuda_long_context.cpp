@@ -37,7 +37,7 @@ struct DeviceCopy {
 };
 #endif
 
-double round_bf16(double x) { return flashattn::to_float(flashattn::to_bf16(float(x))); }
+[[maybe_unused]] double round_bf16(double x) { return flashattn::to_float(flashattn::to_bf16(float(x))); }
 
 TEST(CudaLongContext, Seqlen128kForwardBackwardSampledRows) {
   if (fa_cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device: the long-context test runs on the GPU machine";
