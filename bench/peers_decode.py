@@ -16,34 +16,21 @@ exceed 2x the L2, median over repetitions; eager timing when a backend cannot be
 import argparse
 import datetime
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from peers import median_ms  # bench/peers.py (this script's folder is on sys.path)
+
 BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
 MAX_COPIES = 64
-
-
-def median_ms(fn, reps):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def stream_read_tbs():
     """Streaming-read bandwidth of this run: a sum over 4 GiB (reads only, one tiny write)."""
     data = torch.empty(2 << 30, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
-    ms = median_ms(lambda: data.sum(dtype=torch.float32), 10)
+    ms = median_ms(lambda: data.sum(dtype=torch.float32), warmup=1, reps=10)
     del data
     return (4 << 30) / (ms * 1e-3) / 1e12
 
@@ -71,7 +58,7 @@ def time_point(backend, batch, cache, heads_q, heads_k, dim, reps, l2_bytes):
     except Exception as e:  # the backend refuses this shape
         result["error"] = str(e).splitlines()[0][:300]
         return result
-    eager_ms = median_ms(lambda: call(*inputs[0]), reps)
+    eager_ms = median_ms(lambda: call(*inputs[0]), warmup=1, reps=reps)
     result["us_eager"] = eager_ms * 1e3
     try:
         graph = torch.cuda.CUDAGraph()
@@ -84,7 +71,7 @@ def time_point(backend, batch, cache, heads_q, heads_k, dim, reps, l2_bytes):
         with torch.cuda.graph(graph):
             for x in inputs:
                 call(*x)
-        ms = median_ms(graph.replay, reps) / copies
+        ms = median_ms(graph.replay, warmup=1, reps=reps) / copies
         result["timing"] = "cuda graph"
     except Exception as e:
         result["graph_error"] = str(e).splitlines()[0][:300]

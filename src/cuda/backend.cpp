@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "cuda/common/check.hpp"
+#include "cuda/common/device_guard.hpp"
 #include "cuda/decode/kvcache.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/device_info.hpp"
@@ -16,25 +17,6 @@
 
 namespace flashattn::cuda {
 namespace {
-
-// Makes `device` current for the scope of a call and restores the caller's device afterwards.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    cudaGetDevice(&previous_);
-    if (previous_ != device) status_ = cudaSetDevice(device);
-  }
-  ~DeviceGuard() {
-    int current = previous_;
-    cudaGetDevice(&current);
-    if (current != previous_) cudaSetDevice(previous_);
-  }
-  cudaError_t status() const { return status_; }
-
- private:
-  int previous_ = 0;
-  cudaError_t status_ = cudaSuccess;
-};
 
 // Device attributes do not change while the process runs: read once per device.
 Status device_limits(int device, DeviceLimits* limits) {
