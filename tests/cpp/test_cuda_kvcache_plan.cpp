@@ -225,6 +225,26 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
   ASSERT_TRUE(decode::make_decode_plan(wide, kernel, h200(), &plan).ok());
   EXPECT_EQ(plan.num_splits, 7);
   EXPECT_GT(plan.workspace_bytes, 0);
+  // The split counts measured fastest on the H200 (decode_plan.hpp): about one CTA per SM for a contiguous
+  // cache, every CTA slot (2 per SM) for a paged cache with room for >= 32 k keys.
+  struct Case {
+    int batch, cache;
+    bool paged;
+    int splits;
+  };
+  for (const Case& c : {Case{1, 131072, false, 16}, Case{4, 8192, false, 4}, Case{16, 8192, false, 1}, Case{1, 1024, false, 16},
+                        Case{1, 131072, true, 32}, Case{4, 131072, true, 8}, Case{16, 131072, true, 2}, Case{16, 8192, true, 1},
+                        Case{256, 131072, true, 1}}) {
+    KvcacheParams q = decode_params(c.batch, 1, 32, 8, 128, c.cache);
+    if (c.paged) {  // the planner only looks at whether there is a table (never read) and at the capacity
+      q.page_block_size = 16;
+      q.num_blocks = c.batch * (c.cache / 16);
+      q.block_table = reinterpret_cast<const int32_t*>(uintptr_t(256));
+      q.block_table_batch_stride = c.cache / 16;
+    }
+    ASSERT_TRUE(decode::make_decode_plan(q, kernel, h200(), &plan).ok());
+    EXPECT_EQ(plan.num_splits, c.splits) << "B " << c.batch << " cache " << c.cache << (c.paged ? " paged" : "");
+  }
   // Chunked prefill: 70 new tokens x 4 heads = 280 packed rows -> 18 m-blocks of 16.
   KvcacheParams prefill = decode_params(2, 70, 32, 8, 128, 4096);
   ASSERT_TRUE(decode::make_decode_plan(prefill, kernel, h200(), &plan).ok());

@@ -16,6 +16,11 @@ __device__ __forceinline__ int page_of(const DecodeArgs& a, int j) {
   return a.page_shift >= 0 ? (j >> a.page_shift) : (j / a.p.page_block_size);
 }
 
+// Row of key row j inside its block.
+__device__ __forceinline__ int page_slot_of(const DecodeArgs& a, int j) {
+  return a.page_shift >= 0 ? (j & ((1 << a.page_shift) - 1)) : (j % a.p.page_block_size);
+}
+
 // Block id of key row j of sequence b (paged caches only; j must be below the sequence's key count, so the
 // table entry read is one of its first ceil(Sk / block_size) <= max_blocks columns).
 __device__ __forceinline__ int32_t page_id_of(const DecodeArgs& a, int b, int j) {
@@ -51,7 +56,7 @@ __device__ __forceinline__ bool cache_row_offsets(const DecodeArgs& a, int b, in
     return true;
   }
   if (uint32_t(id) >= uint32_t(p.num_blocks)) return false;  // also catches negative ids
-  const int slot = a.page_shift >= 0 ? (j & ((1 << a.page_shift) - 1)) : (j % p.page_block_size);
+  const int slot = page_slot_of(a, j);
   *k_offset = id * p.k_batch_stride + int64_t(slot) * p.k_row_stride + hk * p.k_head_stride;
   *v_offset = id * p.v_batch_stride + int64_t(slot) * p.v_row_stride + hk * p.v_head_stride;
   return true;

@@ -6,8 +6,9 @@
 // r = i * G + g (decode_work.hpp), so each K/V tile is read from memory once for the whole group. Decode is
 // memory-bound: the kernel's job is to stream the split's K/V tiles at HBM bandwidth.
 //   loads      K/V tiles of kBlockN keys through a kStages-deep cp.async ring (swizzled shared memory,
-//              common/smem_tile.cuh); paged caches look up each key row's block id, one tile ahead, so the
-//              id's latency never stalls the copies (power-of-two block sizes take shifts, others divide)
+//              common/smem_tile.cuh); paged caches (the kPaged instantiation) read the block ids of
+//              8 tiles at once, 8 tiles ahead, one per 16-row slot (block sizes that are multiples of 16; else
+//              one per row, a tile ahead), so the table's latency never stalls the copies
 //   S = Q K^T  the kWarps warps split each tile's keys (kWarpKeys each); every warp owns all kBlockM rows
 //   mask       core/mask.hpp's WindowMask (causal within the new tokens, sliding window, the key count), only
 //              on warp slices that straddle a boundary; softcap / ALiBi through ScoreTransform when enabled
@@ -41,8 +42,12 @@ namespace flashattn::cuda::decode {
 
 constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * kLog2e)
 constexpr float kLn2 = 0.6931471805599453f;    // ln(2): converts a log2-domain LSE back to natural log
+// Lazy rescaling (affects speed only): a row's running max moves only when a tile's scores exceed it by more
+// than this many log2 units, so P and the row sum stay below 2^8 and most tiles skip the multiply of O.
+constexpr float kMaxStaleLog2 = 8.f;
 
-template <typename C>
+// kPaged: the cache is paged (args.p.block_table != null); the launcher picks the instantiation.
+template <typename C, bool kPaged>
 __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_constant__ DecodeArgs args) {
   using Element = typename C::Element;
   constexpr int kBlockM = C::kBlockM;
@@ -134,7 +139,6 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
   const Element* q_gmem = static_cast<const Element*>(p.q);
   const Element* k_gmem = static_cast<const Element*>(p.k);
   const Element* v_gmem = static_cast<const Element*>(p.v);
-  const bool paged = p.block_table != nullptr;
 
   // ---- Q: the m-block's packed rows, rotated at their positions when rotary is on ----
   if (p.rotary_dim == 0) {
@@ -169,53 +173,160 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
   }
 
   // ---- K/V tile loads: thread (row_lane, chunk_lane) copies rows row_lane + pass * kRowsPerPass ----
+  // Decode streams K/V, so the instructions per copy matter: at HBM rate an SM has ~2000 cycles per 32 KiB
+  // tile and its warps share 4 issue slots per cycle with the MMAs and the softmax. Whole tiles of a
+  // full-width head with good block ids (nearly all tiles) take the plain path: one row address per pass and
+  // unpredicated copies; the last tile of a split, narrow heads (D below the bucket), bad block ids and
+  // block sizes that are not a power of two >= 16 take the checked path.
   const int row_lane = tid / kChunksPerBlockRow;
   const int chunk_lane = tid % kChunksPerBlockRow;
   const uint32_t load_lane = KVTile::lane_offset(row_lane, chunk_lane);
+  // Where a key row starts: contiguous, k_rows + j * row stride (sequence and head folded in once); paged,
+  // k_rows + id * block stride + (j mod block size) * row stride (head folded in).
+  const Element* k_rows = k_gmem + hk * p.k_head_stride + (kPaged ? 0 : b * p.k_batch_stride) + chunk_lane * 8;
+  const Element* v_rows = v_gmem + hk * p.v_head_stride + (kPaged ? 0 : b * p.v_batch_stride) + chunk_lane * 8;
+  const int32_t* table_row = kPaged ? p.block_table + b * p.block_table_batch_stride : nullptr;
+  const bool full_width = d_chunks == kHeadDim / 8;
+  bool chunk_ok[kColBlocks];  // this thread's chunk of column block `block` is inside the head
+#pragma unroll
+  for (int block = 0; block < kColBlocks; ++block) chunk_ok[block] = block * kChunksPerBlockRow + chunk_lane < d_chunks;
   bool bad_block_id = false;  // this thread met a block id outside the cache (the CTA's result becomes NaN)
-  // Block ids of this thread's rows of key tile n (paged only; rows past the key count are never looked up).
-  auto fetch_page_ids = [&](int n, int32_t (&ids)[kPasses]) {
+
+  // Paged block ids. Power-of-two block sizes >= 16 (all common ones) take the id of each 16-row "slot" of
+  // a tile (16-aligned rows: one block), kTilesPerIdBatch tiles per warp register (lane l: slot l % kSlots
+  // of tile l / kSlots of the batch), read a whole batch ahead, so the table's latency (a DRAM round trip
+  // under full load, ~1-2 us) never delays a tile's copies; each thread picks its slot's id with a shuffle.
+  // Other block sizes look up every row's id one tile ahead (per_row_ids).
+  constexpr int kSlots = kBlockN / 16;
+  constexpr int kTilesPerIdBatch = 32 / kSlots;
+  static_assert(kBlockN % 16 == 0 && 32 % kSlots == 0, "16-row id slots, a whole number of tiles per warp register");
+  const bool slot_ids = kPaged && args.page_shift >= 4;
+  const int page_mask = kPaged ? p.page_block_size - 1 : 0;  // slot_ids: row in block = j & page_mask
+  int32_t ids_now = 0, ids_next = 0;  // slot_ids: the id batches of the tile being issued and of the next one
+  bool needed_next = false;            // whether this lane's entry of the next batch was read (a key exists)
+  uint32_t bad_now = 0;                // lanes of the current batch whose id is not a block of the cache
+  auto load_id_batch = [&](int batch) {  // tiles [batch, batch + 1) * kTilesPerIdBatch into ids_next
+    const int tile = work.tile_begin + batch * kTilesPerIdBatch + lane / kSlots;
+    const int j = tile * kBlockN + (lane % kSlots) * 16;  // the slot's first key
+    needed_next = tile < work.tile_end && j < seqlen_k;   // never read past the keys' blocks
+    ids_next = needed_next ? table_row[j >> args.page_shift] : 0;
+  };
+  // The next batch becomes the current one. Its ids are checked only now (a vote waits for the loads, which
+  // were issued a batch ago), never right after the load.
+  auto rotate_id_batches = [&]() {
+    ids_now = ids_next;
+    bad_now = __ballot_sync(0xffffffffu, needed_next && uint32_t(ids_now) >= uint32_t(p.num_blocks));  // also < 0
+  };
+  int32_t per_row_ids[kPasses];  // other block sizes: the ids of this thread's rows of the next tile
+  auto fetch_per_row_ids = [&](int n) {  // rows past the key count are never looked up
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
       const int j = n * kBlockN + row_lane + pass * kRowsPerPass;
-      ids[pass] = (paged && j < seqlen_k) ? page_id_of(args, b, j) : 0;
+      per_row_ids[pass] = j < seqlen_k ? table_row[page_of(args, j)] : 0;
     }
   };
-  auto issue_tile = [&](int n, int stage, const int32_t (&ids)[kPasses]) {
-    const uint32_t k_tile = kv_smem + uint32_t(stage) * 2u * KVTile::kBytes;
+  if constexpr (kPaged) {
+    if (slot_ids) {
+      load_id_batch(0);
+      rotate_id_batches();  // the first tile cannot start before its ids are here
+      load_id_batch(1);
+    } else if (num_tiles > 0) {
+      fetch_per_row_ids(work.tile_begin);
+    }
+  }
+
+  // Byte strides of the plain path as 32-bit values, so a row address is one or two wide multiply-adds
+  // (IMAD.WIDE) on a 64-bit base; strides beyond 2^31 bytes take the checked path.
+  const int64_t k_row_stride_bytes = p.k_row_stride * 2, v_row_stride_bytes = p.v_row_stride * 2;
+  const int64_t k_block_stride_bytes = kPaged ? p.k_batch_stride * 2 : 0, v_block_stride_bytes = kPaged ? p.v_batch_stride * 2 : 0;
+  const bool strides_32bit = k_row_stride_bytes <= INT32_MAX && v_row_stride_bytes <= INT32_MAX &&
+                             k_block_stride_bytes <= INT32_MAX && v_block_stride_bytes <= INT32_MAX;
+  const int k_row_bytes = int(k_row_stride_bytes), v_row_bytes = int(v_row_stride_bytes);
+  const int k_block_bytes = int(k_block_stride_bytes), v_block_bytes = int(v_block_stride_bytes);
+  const char* k_bytes = reinterpret_cast<const char*>(k_rows);
+  const char* v_bytes = reinterpret_cast<const char*>(v_rows);
+
+  // Copies the rows of the split's tile `rel` (relative index) into `stage`. Called for rel = 0, 1, 2, ...
+  // in order, by every thread (the shuffles need whole warps).
+  auto issue_tile = [&](int rel, int stage) {
+    const int n = work.tile_begin + rel;
+    const uint32_t k_tile = kv_smem + uint32_t(stage) * 2u * KVTile::kBytes + load_lane;
     const uint32_t v_tile = k_tile + KVTile::kBytes;
-#pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-      const int j = n * kBlockN + row_lane + pass * kRowsPerPass;
-      int64_t k_offset = 0, v_offset = 0;
-      bool row_valid = j < seqlen_k;  // rows past the keys load as zeros (and are masked)
-      if (row_valid && !cache_row_offsets(args, b, hk, j, ids[pass], &k_offset, &v_offset)) {
-        bad_block_id = true;
-        row_valid = false;
-      }
-#pragma unroll
-      for (int block = 0; block < kColBlocks; ++block) {
-        const int chunk = block * kChunksPerBlockRow + chunk_lane;
-        const bool valid = row_valid && chunk < d_chunks;
-        const uint32_t to = KVTile::offset(load_lane, pass * kRowsPerPass, block * kChunksPerBlockRow);
-        cp_async_16(k_tile + to, valid ? k_gmem + k_offset + chunk * 8 : k_gmem, valid);
-        cp_async_16(v_tile + to, valid ? v_gmem + v_offset + chunk * 8 : v_gmem, valid);
+    uint32_t tile_bad_ids = 0;
+    if constexpr (kPaged) {
+      if (slot_ids) {
+        if (rel > 0 && rel % kTilesPerIdBatch == 0) {  // next batch: its ids were read a batch ago
+          rotate_id_batches();
+          load_id_batch(rel / kTilesPerIdBatch + 1);
+        }
+        tile_bad_ids = (bad_now >> ((rel % kTilesPerIdBatch) * kSlots)) & ((1u << kSlots) - 1);
       }
     }
+    const bool plain =
+        (n + 1) * kBlockN <= seqlen_k && full_width && strides_32bit && (!kPaged || slot_ids) && tile_bad_ids == 0;
+    if (plain) {
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) {
+        const int row = row_lane + pass * kRowsPerPass;  // row of the tile
+        const int j = n * kBlockN + row;
+        const char* k_src;
+        const char* v_src;
+        if constexpr (kPaged) {
+          const int32_t id = __shfl_sync(0xffffffffu, ids_now, (rel % kTilesPerIdBatch) * kSlots + row / 16);
+          const int slot = j & page_mask;
+          k_src = k_bytes + int64_t(id) * k_block_bytes + int64_t(slot) * k_row_bytes;
+          v_src = v_bytes + int64_t(id) * v_block_bytes + int64_t(slot) * v_row_bytes;
+        } else {
+          k_src = k_bytes + int64_t(j) * k_row_bytes;
+          v_src = v_bytes + int64_t(j) * v_row_bytes;
+        }
+#pragma unroll
+        for (int block = 0; block < kColBlocks; ++block) {
+          const uint32_t to = KVTile::offset(0, pass * kRowsPerPass, block * kChunksPerBlockRow);
+          cp_async_16_full(k_tile + to, k_src + block * KVTile::kBlockCols * 2);
+          cp_async_16_full(v_tile + to, v_src + block * KVTile::kBlockCols * 2);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) {
+        const int row = row_lane + pass * kRowsPerPass;
+        const int j = n * kBlockN + row;
+        bool row_valid = j < seqlen_k;  // rows past the keys load as zeros (and are masked)
+        int64_t k_offset, v_offset;     // elements from k_rows / v_rows to the row's chunk
+        if constexpr (kPaged) {
+          const int32_t id =
+              slot_ids ? __shfl_sync(0xffffffffu, ids_now, (rel % kTilesPerIdBatch) * kSlots + row / 16) : per_row_ids[pass];
+          if (row_valid && uint32_t(id) >= uint32_t(p.num_blocks)) {  // also catches negative ids
+            bad_block_id = true;
+            row_valid = false;
+          }
+          const int slot = page_slot_of(args, j);
+          k_offset = int64_t(id) * p.k_batch_stride + int64_t(slot) * p.k_row_stride;
+          v_offset = int64_t(id) * p.v_batch_stride + int64_t(slot) * p.v_row_stride;
+        } else {
+          k_offset = int64_t(j) * p.k_row_stride;
+          v_offset = int64_t(j) * p.v_row_stride;
+        }
+#pragma unroll
+        for (int block = 0; block < kColBlocks; ++block) {
+          const bool valid = row_valid && chunk_ok[block];
+          const uint32_t to = KVTile::offset(0, pass * kRowsPerPass, block * kChunksPerBlockRow);
+          cp_async_16(k_tile + to, valid ? k_rows + k_offset + block * KVTile::kBlockCols : k_gmem, valid);
+          cp_async_16(v_tile + to, valid ? v_rows + v_offset + block * KVTile::kBlockCols : v_gmem, valid);
+        }
+      }
+    }
+    if (kPaged && !slot_ids && rel + 1 < num_tiles) fetch_per_row_ids(n + 1);  // used by the next call
   };
 
   // ---- prologue: Q (above) and the first kStages - 1 tiles, one commit group each (empty ones too, so
   // that "wait until kStages - 2 groups are pending" always means "tile it has landed") ----
-  int32_t page_ids[kPasses];
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_tiles) {
-      fetch_page_ids(work.tile_begin + s, page_ids);
-      issue_tile(work.tile_begin + s, s, page_ids);
-    }
+    if (s < num_tiles) issue_tile(s, s);
     cp_async_commit();
   }
-  if (kStages - 1 < num_tiles) fetch_page_ids(work.tile_begin + kStages - 1, page_ids);  // one tile ahead
 
   // Scores reach the softmax as s * score_log2_scale in log2 units. Fast path: s is the raw q.k and the scale
   // is folded into the multiplier. With softcap / ALiBi (or a negative scale, whose sign would flip the max)
@@ -223,6 +334,11 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
   const bool natural_units = p.softcap > 0.f || p.alibi_slopes != nullptr || p.softmax_scale < 0.f;
   const float score_log2_scale = natural_units ? kLog2e : p.softmax_scale * kLog2e;
   const WindowMask mask(p.window_left, p.window_right, p.seqlen_q, seqlen_k);
+  // Keys [unmasked_begin, unmasked_end) are visible to every row of the m-block (the visible range of
+  // query i only moves right with i: the last query's first key, the first query's end), so a warp slice
+  // inside it needs no mask: two compares per tile instead of WindowMask::tile_fully_visible.
+  const int unmasked_begin = mask.key_begin(rows.query_end - 1);
+  const int unmasked_end = mask.key_end(rows.query_begin + 1, seqlen_k);
 
   // This thread's accumulator rows (mt, half): their query and, for ALiBi, their head's transform.
   int row_query[kMTiles][2];
@@ -264,9 +380,8 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
     cp_async_wait<kStages - 2>();  // this thread's copies of tile `it` (and Q) have landed
     __syncthreads();               // everyone's have; and every warp is done with tile it - 1, whose stage is refilled now
     const int ahead = it + kStages - 1;
-    if (ahead < num_tiles) issue_tile(work.tile_begin + ahead, ahead % kStages, page_ids);
+    if (ahead < num_tiles) issue_tile(ahead, ahead % kStages);
     cp_async_commit();
-    if (ahead + 1 < num_tiles) fetch_page_ids(work.tile_begin + ahead + 1, page_ids);  // used next iteration
 
     const int stage = it % kStages;
     const uint32_t k_tile = kv_smem + uint32_t(stage) * 2u * KVTile::kBytes;
@@ -314,8 +429,7 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
             s_acc[mt][nt][c] = transform[mt][c >> 1](s_acc[mt][nt][c] * p.softmax_scale, row_query[mt][c >> 1],
                                                      slice0 + nt * 8 + 2 * quad_col + (c & 1));
     }
-    const bool slice_needs_mask =
-        slice0 + kWarpKeys > seqlen_k || !mask.tile_fully_visible(rows.query_begin, rows.query_end, slice0, slice0 + kWarpKeys);
+    const bool slice_needs_mask = slice0 < unmasked_begin || slice0 + kWarpKeys > unmasked_end;
     if (slice_needs_mask) {
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
@@ -337,7 +451,11 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
         }
     }
 
-    // ---- online softmax: P = exp2(s * scale - max); O and the sum rescaled when the max grows ----
+    // ---- online softmax: P = exp2(s * scale - max); lazy: the max moves (and O and the sum are rescaled)
+    // only when a tile's scores exceed it by more than kMaxStaleLog2 (as in the forward kernel:
+    // sm80/forward_kernel.cuh explains why any max that bounds the scores gives the same O and LSE) ----
+    float correction[kMTiles][2];
+    bool rescale_any = false;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -347,27 +465,41 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
         for (int nt = 0; nt < kNTiles; ++nt)
           tile_max = fmaxf(tile_max, fmaxf(s_acc[mt][nt][2 * half], s_acc[mt][nt][2 * half + 1]));
         tile_max = quad_max(tile_max);  // the 4 threads of a quad hold the row's columns
-        const float new_max = fmaxf(row_max[mt][half], tile_max);
+        const float old_max = row_max[mt][half];
+        const float new_max = fmaxf(old_max, tile_max);
+        // First visible tile: new - (-inf) = +inf, moves. A row with no visible key yet: -inf - (-inf) is NaN,
+        // the compare is false and the max stays -inf.
+        const bool rescale = (new_max - old_max) * score_log2_scale > kMaxStaleLog2;
+        const float row_max_now = rescale ? new_max : old_max;
         // A row that so far sees only masked keys keeps max = -inf; subtracting 0 instead gives exp2(-inf) = 0
         // for its entries, where -inf - (-inf) would give NaN.
-        const float max_scaled = new_max == -INFINITY ? 0.f : new_max * score_log2_scale;
-        const float correction = exp2_approx(row_max[mt][half] * score_log2_scale - max_scaled);  // 0 on the first visit
-        row_max[mt][half] = new_max;
-        row_sum[mt][half] *= correction;
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          o_acc[mt][dt][2 * half] *= correction;
-          o_acc[mt][dt][2 * half + 1] *= correction;
-        }
+        const float max_scaled = row_max_now == -INFINITY ? 0.f : row_max_now * score_log2_scale;
+        correction[mt][half] = rescale ? exp2_approx(old_max * score_log2_scale - max_scaled) : 1.f;  // 0 on the first visit
+        rescale_any |= rescale;
+        row_max[mt][half] = row_max_now;
+        float tile_sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const float prob = exp2_approx(fmaf(s_acc[mt][nt][2 * half + e], score_log2_scale, -max_scaled));
-            row_sum[mt][half] += prob;
+            tile_sum += prob;
             s_acc[mt][nt][2 * half + e] = prob;
           }
+        row_sum[mt][half] = fmaf(row_sum[mt][half], correction[mt][half], tile_sum);
       }
+    // Warp-uniform branch (a vote): the skip pays only when no row of the warp moved its max.
+    if (__any_sync(0xffffffffu, rescale_any)) {
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int dt = 0; dt < kDTiles; ++dt) {
+            o_acc[mt][dt][2 * half] *= correction[mt][half];
+            o_acc[mt][dt][2 * half + 1] *= correction[mt][half];
+          }
+    }
 
     // ---- O += P V: S accumulators become A fragments in registers; V via ldmatrix.trans ----
 #pragma unroll

@@ -33,7 +33,6 @@ constexpr int decode_smem_bytes() {
 template <typename C>
 Status prepare_decode_kernel(int device, bool* programmatic) {
   constexpr int kSmem = decode_smem_bytes<C>();
-  const auto kernel = &decode::decode_kernel<C>;
   static std::atomic<uint64_t> configured{0};     // bit d: device d done
   static std::atomic<uint64_t> programmatic_ok{0};  // bit d: device d is sm_90+
   const uint64_t device_bit = device >= 0 && device < 64 ? (uint64_t(1) << device) : 0;
@@ -41,7 +40,9 @@ Status prepare_decode_kernel(int device, bool* programmatic) {
     *programmatic = (programmatic_ok.load(std::memory_order_relaxed) & device_bit) != 0;
     return Status();
   }
-  const cudaError_t attribute = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  cudaError_t attribute = cudaFuncSetAttribute(&decode::decode_kernel<C, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  if (attribute == cudaSuccess)
+    attribute = cudaFuncSetAttribute(&decode::decode_kernel<C, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (attribute == cudaErrorInvalidDeviceFunction || attribute == cudaErrorNoKernelImageForDevice) {
     cudaGetLastError();  // clear it: the call did not run
     return error(FA_ERROR_NOT_COMPILED, "q: the kvcache kernel (D %d, %s) has no image for cuda:%d in this build",
@@ -67,8 +68,9 @@ Status launch_decode_args(const decode::DecodeArgs& args, const decode::DecodePl
   FA_RETURN_IF_ERROR(decode::launch_append(args, stream));  // the new rows are in the cache before anyone reads it
   const dim3 grid(unsigned(plan.m_blocks) * unsigned(plan.num_splits), p.heads_k, p.batch);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return Status();
-  FA_CUDA_RETURN_IF_ERROR(decode::launch_decode_kernel(&decode::decode_kernel<C>, grid, dim3(C::kThreads),
-                                                       decode_smem_bytes<C>(), stream, args.programmatic_launch != 0, args));
+  const auto kernel = p.block_table != nullptr ? &decode::decode_kernel<C, true> : &decode::decode_kernel<C, false>;
+  FA_CUDA_RETURN_IF_ERROR(decode::launch_decode_kernel(kernel, grid, dim3(C::kThreads), decode_smem_bytes<C>(), stream,
+                                                       args.programmatic_launch != 0, args));
   return decode::launch_combine(args, stream);
 }
 

@@ -22,12 +22,15 @@ namespace flashattn::cuda::decode {
 
 // ---- split-KV tuning: affects speed only, never results (every split count gives the same attention up
 // to float rounding of the merge) ----
-// Measured on the H200 (2026-11-30 05:25 UTC, bf16, D = 128, Hq 32 / Hk 8, contiguous, flashattn_decode_tiles
-// --splits sweeps; the m16n64w4s3 tile, 2 CTAs per SM = 264 slots): the best split count fills one wave:
-// B = 1: 33 splits (8 k 1.69 TB/s, 32 k 2.88, 128 k 3.94) where the old 85% rule took 29 (1.67, 2.83, 3.79);
-// B = 4: 8; B = 16: 2; B >= 64: 1. At a 1 k cache (16 tiles) one tile per split is fastest (B = 1: 16
-// splits, 10.1 us, against 12.4 us with >= 2 tiles per split).
+// Measured on the H200 (2026-11-30 07:40 UTC, bf16, D = 128, Hq 32 / Hk 8, the m16n64w4s3 tile, which fits
+// 2 CTAs per SM; flashattn_decode_bench --splits sweeps, inputs in one arena): a contiguous cache is fastest
+// with about one CTA per SM: B = 1: 16 splits (8 k 2.00 TB/s, 128 k 4.11) against 32 (1.84, 4.01); B = 4: 4
+// (8 k 3.24) against 8 (3.15); B = 16: 1 (1 k 3.13, 8 k 4.25) against 2 (2.59, 4.04). A paged cache with room
+// for long sequences is fastest with the CTA slots of 2 per SM: B = 16, 128 k: 2 splits 4.40 against 1 4.31;
+// B = 4: 8 splits 4.32 against 4 4.22 (its block-table reads add latency that more CTAs hide); up to
+// 16 k keys one CTA per SM is as fast or faster. At a 1 k cache (16 tiles) one tile per split is fastest.
 constexpr int kMinTilesPerSplit = 1;       // a split streams >= 1 key tile (a floor of 2 was slower at short caches)
+constexpr int64_t kPagedFullSlotsKeys = 32768;  // paged, capacity >= this many keys: plan for every CTA slot
 constexpr int kMaxSplits = 128;            // the heuristic's cap (an explicit num_splits may be larger)
 constexpr double kFullOccupancy = 0.8;     // at >= 80% of one wave of CTA slots without splitting: no split
 constexpr double kWaveEfficiencyKept = 0.96;  // smallest split count whose last-wave efficiency is within 96% of the best
@@ -53,7 +56,8 @@ Status check_kvcache_support(const KvcacheParams& p);
 // ignores registers beyond kMaxCtasPerSm).
 int ctas_per_sm(int64_t smem_bytes, int threads, const DecodeDevice& device);
 
-// Split-KV heuristic. `ctas` = B * Hk * m_blocks (CTAs without splitting); `slots` = SMs x CTAs per SM;
+// Split-KV heuristic. `ctas` = B * Hk * m_blocks (CTAs without splitting); `slots` = the CTAs to aim for at
+// once (make_decode_plan: one per SM, or SMs x CTAs per SM for long paged caches);
 // `capacity_tiles` = key tiles of the longest possible sequence. Returns 1 when the unsplit grid already
 // fills the device; else the smallest split count whose waves are nearly as full as the best one, capped
 // by kMaxSplits and by capacity_tiles / kMinTilesPerSplit.

@@ -64,10 +64,12 @@ Status launch_backward_sm80(const BackwardParams& params, cudaStream_t stream) {
   const int64_t padded_rows = layout.padded_seqlen_q * p.heads_q;  // per sequence
   constexpr int kPrePostThreads = 256;
   if (padded_rows > 0 && p.batch > 0) {
-    check(cudaMemsetAsync(ws.dq_accum, 0, size_t(p.batch * padded_rows * T::kHeadDim * 4), stream));
+    // The preprocess also zeroes dq_accum (no memset).
     if (ws.semaphores != nullptr) check(cudaMemsetAsync(ws.semaphores, 0, size_t(layout.semaphore_bytes), stream));
-    const dim3 grid(unsigned((padded_rows + kPrePostThreads - 1) / kPrePostThreads), unsigned(p.batch));
-    if (status == cudaSuccess) sm80::bwd::backward_preprocess_kernel<Element><<<grid, kPrePostThreads, 0, stream>>>(p, ws);
+    const int64_t threads = padded_rows * sm80::bwd::kPreThreadsPerRow;
+    const dim3 grid(unsigned((threads + kPrePostThreads - 1) / kPrePostThreads), unsigned(p.batch));
+    if (status == cudaSuccess)
+      sm80::bwd::backward_preprocess_kernel<Element><<<grid, kPrePostThreads, 0, stream>>>(p, ws, T::kHeadDim);
     check(cudaGetLastError());
   }
   if (key_tiles > 0 && p.batch > 0 && status == cudaSuccess) {
@@ -79,7 +81,8 @@ Status launch_backward_sm80(const BackwardParams& params, cudaStream_t stream) {
     main_kernel<<<grid, T::kThreads, T::kSmemBytes, stream>>>(p, ws);
     check(cudaGetLastError());
   }
-  const int64_t dq_items = int64_t(p.seqlen_q) * p.heads_q * (p.head_dim / 8);  // per sequence
+  // Postprocess: one thread per (16-row block, head, 8-column block, row of 8) of the longest sequence.
+  const int64_t dq_items = int64_t((p.seqlen_q + 15) / 16) * p.heads_q * (p.head_dim / 8) * 8;  // per sequence
   if (dq_items > 0 && p.batch > 0 && status == cudaSuccess) {
     const dim3 grid(unsigned((dq_items + kPrePostThreads - 1) / kPrePostThreads), unsigned(p.batch));
     sm80::bwd::backward_postprocess_kernel<Element><<<grid, kPrePostThreads, 0, stream>>>(p, ws, T::kHeadDim);
