@@ -201,6 +201,21 @@ TEST(CudaKvcachePlan, SplitHeuristic) {
   }
 }
 
+TEST(CudaKvcachePlan, ClusterMergeRule) {
+  // Two splits, or short splits (a few tiles of the capacity; fewer in clusters above 8) merge in clusters
+  // (sm_90); long splits in big clusters, one split and more than kMaxClusterSplits splits do not.
+  EXPECT_TRUE(decode::wants_cluster_merge(16, 1024, 64));    // 1 tile per split
+  EXPECT_TRUE(decode::wants_cluster_merge(16, 4096, 64));    // 4 tiles
+  EXPECT_FALSE(decode::wants_cluster_merge(16, 8192, 64));   // 8 tiles in a cluster of 16
+  EXPECT_TRUE(decode::wants_cluster_merge(8, 8192, 64));     // 16 tiles in a cluster of 8
+  EXPECT_FALSE(decode::wants_cluster_merge(4, 8192, 64));    // 32 tiles
+  EXPECT_FALSE(decode::wants_cluster_merge(16, 131072, 64));
+  EXPECT_TRUE(decode::wants_cluster_merge(2, 131072, 64));   // two splits at any length
+  EXPECT_FALSE(decode::wants_cluster_merge(1, 1024, 64));
+  EXPECT_FALSE(decode::wants_cluster_merge(decode::kMaxClusterSplits + 1, 1024, 64));
+  EXPECT_FALSE(decode::wants_cluster_merge(4, 1024, 0));
+}
+
 TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
   // The shape: 32 query heads, 8 K/V heads, D = 128, one new token, a 128k cache.
   KvcacheParams p = decode_params(1, 1, 32, 8, 128, 131072);

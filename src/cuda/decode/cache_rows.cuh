@@ -45,6 +45,11 @@ __device__ __forceinline__ void allow_next_grid_launch() {
 #endif
 }
 
+// Starts bringing the 128-byte line at `address` into L2 (no register result, never faults on a valid address).
+__device__ __forceinline__ void prefetch_l2(const void* address) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(address));
+}
+
 // Element offsets of key row j (head hk) in the K and V caches, given its block id when paged (`id` is
 // unused for a contiguous cache). False when the id is not a block of the cache: nothing may be read there.
 __device__ __forceinline__ bool cache_row_offsets(const DecodeArgs& a, int b, int hk, int j, int32_t id, int64_t* k_offset,

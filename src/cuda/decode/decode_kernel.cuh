@@ -15,8 +15,9 @@
 //   softmax    online, per warp, exp2 with the scale and log2(e) folded into one multiplier
 //   O += P V   P stays in registers (accumulator layout = A-operand layout); V via ldmatrix.trans
 // Epilogue: the warps' (max, sum, O) are merged through shared memory; then either the final output (out in
-// the dtype, lse) when the sequence uses one split, or the split's normalised fp32 partial and its LSE for
-// the combine kernel (combine_kernel.cuh).
+// the dtype, lse) when the sequence uses one split, or the split's normalised fp32 partial and its LSE: in
+// global memory for the combine kernel (decode_aux.cu), or, on sm_90 with a cluster per m-block, in shared
+// memory, merged by the cluster's CTAs through distributed shared memory (no second kernel).
 //
 // Index safety without host checks (cache_seqlens and block_table are device memory): a sequence whose
 // cache_seqlens entry is outside [0, capacity - S_new] gets NaN in out and lse and nothing is read for it; a
@@ -25,6 +26,7 @@
 // errors before any kernel writes.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -45,6 +47,9 @@ constexpr float kLn2 = 0.6931471805599453f;    // ln(2): converts a log2-domain 
 // Lazy rescaling (affects speed only): a row's running max moves only when a tile's scores exceed it by more
 // than this many log2 units, so P and the row sum stay below 2^8 and most tiles skip the multiply of O.
 constexpr float kMaxStaleLog2 = 8.f;
+// Paged: block-table rows of at most this many entries (32 per 128-byte line) are prefetched into L2 at the
+// start (affects speed only).
+constexpr int kPrefetchTableEntries = 1024;
 
 // kPaged: the cache is paged (args.p.block_table != null); the launcher picks the instantiation.
 template <typename C, bool kPaged>
@@ -89,8 +94,11 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
   const int quad_row = lane >> 2;  // accumulator row (and row + 8) of this thread in an m16 tile
   const int quad_col = lane & 3;   // accumulator columns 2 quad_col, 2 quad_col + 1 of an n8 tile
 
-  const int m_block = int(blockIdx.x) % args.m_blocks;  // neighbouring CTAs share a split: its K/V stays in L2
-  const int split = int(blockIdx.x) / args.m_blocks;
+  // Neighbouring CTAs share a split (its K/V stays in L2 across m-blocks); with a cluster merge the splits of
+  // an m-block are neighbours instead: a cluster is num_splits consecutive CTAs of grid.x, rank = split.
+  const bool clustered = args.cluster_merge != 0;
+  const int m_block = clustered ? int(blockIdx.x) / args.num_splits : int(blockIdx.x) % args.m_blocks;
+  const int split = clustered ? int(blockIdx.x) % args.num_splits : int(blockIdx.x) / args.m_blocks;
   const int hk = blockIdx.y;
   const int b = blockIdx.z;
   const int group = args.group;
@@ -102,6 +110,14 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
   // producers of q and the caches) must be complete. Then the combine may start launching.
   wait_for_previous_grids();
   allow_next_grid_launch();
+  if constexpr (kPaged) {
+    // A short cache's block-table row is a few lines: bring it into L2 while cache_seqlens (which decides the
+    // split's tiles, hence which entries) is read, so the ids are not a second DRAM round trip before the
+    // first K/V copy. Rows of up to kPrefetchTableEntries entries (one line per thread of the first warp).
+    const int64_t row_entries = (int64_t(p.seqlen_k) + p.page_block_size - 1) / p.page_block_size;
+    if (row_entries <= kPrefetchTableEntries && tid * 32 < row_entries)
+      prefetch_l2(p.block_table + b * p.block_table_batch_stride + tid * 32);
+  }
   const int cached = p.cache_seqlens[b];
   const int seqlen_k = cached + p.seqlen_new;  // keys after the append
   const bool length_ok = cache_length_ok(cached, p.seqlen_new, p.seqlen_k);
@@ -129,8 +145,63 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
     if (split == 0) write_rows_directly(NAN, NAN);
     return;
   }
+  // ---- cluster merge (sm_90, args.cluster_merge): each CTA of the cluster (one per split) has put its
+  // normalised partial and its LSE per row into shared memory (cluster_out, cluster_lse); CTA `split` then
+  // merges rows split, split + num_splits, ... from the partials of the `used` working splits, read from
+  // their CTAs' shared memory in split order (the same sums on every run), as the combine kernel does from
+  // global memory. Every CTA of the cluster takes part, working or not: the two cluster barriers need all.
+  // Used only when used >= 2, which is the same for every CTA of a cluster (same rows, same length). ----
+  constexpr int kClusterOutFloats = kBlockM * kHeadDim;
+  static_assert(kMergeBytes + (kClusterOutFloats + kBlockM) * 4 <= kStages * 2 * KVTile::kBytes,
+                "the cluster partial follows the warp merge in the K/V stages");
+  float* cluster_out = reinterpret_cast<float*>(smem + QTile::kBytes + kMergeBytes);  // [row][kHeadDim] fp32
+  float* cluster_lse = cluster_out + kClusterOutFloats;                                // [row], natural log
+  auto merge_cluster = [&](int used) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();  // every working split's partial is in its shared memory (release / acquire)
+    const int quads = p.head_dim_v / 4;
+    const int my_rows = (rows.rows - split + args.num_splits - 1) / args.num_splits;
+    for (int idx = tid; idx < my_rows * quads; idx += kThreads) {
+      const int row = split + (idx / quads) * args.num_splits, col = (idx % quads) * 4;
+      const int r = rows.row_begin + row;
+      const int i = r / group, h = hk * group + r % group;
+      // The largest split LSE (weights exp(lse_s - max) <= 1); NaN from a split that met a bad block id; no
+      // split saw a key: out = 0, lse = -inf.
+      float lse_max = -INFINITY;
+      bool any_nan = false;
+      for (int s = 0; s < used; ++s) {
+        const float lse = cluster.map_shared_rank(cluster_lse, s)[row];
+        any_nan = any_nan || isnan(lse);
+        lse_max = fmaxf(lse_max, lse);
+      }
+      float weight_sum = 0.f;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (lse_max != -INFINITY)
+        for (int s = 0; s < used; ++s) {
+          const float w = expf(cluster.map_shared_rank(cluster_lse, s)[row] - lse_max);
+          const float4 part = *reinterpret_cast<const float4*>(cluster.map_shared_rank(cluster_out, s) + row * kHeadDim + col);
+          weight_sum += w;
+          acc.x += w * part.x, acc.y += w * part.y, acc.z += w * part.z, acc.w += w * part.w;
+        }
+      const float inv = any_nan ? NAN : (weight_sum > 0.f ? 1.f / weight_sum : 0.f);
+      Element* out_row = out_gmem + b * p.out_batch_stride + int64_t(i) * p.out_row_stride + h * p.out_head_stride + col;
+      *reinterpret_cast<uint2*>(out_row) = make_uint2(ElementTraits<Element>::pack(acc.x * inv, acc.y * inv),
+                                                      ElementTraits<Element>::pack(acc.z * inv, acc.w * inv));
+      if (col == 0 && p.lse != nullptr)
+        p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] =
+            any_nan ? NAN : (weight_sum > 0.f ? lse_max + logf(weight_sum) : -INFINITY);
+    }
+    cluster.sync();  // no CTA leaves (freeing its shared memory) while another still reads it
+#else
+    (void)used;  // the launcher sets cluster_merge on sm_90+ only
+#endif
+  };
+
   if (split >= work.used) {  // nothing for this split; with no visible key at all, split 0 writes the empty rows
     if (work.used == 0 && split == 0) write_rows_directly(0.f, -INFINITY);
+    if (clustered && work.used >= 2) merge_cluster(work.used);
     return;
   }
   const bool direct = work.used == 1;  // the only split: write out / lse, no partials
@@ -598,7 +669,8 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
       *reinterpret_cast<uint4*>(out_gmem + b * p.out_batch_stride + int64_t(i) * p.out_row_stride + h * p.out_head_stride +
                                 chunk * 8) = packed;
     } else {
-      float4* dst = reinterpret_cast<float4*>(args.partial_out + (partial_base + partial_row(p, b, h, i)) * p.head_dim_v + chunk * 8);
+      float4* dst = clustered ? reinterpret_cast<float4*>(cluster_out + row * kHeadDim + chunk * 8)
+                              : reinterpret_cast<float4*>(args.partial_out + (partial_base + partial_row(p, b, h, i)) * p.head_dim_v + chunk * 8);
       dst[0] = make_float4(v[0], v[1], v[2], v[3]);
       dst[1] = make_float4(v[4], v[5], v[6], v[7]);
     }
@@ -616,11 +688,14 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
         const float lse = bad ? NAN : row_lse_log2[mt][half] * kLn2;  // -inf * ln2 = -inf for an empty row
         if (direct) {
           if (p.lse != nullptr) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] = lse;
+        } else if (clustered) {
+          cluster_lse[row] = lse;
         } else {
           args.partial_lse[partial_base + partial_row(p, b, h, i)] = lse;
         }
       }
   }
+  if (clustered && !direct) merge_cluster(work.used);
 }
 
 }  // namespace flashattn::cuda::decode

@@ -28,16 +28,17 @@ constexpr int decode_smem_bytes() {
   return (C::kBlockM + 2 * C::kStages * C::kBlockN) * C::kHeadDim * 2;
 }
 
-// Once per device and kernel: raise its shared-memory limit (sticky), and learn whether the device takes
-// programmatic dependent launches (compute capability 9.0+). `*programmatic` is that answer.
+// Once per device and kernel: raise its shared-memory limit (sticky), allow clusters of up to 16 CTAs on
+// sm_90+, and learn whether the device takes programmatic dependent launches and clusters (compute
+// capability 9.0+). `*sm90` is that answer.
 template <typename C>
-Status prepare_decode_kernel(int device, bool* programmatic) {
+Status prepare_decode_kernel(int device, bool* sm90) {
   constexpr int kSmem = decode_smem_bytes<C>();
-  static std::atomic<uint64_t> configured{0};     // bit d: device d done
-  static std::atomic<uint64_t> programmatic_ok{0};  // bit d: device d is sm_90+
+  static std::atomic<uint64_t> configured{0};  // bit d: device d done
+  static std::atomic<uint64_t> sm90_bits{0};   // bit d: device d is sm_90+
   const uint64_t device_bit = device >= 0 && device < 64 ? (uint64_t(1) << device) : 0;
   if (device_bit != 0 && (configured.load(std::memory_order_acquire) & device_bit) != 0) {
-    *programmatic = (programmatic_ok.load(std::memory_order_relaxed) & device_bit) != 0;
+    *sm90 = (sm90_bits.load(std::memory_order_relaxed) & device_bit) != 0;
     return Status();
   }
   cudaError_t attribute = cudaFuncSetAttribute(&decode::decode_kernel<C, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -51,10 +52,42 @@ Status prepare_decode_kernel(int device, bool* programmatic) {
   FA_CUDA_RETURN_IF_ERROR(attribute);
   int major = 0;
   FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  *programmatic = major >= 9;
-  if (*programmatic) programmatic_ok.fetch_or(device_bit, std::memory_order_relaxed);
+  *sm90 = major >= 9;
+  if (*sm90) {
+    FA_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(&decode::decode_kernel<C, false>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    FA_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(&decode::decode_kernel<C, true>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    sm90_bits.fetch_or(device_bit, std::memory_order_relaxed);
+  }
   configured.fetch_or(device_bit, std::memory_order_release);
   return Status();
+}
+
+// Whether clusters of `splits` CTAs of this kernel can be resident on the device (cudaOccupancyMaxActiveClusters
+// > 0), asked once per (device < 64, cluster size) and remembered.
+template <typename C, bool kPaged>
+bool cluster_merge_fits(int device, int splits) {
+  static std::atomic<uint64_t> asked[decode::kMaxClusterSplits + 1];  // bit d: device d asked
+  static std::atomic<uint64_t> fits[decode::kMaxClusterSplits + 1];   // bit d: and the answer was yes
+  if (splits < 2 || splits > decode::kMaxClusterSplits || device < 0 || device >= 64) return false;
+  const uint64_t bit = uint64_t(1) << device;
+  if ((asked[splits].load(std::memory_order_acquire) & bit) != 0) return (fits[splits].load(std::memory_order_relaxed) & bit) != 0;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(unsigned(splits));
+  config.blockDim = dim3(C::kThreads);
+  config.dynamicSmemBytes = decode_smem_bytes<C>();
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = unsigned(splits);
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  int clusters = 0;
+  const bool ok = cudaOccupancyMaxActiveClusters(&clusters, &decode::decode_kernel<C, kPaged>, &config) == cudaSuccess && clusters > 0;
+  cudaGetLastError();  // a refusal is an answer, not an error of this call
+  if (ok) fits[splits].fetch_or(bit, std::memory_order_relaxed);
+  asked[splits].fetch_or(bit, std::memory_order_release);
+  return ok;
 }
 
 // The kernels of one call from its resolved arguments (the launcher below, and bench/decode_bench.cu's
@@ -70,17 +103,27 @@ Status launch_decode_args(const decode::DecodeArgs& args, const decode::DecodePl
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return Status();
   const auto kernel = p.block_table != nullptr ? &decode::decode_kernel<C, true> : &decode::decode_kernel<C, false>;
   FA_CUDA_RETURN_IF_ERROR(decode::launch_decode_kernel(kernel, grid, dim3(C::kThreads), decode_smem_bytes<C>(), stream,
-                                                       args.programmatic_launch != 0, args));
+                                                       args.programmatic_launch != 0,
+                                                       args.cluster_merge != 0 ? unsigned(args.num_splits) : 0u, args));
+  if (args.cluster_merge != 0) return Status();  // the clusters merged their splits
   return decode::launch_combine(args, stream);
 }
 
 template <typename C>
 Status launch_kvcache_sm80(const KvcacheParams& p, cudaStream_t stream) {
-  bool programmatic = false;
-  FA_RETURN_IF_ERROR(prepare_decode_kernel<C>(p.device_id, &programmatic));
+  bool sm90 = false;
+  FA_RETURN_IF_ERROR(prepare_decode_kernel<C>(p.device_id, &sm90));
   const decode::DecodePlan plan = decode::decode_layout(p, C::kBlockM, C::kBlockN, p.num_splits);
   decode::DecodeArgs args = decode::make_decode_args(p, plan, p.workspace);
-  args.programmatic_launch = decode::kProgrammaticLaunch && programmatic ? 1 : 0;
+  args.programmatic_launch = decode::kProgrammaticLaunch && sm90 ? 1 : 0;
+  // Splits merged inside a thread-block cluster where that pays (decode_plan.hpp) and the device has clusters
+  // that fit; else (sm_80, long or many splits) the combine kernel. The plan's workspace is the same either way.
+  const bool paged = p.block_table != nullptr;
+  args.cluster_merge = sm90 && decode::wants_cluster_merge(plan.num_splits, p.seqlen_k, C::kBlockN) &&
+                               (paged ? cluster_merge_fits<C, true>(p.device_id, plan.num_splits)
+                                      : cluster_merge_fits<C, false>(p.device_id, plan.num_splits))
+                           ? 1
+                           : 0;
   return launch_decode_args<C>(args, plan, stream);
 }
 

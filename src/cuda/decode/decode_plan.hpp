@@ -38,6 +38,29 @@ constexpr double kWaveEfficiencyKept = 0.96;  // smallest split count whose last
 constexpr int kMaxCtasPerSm = 4;           // occupancy estimate cap (the kernels use <= 255 registers x 128 threads)
 constexpr int64_t kWorkspaceAlignment = 256;  // the partial buffers start 256-byte aligned in any caller workspace
 constexpr bool kProgrammaticLaunch = true; // sm_90+: launch the decode kernels as programmatic dependents
+// sm_90+: the splits of an m-block form a thread-block cluster and merge their partials through distributed
+// shared memory, instead of a combine kernel after the attention kernel (up to kMaxClusterSplits splits;
+// clusters above 8 CTAs are "non-portable" but run on the H100 / H200). Affects speed only: the same merge
+// in the same split order. It pays where the splits are short and the second kernel's latency is a large
+// part of the step, and costs where long splits stream in big clusters (the clusters then keep fewer CTAs
+// resident). Measured (H200, 2026-11-30 08:03 and 08:07 UTC, bf16, D = 128, Hq 32 / Hk 8, cluster against
+// combine kernel, same tile): 1k caches +16-21% at B = 1-8 (B = 1: 8.2 against 9.6 us per step); 8 splits
+// of 16 tiles (B = 2, 8k) +3-7%; 2 splits +0-5% at every length; 16 splits of 8 tiles (B = 1, 8k) -4% to +4%
+// (paged -4%); 16 splits of 32+ tiles -4-12% contiguous; paged, 4-16 splits at 32k-128k, -19-29%.
+constexpr bool kClusterMerge = true;
+constexpr int kMaxClusterSplits = 16;
+constexpr int64_t kClusterMergeMaxTiles = 16;      // tiles of the capacity per split, clusters of up to 8
+constexpr int64_t kClusterMergeMaxTiles16 = 4;     // ... of 9 to kMaxClusterSplits CTAs
+
+// Whether the splits of a call merge inside thread-block clusters (where the device has them and they fit):
+// 2 splits at any length; up to 8 splits of at most kClusterMergeMaxTiles key tiles of the capacity; up to
+// kMaxClusterSplits splits of at most kClusterMergeMaxTiles16.
+inline bool wants_cluster_merge(int num_splits, int64_t capacity_keys, int block_n) {
+  if (!kClusterMerge || num_splits < 2 || num_splits > kMaxClusterSplits || block_n <= 0) return false;
+  const int64_t capacity_tiles = (capacity_keys + block_n - 1) / block_n;
+  const int64_t tiles_per_split = (capacity_tiles + num_splits - 1) / num_splits;
+  return num_splits == 2 || tiles_per_split <= (num_splits <= 8 ? kClusterMergeMaxTiles : kClusterMergeMaxTiles16);
+}
 
 // What planning needs to know about the device.
 struct DecodeDevice {

@@ -36,6 +36,9 @@ struct DecodeArgs {
   int min_tiles_per_split;  // a split streams at least this many key tiles (affects speed only)
   int page_shift;           // paged cache: log2(block size) when it is a power of two, else -1 (divisions)
   int programmatic_launch;  // 1 = the kernels launch as programmatic dependents (sm_90+; set by the launcher)
+  int cluster_merge;        // 1 = the num_splits CTAs of one (m-block, K/V head, sequence) are a thread-block
+                            // cluster (grid.x split-fastest) that merges its partials through distributed
+                            // shared memory, with no combine kernel (sm_90+, <= kMaxClusterSplits; the launcher)
   float* partial_lse;       // [num_splits][B * Hq * Sq] natural-log LSE per split; null when num_splits == 1
   float* partial_out;       // [num_splits][B * Hq * Sq][Dv] per-split output, already normalised
 };

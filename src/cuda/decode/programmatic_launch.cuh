@@ -11,19 +11,32 @@
 
 namespace flashattn::cuda::decode {
 
+// cluster_x > 1: the grid is launched in thread-block clusters of cluster_x x 1 x 1 CTAs (sm_90+; grid.x a
+// multiple of it).
 template <typename... KernelParams, typename... Args>
 cudaError_t launch_decode_kernel(void (*kernel)(KernelParams...), dim3 grid, dim3 block, size_t smem_bytes,
-                                 cudaStream_t stream, bool programmatic, Args&&... args) {
+                                 cudaStream_t stream, bool programmatic, unsigned cluster_x, Args&&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attribute[2];
+  unsigned count = 0;
+  if (programmatic) {
+    attribute[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[count].val.programmaticStreamSerializationAllowed = 1;
+    ++count;
+  }
+  if (cluster_x > 1) {
+    attribute[count].id = cudaLaunchAttributeClusterDimension;
+    attribute[count].val.clusterDim.x = cluster_x;
+    attribute[count].val.clusterDim.y = 1;
+    attribute[count].val.clusterDim.z = 1;
+    ++count;
+  }
   config.attrs = attribute;
-  config.numAttrs = programmatic ? 1 : 0;
+  config.numAttrs = count;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
