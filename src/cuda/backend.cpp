@@ -3,9 +3,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
-#include <mutex>
-#include <utility>
-#include <vector>
 
 #include "cuda/common/check.hpp"
 #include "cuda/common/device_guard.hpp"
@@ -18,26 +15,11 @@
 namespace flashattn::cuda {
 namespace {
 
-// Device attributes do not change while the process runs: read once per device.
+// The device's limits for dispatch (device_info.hpp caches the attributes per device).
 Status device_limits(int device, DeviceLimits* limits) {
-  static std::mutex mutex;
-  static std::vector<std::pair<int, DeviceLimits>> cache;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    for (const auto& [ordinal, cached] : cache)
-      if (ordinal == device) {
-        *limits = cached;
-        return Status();
-      }
-  }
-  int smem = 0;
-  limits->device = device;
-  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&limits->sm_major, cudaDevAttrComputeCapabilityMajor, device));
-  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&limits->sm_minor, cudaDevAttrComputeCapabilityMinor, device));
-  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  limits->smem_per_block_optin = smem;
-  std::lock_guard<std::mutex> lock(mutex);
-  cache.emplace_back(device, *limits);
+  DeviceAttributes a;
+  FA_RETURN_IF_ERROR(device_attributes(device, &a));
+  *limits = DeviceLimits{a.device, a.sm_major, a.sm_minor, a.smem_per_block_optin};
   return Status();
 }
 

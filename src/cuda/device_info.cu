@@ -1,10 +1,13 @@
-// Device queries for `flashattn info` and for dispatch, and a probe kernel that proves the
+// Device queries for `flashattn info` and for the call paths (cached), and a probe kernel that proves the
 // library's kernel image loads on the device (it reports the architecture it was compiled for).
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <mutex>
 #include <string>
+#include <vector>
 
+#include "cuda/common/check.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/device_info.hpp"
 
@@ -42,6 +45,33 @@ Status device_properties(int device, DeviceProperties* out) {
   out->shared_memory_per_block_optin = int64_t(prop.sharedMemPerBlockOptin);
   out->l2_bytes = prop.l2CacheSize;
   out->global_memory_bytes = int64_t(prop.totalGlobalMem);
+  return Status();
+}
+
+Status device_attributes(int device, DeviceAttributes* out) {
+  static std::mutex mutex;
+  static std::vector<DeviceAttributes> cache;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const DeviceAttributes& cached : cache)
+      if (cached.device == device) {
+        *out = cached;
+        return Status();
+      }
+  }
+  DeviceAttributes a;
+  a.device = device;
+  int smem_optin = 0, smem_sm = 0;
+  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&a.sm_major, cudaDevAttrComputeCapabilityMajor, device));
+  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&a.sm_minor, cudaDevAttrComputeCapabilityMinor, device));
+  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&a.sm_count, cudaDevAttrMultiProcessorCount, device));
+  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  a.smem_per_block_optin = smem_optin;
+  a.smem_per_sm = smem_sm;
+  std::lock_guard<std::mutex> lock(mutex);
+  cache.push_back(a);
+  *out = a;
   return Status();
 }
 

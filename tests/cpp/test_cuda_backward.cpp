@@ -35,12 +35,6 @@ using fa_test::HostTensor;
 using flashattn::Status;
 namespace sm80 = flashattn::cuda::sm80;
 
-#define SKIP_WITHOUT_GPU()                                                                          \
-  do {                                                                                              \
-    if (fa_cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device (or no CUDA in this build): " \
-                                                     "the GPU backward tests run on the GPU machine"; \
-  } while (0)
-
 // ---- the plan (host only) ----
 
 // query_tiles_of_key_tile / first_key_tile_of_query_tile against brute force over every (i, j):

@@ -29,12 +29,6 @@ namespace {
 using fa_test::HostTensor;
 using flashattn::Status;
 
-#define SKIP_WITHOUT_GPU()                                                                          \
-  do {                                                                                              \
-    if (fa_cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device (or no CUDA in this build): " \
-                                                     "the GPU forward tests run on the GPU machine"; \
-  } while (0)
-
 // All host tensors of one forward call; empty ones are absent.
 struct Call {
   HostTensor q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi;

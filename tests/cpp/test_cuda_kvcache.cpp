@@ -31,12 +31,6 @@ namespace {
 using fa_test::HostTensor;
 using flashattn::Status;
 
-#define SKIP_WITHOUT_GPU()                                                                          \
-  do {                                                                                              \
-    if (fa_cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device (or no CUDA in this build): " \
-                                                     "the GPU kvcache tests run on the GPU machine"; \
-  } while (0)
-
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
 struct KvCase {

@@ -14,6 +14,14 @@
 
 #include "flashattn/flashattn.hpp"
 
+// First line of a GPU test: skips it, saying why, where no CUDA device exists (CI, or a build without CUDA);
+// it runs in full on the GPU machine (scripts/gpu/run_gpu.sh).
+#define SKIP_WITHOUT_GPU()                                                                               \
+  do {                                                                                                   \
+    if (fa_cuda_device_count() == 0)                                                                     \
+      GTEST_SKIP() << "no CUDA device (or no CUDA in this build): the GPU tests run on the GPU machine"; \
+  } while (0)
+
 namespace fa_test {
 
 // A host tensor that owns its storage. Logical element order is row-major over `shape`;

@@ -6,47 +6,23 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <mutex>
-#include <utility>
-#include <vector>
 
 #include "cuda/common/check.hpp"
 #include "cuda/common/device_guard.hpp"
 #include "cuda/decode/decode_aux.hpp"
 #include "cuda/decode/decode_plan.hpp"
+#include "cuda/device_info.hpp"
 #include "cuda/dispatch.hpp"
 #include "cuda/generated/kernel_table.hpp"
 
 namespace flashattn::cuda::decode {
 namespace {
 
-// Device attributes do not change while the process runs: read once per device.
+// What the planner needs to know about the device (device_info.hpp caches the attributes per device).
 Status decode_device(int device, DecodeDevice* out) {
-  static std::mutex mutex;
-  static std::vector<DecodeDevice> cache;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    for (const DecodeDevice& d : cache)
-      if (d.device == device) {
-        *out = d;
-        return Status();
-      }
-  }
-  DecodeDevice d;
-  d.device = device;
-  int smem_optin = 0, smem_sm = 0;
-  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&d.sm_major, cudaDevAttrComputeCapabilityMajor, device));
-  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&d.sm_minor, cudaDevAttrComputeCapabilityMinor, device));
-  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, device));
-  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-  d.smem_per_block_optin = smem_optin;
-  d.smem_per_sm = smem_sm;
-  std::lock_guard<std::mutex> lock(mutex);
-  cache.push_back(d);
-  *out = d;
+  DeviceAttributes a;
+  FA_RETURN_IF_ERROR(device_attributes(device, &a));
+  *out = DecodeDevice{a.device, a.sm_major, a.sm_minor, a.sm_count, a.smem_per_block_optin, a.smem_per_sm};
   return Status();
 }
 
