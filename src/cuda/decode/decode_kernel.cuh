@@ -7,12 +7,13 @@
 // memory-bound: the kernel's job is to stream the split's K/V tiles at HBM bandwidth.
 //   loads      K/V tiles of kBlockN keys through a kStages-deep cp.async ring (swizzled shared memory,
 //              common/smem_tile.cuh); paged caches (the kPaged instantiation) read the block ids of
-//              8 tiles at once, 8 tiles ahead, one per 16-row slot (block sizes that are multiples of 16; else
-//              one per row, a tile ahead), so the table's latency never stalls the copies
+//              kTilesPerIdBatch tiles at once, a batch ahead, one per 16-row slot (power-of-two block sizes
+//              >= 16; else one per row, a tile ahead), so the table's latency never stalls the copies
 //   S = Q K^T  the kWarps warps split each tile's keys (kWarpKeys each); every warp owns all kBlockM rows
 //   mask       core/mask.hpp's WindowMask (causal within the new tokens, sliding window, the key count), only
 //              on warp slices that straddle a boundary; softcap / ALiBi through ScoreTransform when enabled
-//   softmax    online, per warp, exp2 with the scale and log2(e) folded into one multiplier
+//   softmax    online, per warp, exp2 with the scale and log2(e) folded into one multiplier; O rescaled
+//              lazily (kMaxStaleLog2)
 //   O += P V   P stays in registers (accumulator layout = A-operand layout); V via ldmatrix.trans
 // Epilogue: the warps' (max, sum, O) are merged through shared memory; then either the final output (out in
 // the dtype, lse) when the sequence uses one split, or the split's normalised fp32 partial and its LSE: in
