@@ -98,9 +98,6 @@ int main(int argc, char** argv) {
       CHECK_CUDA(cudaMemcpy(dst, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
     }
   }
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
   std::printf("%-24s %6s %6s | %8s %8s | %s\n", "variant", "S", "causal", "ms", "TFLOP/s",
               "max |diff| / max |lib| (dq dk dv) vs library");
   for (const Variant& variant : kVariants) {
@@ -167,19 +164,7 @@ int main(int argc, char** argv) {
           const double diff = max_abs_diff(got[g], want[g], b * s * h * d, &want_max);  // the used part
           rel[g] = diff / std::max(want_max, 1e-30);
         }
-        for (int w = 0; w < 3; ++w) variant.launch(p, nullptr);
-        std::vector<float> times;
-        for (int r = 0; r < reps; ++r) {
-          CHECK_CUDA(cudaEventRecord(start));
-          variant.launch(p, nullptr);
-          CHECK_CUDA(cudaEventRecord(stop));
-          CHECK_CUDA(cudaEventSynchronize(stop));
-          float ms = 0;
-          CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-          times.push_back(ms);
-        }
-        std::sort(times.begin(), times.end());
-        const double ms = times[times.size() / 2];
+        const double ms = flashattn::bench::median_event_ms(nullptr, 3, reps, [&] { variant.launch(p, nullptr); });
         const double flops = 2.5 * 4.0 * double(b * h) * double(s) * double(s) * double(d) * (causal ? 0.5 : 1.0);
         std::printf("%-24s %6d %6d | %8.3f %8.1f | %.2e %.2e %.2e | %d CTA/SM\n", variant.name, s, causal, ms,
                     flops / (ms * 1e-3) / 1e12, rel[0], rel[1], rel[2], variant.ctas_per_sm());

@@ -125,34 +125,6 @@ struct Buffer {
   }
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? -1 : v[v.size() / 2];
-}
-
-// Median milliseconds of `reps` runs of `body` (events on `stream`), after one warm-up run.
-template <typename Body>
-double time_ms(cudaStream_t stream, int reps, Body body) {
-  body();
-  CHECK_CUDA(cudaStreamSynchronize(stream));
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
-  std::vector<double> times;
-  for (int r = 0; r < reps; ++r) {
-    CHECK_CUDA(cudaEventRecord(start, stream));
-    body();
-    CHECK_CUDA(cudaEventRecord(stop, stream));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return median(times);
-}
-
 fa_tensor tensor(void* data, std::vector<int64_t> shape, fa_dtype dtype) {
   return fa_tensor_contiguous(data, int32_t(shape.size()), shape.data(), dtype, FA_DEVICE_CUDA, 0);
 }
@@ -347,7 +319,7 @@ Result time_calls(const Shape& s, std::vector<Copy>& copies, const CallFn& call,
     r.error = st.to_string();
     return r;
   }
-  r.us_eager = 1000 * time_ms(stream, reps, [&] { call(copies[0]); });
+  r.us_eager = 1000 * flashattn::bench::median_event_ms(stream, 1, reps, [&] { call(copies[0]); });
   for (Copy& c : copies) st = call(c);  // every copy once outside the capture (a variant allocates its workspace here)
   CHECK_CUDA(cudaStreamSynchronize(stream));
   if (!st.ok()) {
@@ -370,7 +342,7 @@ Result time_calls(const Shape& s, std::vector<Copy>& copies, const CallFn& call,
     return r;
   }
   CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  const double ms = time_ms(stream, reps, [&] { CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
+  const double ms = flashattn::bench::median_event_ms(stream, 1, reps, [&] { CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   r.us_graph = 1000 * ms / r.copies;
@@ -562,12 +534,12 @@ int main(int argc, char** argv) {
     Buffer data(kStreamBytes), sink(64), copy_to(kStreamBytes / 2);
     fill(data.data, kStreamBytes / 2, 99, FA_BFLOAT16);
     const int blocks = prop.multiProcessorCount * 8;
-    const double read_ms = time_ms(stream, 10, [&] {
+    const double read_ms = flashattn::bench::median_event_ms(stream, 1, 10, [&] {
       stream_read_kernel<<<blocks, kStreamThreads, 0, stream>>>(static_cast<const uint4*>(data.data), kStreamBytes / 16,
                                                                  static_cast<unsigned int*>(sink.data));
     });
     stream_tbs = double(kStreamBytes) / (read_ms * 1e-3) / 1e12;
-    const double copy_ms = time_ms(stream, 10, [&] {
+    const double copy_ms = flashattn::bench::median_event_ms(stream, 1, 10, [&] {
       CHECK_CUDA(cudaMemcpyAsync(copy_to.data, data.data, size_t(kStreamBytes / 2), cudaMemcpyDeviceToDevice, stream));
     });
     copy_tbs = double(kStreamBytes) / (copy_ms * 1e-3) / 1e12;  // read + write

@@ -257,20 +257,8 @@ CheckResult check_variant(const Variant& variant, const AttentionParams& p, cons
   return r;
 }
 
-double time_variant(const Variant& variant, const AttentionParams& p, int reps, cudaEvent_t start, cudaEvent_t stop) {
-  for (int w = 0; w < 3; ++w) (void)variant.launch(p, nullptr);
-  std::vector<float> times;
-  for (int r = 0; r < reps; ++r) {
-    CHECK_CUDA(cudaEventRecord(start));
-    (void)variant.launch(p, nullptr);
-    CHECK_CUDA(cudaEventRecord(stop));
-    CHECK_CUDA(cudaEventSynchronize(stop));
-    float ms = 0;
-    CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
-    times.push_back(ms);
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+double time_variant(const Variant& variant, const AttentionParams& p, int reps) {
+  return flashattn::bench::median_event_ms(nullptr, 3, reps, [&] { (void)variant.launch(p, nullptr); });
 }
 
 void fill_normal(void* dst, int64_t n, uint64_t seed) {
@@ -310,9 +298,6 @@ int main(int argc, char** argv) {
   fill_normal(buf.q, kElements, 7);
   fill_normal(buf.k, kElements, 8);
   fill_normal(buf.v, kElements, 9);
-  cudaEvent_t start, stop;
-  CHECK_CUDA(cudaEventCreate(&start));
-  CHECK_CUDA(cudaEventCreate(&stop));
   int failures = 0;
 
   // ---- sweep: per head dim, a table of TFLOP/s (columns: S x causal), worst check error per variant ----
@@ -335,7 +320,7 @@ int main(int argc, char** argv) {
           const CheckResult check = check_variant(variant, p, buf, heads, baseline);
           double ms = NAN, tf = NAN;
           if (check.message.empty()) {
-            ms = time_variant(variant, p, reps, start, stop);
+            ms = time_variant(variant, p, reps);
             const double flops = 4.0 * pr.batch * pr.heads_q * double(s) * double(s) * d * (causal ? 0.5 : 1.0);
             tf = flops / (ms * 1e-3) / 1e12;
           }
