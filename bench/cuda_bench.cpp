@@ -4,8 +4,15 @@
 // the median of the timed repetitions; inputs are random (never zeros) and, being 64 MiB per tensor,
 // larger than the L2, so repetitions do not run from cache.
 //   TFLOP/s = 4 B H S^2 D / t  (half of that when causal); backward counts 2.5x the forward's FLOPs.
+// The backward gets its workspace from here (allocated once, outside the timing), as the Python bindings
+// pass one from torch's caching allocator. Without one the library takes it with cudaMallocAsync from the
+// default memory pool, whose default release threshold (0) returns it to the driver at every
+// synchronisation, so each timed call (an event sync apart) paid a fresh mapping of its 128 MiB: 0.14-0.15
+// ms per call (bf16, D = 64 / 128, S = 512 / 1k: 0.778 against 0.929 ms at D = 64, S = 512; H200,
+// 2026-11-30 10:17 UTC, --library-workspace; see fa_backward_args::workspace in flashattn.h).
 // Usage: flashattn_cuda_bench [--json FILE] [--dtypes bf16,f16] [--dims 64,128,256]
 //                             [--seqlens 512,...] [--causal 0,1] [--reps 10] [--no-backward]
+//                             [--library-workspace]  (the backward allocates its own workspace per call)
 //        flashattn_cuda_bench --memory [--json FILE]
 //   --memory: peak device memory of forward + backward against S (1k .. 128k; B = 1, H = 16, D = 128,
 //   bf16): every byte the calls touch is allocated here (q, k, v, out, lse, dout, dq, dk, dv and the
@@ -18,6 +25,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <ctime>
 #include <random>
 #include <sstream>
@@ -176,7 +184,7 @@ int main(int argc, char** argv) {
   std::string json_path, dtypes_arg = "bf16,f16", dims_arg = "64,128,256", seqlens_arg = "512,1024,2048,4096,8192,16384",
                          causal_arg = "0,1";
   int reps = 10, warmup = 3;
-  bool backward = true, memory = false;
+  bool backward = true, memory = false, library_workspace = false;
   for (int a = 1; a < argc; ++a) {
     const std::string arg = argv[a];
     auto next = [&]() -> std::string {
@@ -194,9 +202,10 @@ int main(int argc, char** argv) {
     else if (arg == "--reps") reps = std::stoi(next());
     else if (arg == "--no-backward") backward = false;
     else if (arg == "--memory") memory = true;
+    else if (arg == "--library-workspace") library_workspace = true;
     else {
       std::fprintf(stderr, "usage: %s [--json FILE] [--dtypes bf16,f16] [--dims 64,128,256] [--seqlens 512,...] "
-                   "[--causal 0,1] [--reps N] [--no-backward]\n", argv[0]);
+                   "[--causal 0,1] [--reps N] [--no-backward] [--library-workspace]\n", argv[0]);
       return 2;
     }
   }
@@ -223,6 +232,8 @@ int main(int argc, char** argv) {
   bool first = true;
   std::printf("%-5s %4s %6s %3s %3s %6s | %9s %9s | %9s %9s\n", "dtype", "D", "S", "B", "H", "causal", "fwd ms", "fwd TF/s",
               "bwd ms", "bwd TF/s");
+  std::unique_ptr<Buffer> workspace;  // the backward's, grown to the largest point so far
+  int64_t workspace_capacity = 0;
   for (const std::string& dtype_name : parse_words(dtypes_arg)) {
     const fa_dtype dtype = dtype_name == "f16" ? FA_FLOAT16 : FA_BFLOAT16;
     fill_random(q.data, elements, dtype, 1);
@@ -263,6 +274,17 @@ int main(int argc, char** argv) {
             bwd.dq = view(dq.data, b, s, h, d, dtype);
             bwd.dk = view(dk.data, b, s, h, d, dtype);
             bwd.dv = view(dv.data, b, s, h, d, dtype);
+            int64_t workspace_bytes = 0;
+            const flashattn::Status sized = flashattn::backward_workspace_size(bwd, options, &workspace_bytes);
+            if (sized.ok() && workspace_bytes > workspace_capacity) {
+              workspace.reset();
+              workspace = std::make_unique<Buffer>(workspace_bytes);
+              workspace_capacity = workspace_bytes;
+            }
+            if (sized.ok() && workspace_bytes > 0 && !library_workspace) {
+              const int64_t ws_shape[1] = {workspace_bytes};
+              bwd.workspace = fa_tensor_contiguous(workspace->data, 1, ws_shape, FA_UINT8, FA_DEVICE_CUDA, 0);
+            }
             bwd_ms = median_ms(warmup, reps, [&] { return flashattn::backward(bwd, options); }, &bwd_error);
           }
           const double fwd_tflops = fwd_ms > 0 ? flops / (fwd_ms * 1e-3) / 1e12 : 0;

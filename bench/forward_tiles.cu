@@ -8,8 +8,8 @@
 // -DFLASHATTN_BUILD_TUNING=ON, or by hand:
 //   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -arch=sm_90a -Iinclude -Isrc bench/forward_tiles.cu
 //   flashattn_forward_tiles [--seqlens 512,1024,2048,4096,8192,16384] [--reps 20] [--dims 64,128,256]
-//                           [--json out.json]
-//                           [--log full.txt]
+//                           [--json out.json] [--log full.txt]
+//                           [--variants "d256 m64n64w4s1 pairs,d256 m64n64w4s1"]  (exact names; for ncu)
 // Prints one summary table (TFLOP/s per variant and point, worst check error) and the feature checks.
 #include <cuda_runtime.h>
 
@@ -68,6 +68,10 @@ template <typename Base>
 struct SumByMma : Base {  // row sums as P times ones on the tensor cores (faster, LSE with 16-bit rounding)
   static constexpr bool kSumByMma = true;
 };
+template <typename Base>
+struct Pairs : Base {  // warps in pairs on 32 rows: each computes S for half the keys, O for half the columns
+  static constexpr int kGroupWarps = 2;
+};
 template <typename C>
 using Default = C;
 #define NEW(D, M, N, W, S) VARIANT_OF(Default, "", D, M, N, W, S)
@@ -75,12 +79,17 @@ using Default = C;
 #define EAGER(D, M, N, W, S) VARIANT_OF(Eager, " eager", D, M, N, W, S)
 #define PRED(D, M, N, W, S) VARIANT_OF(PredicatedLoads, " pred", D, M, N, W, S)
 #define MIN3(D, M, N, W, S) VARIANT_OF(ThreeBlocks, " 3cta", D, M, N, W, S)
+#define PAIRS(D, M, N, W, S) VARIANT_OF(Pairs, " pairs", D, M, N, W, S)
 #define MMASUM(D, M, N, W, S) VARIANT_OF(SumByMma, " mmasum", D, M, N, W, S)  // the option, beside the default
 
 // The first row of each head dim is the library's tile and kernel before this session (baseline); the second
-// is the library's choice now (FORWARD_TILES, with the default kernel options). History (H200):
+// is the library's choice now (FORWARD_TILES, default kernel options), except at D = 256, where it is `pairs`.
+// History (H200):
 //   round 1 (05:07 UTC) dropped the overlapped loop (S of the next tile beside this tile's softmax, 16 rows per
-//   warp: 10-40% slower everywhere); round 2 (05:19 UTC) made the row sums by mma the default (+2-6%).
+//   warp: 10-40% slower everywhere);
+//   round 2 (05:19 UTC) measured the row sums by mma (+2-6%; an option, off by default: see SumByMmaOf);
+//   round 3 (09:50 UTC) found warp pairs for D = 256 (`pairs`, KernelConfig::kGroupWarps = 2): +4-5% from
+//   S = 2k, -2.5% at S = 512 causal; at D = 128 they lose (its warps already own 32 rows).
 const Variant kVariants[] = {
     BASE(64, 128, 64, 4, 2),  NEW(64, 128, 128, 4, 2),  MMASUM(64, 128, 128, 4, 2),
     BASE(96, 128, 64, 4, 2),  NEW(96, 128, 64, 4, 2),   NEW(96, 128, 128, 4, 2),  NEW(96, 128, 64, 4, 1),
@@ -88,6 +97,8 @@ const Variant kVariants[] = {
     BASE(192, 128, 64, 8, 2), NEW(192, 128, 64, 8, 2),  NEW(192, 64, 64, 4, 1),   NEW(192, 64, 64, 4, 2),
     NEW(192, 128, 64, 8, 1),
     BASE(256, 128, 64, 8, 2), NEW(256, 64, 64, 4, 1),   MMASUM(256, 64, 64, 4, 1),  NEW(256, 128, 64, 8, 2),
+    PAIRS(256, 64, 64, 4, 1), PAIRS(256, 128, 64, 8, 2),
+    PAIRS(128, 128, 64, 8, 2),
 };
 
 // ---- fp32 reference: one CTA per (query row, head, batch entry) of the checked heads ----
@@ -276,6 +287,7 @@ int main(int argc, char** argv) {
   std::vector<int> dims = {64, 128, 256};
   int reps = 20;
   std::string json_path, log_path;
+  std::vector<std::string> only;  // --variants: exact names, comma-separated (default: every variant)
   for (int a = 1; a + 1 < argc; a += 2) {
     const std::string arg = argv[a];
     if (arg == "--seqlens") seqlens = flashattn::bench::parse_ints(argv[a + 1]);
@@ -283,6 +295,10 @@ int main(int argc, char** argv) {
     else if (arg == "--reps") reps = std::stoi(argv[a + 1]);
     else if (arg == "--json") json_path = argv[a + 1];
     else if (arg == "--log") log_path = argv[a + 1];
+    else if (arg == "--variants") {
+      std::stringstream names(argv[a + 1]);
+      for (std::string name; std::getline(names, name, ',');) only.push_back(name);
+    }
   }
   FILE* log = log_path.empty() ? nullptr : std::fopen(log_path.c_str(), "w");
   FILE* json = json_path.empty() ? nullptr : std::fopen(json_path.c_str(), "w");
@@ -304,7 +320,8 @@ int main(int argc, char** argv) {
   for (int d : dims) {
     std::vector<const Variant*> variants;
     for (const Variant& v : kVariants)
-      if (v.head_dim == d) variants.push_back(&v);
+      if (v.head_dim == d && (only.empty() || std::find(only.begin(), only.end(), v.name) != only.end()))
+        variants.push_back(&v);
     if (variants.empty()) continue;
     std::vector<std::vector<double>> tflops(variants.size());
     std::vector<double> worst(variants.size(), 0.0), worst_base(variants.size(), 0.0);

@@ -24,6 +24,7 @@ struct KernelEntry {
   int64_t smem_bytes;   // dynamic shared memory per CTA (0: the launcher decides)
   const char* name;     // also the name of its generated launch function
   int warp_keys = 16;   // backward: keys per warp (16 or 32); 16 for the other kinds
+  int group_warps = 1;  // forward: warps sharing a group of query rows (1 or 2); 1 for the other kinds
 };
 
 // The launch functions of one row (exactly one is set, by kind). `stream` is a cudaStream_t.

@@ -57,6 +57,8 @@ class Tile:
     warps: int    # warps per CTA (block_m / warps query rows per warp, a multiple of 16)
     stages: int   # K/V shared-memory stages: 2 = double-buffered, 1 = K and V alternate (less smem)
     warp_keys: int = 16  # backward only: keys per warp (16 or 32: 32 reuses each Q / dO fragment twice)
+    group_warps: int = 1  # forward only: warps sharing a group of query rows (2: the pair splits the keys of
+                          # S and the columns of O, halving the K / V shared-memory reads per row)
 
 
 # ---- forward tuning table: affects speed, registers and shared memory only, never results ----
@@ -78,11 +80,15 @@ FORWARD_TILES = {
     (128, True): Tile(128, 64, 4, 2),
     (192, False): Tile(128, 64, 8, 2),   # 144 KiB; 16 rows per warp keep O at 96 registers
     (192, True): Tile(128, 64, 8, 2),
-    # D = 256: 16 query rows per warp either way (O is 128 registers); 64 x 64 with 4 warps and K / V alternating
-    # (96 KiB) runs two CTAs per SM and has twice the CTAs for causal / short sequences. bench/forward_tiles.cu,
-    # H200, 2026-11-30 05:07 UTC, non-causal / causal TFLOP/s: S = 512 267.2 / 192.5 (m128 n64 w8 s2: 252.6 /
-    # 177.6), 2k 305.3 / 258.2 (296.7 / 246.1), 8k 317.1 / 292.3 (311.4 / 283.0), 16k 314.4 / 323.6 (315.5 / 316.0).
-    (256, False): Tile(64, 64, 4, 1),
+    # D = 256: O is 128 registers per thread, so a warp holds 16 rows x 256 columns, or, in a pair
+    # (group_warps = 2), 32 rows x 128 columns: the pair splits the keys of S and the columns of O and trades P
+    # through shared memory, which cuts the shared-memory reads per row by 28% (the 16-row kernel ran at 79%
+    # of L1 throughput; ncu, H200, 2026-11-30 09:53 UTC). 64 x 64 with 4 warps and K / V alternating (104.5 KiB)
+    # runs two CTAs per SM. bench/forward_tiles.cu, H200, 2026-11-30 09:50 UTC, non-causal / causal TFLOP/s,
+    # pairs vs 16-row warps (same tile): S = 512 265.7 / 190.6 vs 265.3 / 195.5; 2k 326.0 / 273.8 vs 308.9 /
+    # 266.3; 8k 339.3 / 311.7 vs 322.1 / 294.4; 16k 328.3 / 344.0 vs 316.0 / 328.5. Pairs at m128 n64 w8 s2:
+    # 327.9 / 330.7 at 16k; with two stages at m64 (160 KiB, one CTA per SM) 256.4 / 259.8.
+    (256, False): Tile(64, 64, 4, 1, group_warps=2),
     (256, True): [Tile(128, 64, 8, 2), Tile(128, 64, 8, 1)],
 }
 
@@ -148,14 +154,16 @@ class Kernel:
         t = self.tile
         flags = "_dropout" if self.dropout else ""
         keys = f"k{t.warp_keys}" if t.warp_keys != 16 else ""
+        groups = f"g{t.group_warps}" if t.group_warps != 1 else ""
         return (f"{self.kind}_sm80_{self.dtype}_d{self.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}"
-                f"s{t.stages}{keys}{flags}")
+                f"s{t.stages}{keys}{groups}{flags}")
 
     @property
     def smem_bytes(self):
         t = self.tile
-        if self.kind in ("fwd", "dec"):  # Q, then stages x (K, V)
-            return (t.block_m + 2 * t.stages * t.block_n) * self.head_dim * 2
+        if self.kind in ("fwd", "dec"):  # Q, then stages x (K, V), then (warp groups) P and row statistics
+            exchange = t.block_m * t.block_n * 2 + t.block_m * t.group_warps * 4 if t.group_warps > 1 else 0
+            return (t.block_m + 2 * t.stages * t.block_n) * self.head_dim * 2 + exchange
         # backward: mirrors backward_smem_bytes (src/cuda/sm80/backward_plan.hpp)
         warps_d = t.warps // (t.block_n // t.warp_keys)
         return (2 * t.block_n * self.head_dim * 2 + 2 * t.stages * t.block_m * self.head_dim * 2
@@ -170,7 +178,11 @@ def kernels():
             for (head_dim, dropout), choices in sorted(tiles.items()):
                 for tile in (choices if isinstance(choices, list) else [choices]):
                     if kind == "fwd":
-                        assert tile.block_m % (16 * tile.warps) == 0, f"{kind} d{head_dim}: block_m / warps must be a multiple of 16"
+                        assert tile.group_warps in (1, 2), f"{kind} d{head_dim}: warps alone or in pairs"
+                        assert tile.block_m % (16 * tile.warps // tile.group_warps) == 0, \
+                            f"{kind} d{head_dim}: block_m / (warps / group_warps) must be a multiple of 16"
+                        assert tile.group_warps == 1 or (head_dim // 2) % 64 == 0, \
+                            f"{kind} d{head_dim}: a pair's columns must be whole 64-column swizzle blocks"
                     elif kind == "dec":  # every warp owns all block_m rows and block_n / warps keys
                         assert tile.block_m % 16 == 0 and (tile.block_n // tile.warps) % 16 == 0 and not dropout, \
                             f"{kind} d{head_dim}: m16 row tiles, k16 key slices per warp, no dropout"
@@ -189,6 +201,7 @@ def kernels():
                     assert head_dim % 32 == 0, f"{kind} d{head_dim}: head-dim buckets are multiples of 32"
                     assert tile.stages in (1, 2) or kind == "dec"
                     assert tile.warp_keys == 16 or kind == "bwd", f"{kind} d{head_dim}: warp_keys is a backward tile field"
+                    assert tile.group_warps == 1 or kind == "fwd", f"{kind} d{head_dim}: group_warps is a forward tile field"
                     rows.append(Kernel(kind, dtype, head_dim, tile, dropout))
     return rows
 
@@ -197,7 +210,8 @@ def kernel_cu(k):
     header, template, params = KINDS[k.kind]
     element, _ = DTYPES[k.dtype]
     t = k.tile
-    extra = f", {t.warp_keys}" if t.warp_keys != 16 else ""
+    extra = f", {t.warp_keys}" if t.warp_keys != 16 or t.group_warps != 1 else ""
+    extra += f", {t.group_warps}" if t.group_warps != 1 else ""
     config = (f"{CONFIG_TYPES.get(k.kind, 'KernelConfig')}<{element}, {k.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
               f"{'true' if k.dropout else 'false'}{extra}>")
     return f"""// {BANNER}
@@ -217,13 +231,13 @@ def kernel_table_hpp(rows):
              "#pragma once", "", '#include "cuda/kernel_entry.hpp"', "",
              "namespace flashattn::cuda::generated {", "",
              "inline constexpr KernelEntry kKernelTable[] = {",
-             "    // kind, dtype, head dim, block_m, block_n, warps, stages, dropout, smem bytes, name, warp keys"]
+             "    // kind, dtype, head dim, block_m, block_n, warps, stages, dropout, smem bytes, name, warp keys, group warps"]
     for k in rows:
         _, fa_dtype = DTYPES[k.dtype]
         kind = {"fwd": "KernelKind::kForward", "bwd": "KernelKind::kBackward", "dec": "KernelKind::kKvcache"}[k.kind]
         t = k.tile
         lines.append(f"    {{{kind}, {fa_dtype}, {k.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
-                     f"{'true' if k.dropout else 'false'}, {k.smem_bytes}, \"{k.name}\", {t.warp_keys}}},")
+                     f"{'true' if k.dropout else 'false'}, {k.smem_bytes}, \"{k.name}\", {t.warp_keys}, {t.group_warps}}},")
     if not rows:
         lines.append("    {}")
     lines += ["};", f"inline constexpr int kKernelCount = {len(rows)};", "",

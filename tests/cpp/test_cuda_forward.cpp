@@ -280,14 +280,18 @@ TEST(CudaForward, SlidingWindows) {
   SKIP_WITHOUT_GPU();
   auto rng = fa_test::make_rng("cuda_forward_window");
   const int windows[][2] = {{32, 16}, {0, 0}, {100, -1}, {-1, 5}, {200, 0}, {1, 300}};
-  for (const auto& w : windows)
-    for (int shape = 0; shape < 2; ++shape) {
-      // Sq < Sk and Sq > Sk (then some rows see no key at all: O = 0, lse = -inf)
-      Call c = make_call(shape == 0 ? problem(2, 150, 400, 2, 1, 128, FA_FLOAT16) : problem(2, 400, 150, 2, 1, 128, FA_FLOAT16), rng);
-      c.options.window_left = w[0];
-      c.options.window_right = w[1];
-      check_against_oracle("window (" + std::to_string(w[0]) + ", " + std::to_string(w[1]) + ") shape " + std::to_string(shape), c);
-    }
+  // D = 256 runs the warp-pair kernel, whose two warps trade row maxima that may still be -inf.
+  for (int d : {128, 256})
+    for (const auto& w : windows)
+      for (int shape = 0; shape < 2; ++shape) {
+        // Sq < Sk and Sq > Sk (then some rows see no key at all: O = 0, lse = -inf)
+        Call c = make_call(shape == 0 ? problem(2, 150, 400, 2, 1, d, FA_FLOAT16) : problem(2, 400, 150, 2, 1, d, FA_FLOAT16), rng);
+        c.options.window_left = w[0];
+        c.options.window_right = w[1];
+        check_against_oracle("D=" + std::to_string(d) + " window (" + std::to_string(w[0]) + ", " + std::to_string(w[1]) +
+                                 ") shape " + std::to_string(shape),
+                             c);
+      }
   Call c = make_call(problem(1, 300, 100, 2, 2, 64, FA_BFLOAT16), rng);
   c.options.causal = 1;  // rows 0..199 see no key
   check_against_oracle("causal Sq > Sk: fully masked rows", c);
@@ -296,7 +300,7 @@ TEST(CudaForward, SlidingWindows) {
 TEST(CudaForward, SoftcapAlibiScale) {
   SKIP_WITHOUT_GPU();
   auto rng = fa_test::make_rng("cuda_forward_variants");
-  for (int d : {64, 128}) {
+  for (int d : {64, 128, 256}) {
     Call c = make_call(problem(2, 140, 260, 4, 2, d, FA_BFLOAT16, 3.0), rng);
     c.options.softcap = 5.f;
     c.options.causal = 1;
@@ -324,14 +328,15 @@ TEST(CudaForward, SoftcapAlibiScale) {
 TEST(CudaForward, Varlen) {
   SKIP_WITHOUT_GPU();
   auto rng = fa_test::make_rng("cuda_forward_varlen");
-  for (int causal : {0, 1}) {
-    fa_test::Problem p = problem(5, 0, 0, 4, 2, 128, FA_BFLOAT16);
-    p.varlen_q = {1, 130, 0, 257, 64};
-    p.varlen_k = {17, 100, 40, 300, 0};
-    Call c = make_call(p, rng);
-    c.options.causal = causal;
-    check_against_oracle(std::string("varlen") + (causal ? " causal" : ""), c);
-  }
+  for (int d : {128, 256})
+    for (int causal : {0, 1}) {
+      fa_test::Problem p = problem(5, 0, 0, 4, 2, d, FA_BFLOAT16);
+      p.varlen_q = {1, 130, 0, 257, 64};
+      p.varlen_k = {17, 100, 40, 300, 0};
+      Call c = make_call(p, rng);
+      c.options.causal = causal;
+      check_against_oracle("varlen D=" + std::to_string(d) + (causal ? " causal" : ""), c);
+    }
 }
 
 TEST(CudaForward, SequsedK) {
@@ -350,34 +355,35 @@ TEST(CudaForward, SequsedK) {
 TEST(CudaForward, PagedKv) {
   SKIP_WITHOUT_GPU();
   auto rng = fa_test::make_rng("cuda_forward_paged");
-  for (int block_size : {16, 5, 64}) {
-    const int batch = 3, hq = 4, hk = 2, d = 64, sq = 70;
-    const int max_blocks = (250 + block_size - 1) / block_size;
-    const int num_blocks = batch * max_blocks + 3;
-    Call c;
-    c.q = HostTensor({batch, sq, hq, d}, FA_BFLOAT16);
-    c.q.fill_normal(rng);
-    c.k = HostTensor({num_blocks, block_size, hk, d}, FA_BFLOAT16);
-    c.v = HostTensor({num_blocks, block_size, hk, d}, FA_BFLOAT16);
-    c.k.fill_normal(rng);
-    c.v.fill_normal(rng);
-    c.out = HostTensor({batch, sq, hq, d}, FA_BFLOAT16);
-    c.lse = HostTensor({batch, hq, sq}, FA_FLOAT32);
-    // every block id once, shuffled: sequences read scattered blocks
-    std::vector<int> ids(num_blocks);
-    std::iota(ids.begin(), ids.end(), 0);
-    std::shuffle(ids.begin(), ids.end(), rng);
-    c.block_table = HostTensor({batch, max_blocks}, FA_INT32);
-    for (int n = 0; n < batch * max_blocks; ++n) c.block_table.set_int(n, ids[n]);
-    c.seqused_k = HostTensor({batch}, FA_INT32);
-    c.seqused_k.set_int(0, 250);
-    c.seqused_k.set_int(1, 1);
-    c.seqused_k.set_int(2, 131);
-    for (int causal : {0, 1}) {
-      c.options.causal = causal;
-      check_against_oracle("paged block_size=" + std::to_string(block_size) + (causal ? " causal" : ""), c);
+  for (int d : {64, 256})
+    for (int block_size : {16, 5, 64}) {
+      const int batch = 3, hq = 4, hk = 2, sq = 70;
+      const int max_blocks = (250 + block_size - 1) / block_size;
+      const int num_blocks = batch * max_blocks + 3;
+      Call c;
+      c.q = HostTensor({batch, sq, hq, d}, FA_BFLOAT16);
+      c.q.fill_normal(rng);
+      c.k = HostTensor({num_blocks, block_size, hk, d}, FA_BFLOAT16);
+      c.v = HostTensor({num_blocks, block_size, hk, d}, FA_BFLOAT16);
+      c.k.fill_normal(rng);
+      c.v.fill_normal(rng);
+      c.out = HostTensor({batch, sq, hq, d}, FA_BFLOAT16);
+      c.lse = HostTensor({batch, hq, sq}, FA_FLOAT32);
+      // every block id once, shuffled: sequences read scattered blocks
+      std::vector<int> ids(num_blocks);
+      std::iota(ids.begin(), ids.end(), 0);
+      std::shuffle(ids.begin(), ids.end(), rng);
+      c.block_table = HostTensor({batch, max_blocks}, FA_INT32);
+      for (int n = 0; n < batch * max_blocks; ++n) c.block_table.set_int(n, ids[n]);
+      c.seqused_k = HostTensor({batch}, FA_INT32);
+      c.seqused_k.set_int(0, 250);
+      c.seqused_k.set_int(1, 1);
+      c.seqused_k.set_int(2, 131);
+      for (int causal : {0, 1}) {
+        c.options.causal = causal;
+        check_against_oracle("paged D=" + std::to_string(d) + " block_size=" + std::to_string(block_size) + (causal ? " causal" : ""), c);
+      }
     }
-  }
 }
 
 TEST(CudaForward, StridedTensors) {

@@ -185,12 +185,12 @@ TEST(CudaKvcachePlan, SplitHeuristic) {
   EXPECT_EQ(decode::choose_num_splits(8, slots, 1), 1);
   EXPECT_EQ(decode::choose_num_splits(8, slots, 0), 1);
   // The shape on an H200 (8 K/V heads, one m-block each, 264 slots of the D = 128 tile): one nearly
-  // full wave, the split counts measured fastest (decode_plan.hpp); a 1 k cache (16 tiles) takes one tile each.
+  // full wave, the split counts measured fastest (decode_plan.hpp); a 1 k cache (16 tiles) takes two tiles each.
   EXPECT_EQ(decode::choose_num_splits(1 * 8, slots, 2048), 32);
   EXPECT_EQ(decode::choose_num_splits(4 * 8, slots, 2048), 8);
   EXPECT_EQ(decode::choose_num_splits(16 * 8, slots, 128), 2);
   EXPECT_EQ(decode::choose_num_splits(64 * 8, slots, 128), 1);
-  EXPECT_EQ(decode::choose_num_splits(1 * 8, slots, 16), 16);
+  EXPECT_EQ(decode::choose_num_splits(1 * 8, slots, 16), 8);
   EXPECT_EQ(decode::choose_num_splits(4 * 8, slots, 16), 8);
   // Monotone in the batch: more sequences never need more splits.
   int previous = decode::kMaxSplits;
@@ -241,15 +241,15 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
   EXPECT_EQ(plan.num_splits, 7);
   EXPECT_GT(plan.workspace_bytes, 0);
   // The split counts measured fastest on the H200 (decode_plan.hpp): about one CTA per SM for a contiguous
-  // cache, every CTA slot (2 per SM) for a paged cache with room for >= 32 k keys.
+  // cache, every CTA slot (2 per SM) for a paged cache with room for >= 32 k keys; two tiles per split at least.
   struct Case {
     int batch, cache;
     bool paged;
     int splits;
   };
-  for (const Case& c : {Case{1, 131072, false, 16}, Case{4, 8192, false, 4}, Case{16, 8192, false, 1}, Case{1, 1024, false, 16},
+  for (const Case& c : {Case{1, 131072, false, 16}, Case{4, 8192, false, 4}, Case{16, 8192, false, 1}, Case{1, 1024, false, 8},
                         Case{1, 131072, true, 32}, Case{4, 131072, true, 8}, Case{16, 131072, true, 2}, Case{16, 8192, true, 1},
-                        Case{256, 131072, true, 1}}) {
+                        Case{256, 131072, true, 1}, Case{1, 1024, true, 8}}) {
     KvcacheParams q = decode_params(c.batch, 1, 32, 8, 128, c.cache);
     if (c.paged) {  // the planner only looks at whether there is a table (never read) and at the capacity
       q.page_block_size = 16;

@@ -7,6 +7,8 @@
 //                     cp_async_16_full: always 16 bytes, no predicate
 //   exp2_approx       ex2.approx.ftz.f32: 2^x in ~2 ulp; the softmax uses exp2 with log2(e) folded
 //                     into the scale
+//   named_barrier_sync  bar.sync on barrier id 1..15 for a subset of the CTA's warps
+//   st_shared_b32 / ld_shared_f32  32-bit shared-memory accesses at a shared-space address
 #pragma once
 
 #include <cuda_bf16.h>
@@ -102,6 +104,27 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// ---- named barriers: bar.sync `id` (1..15; 0 is __syncthreads) for `threads` threads (a multiple of 32),
+// with the ordering of shared-memory accesses of __syncthreads among the threads taking part. With a
+// run-time id ptxas reserves all 16 barriers of the CTA (at most 4 such CTAs per SM on sm_90).
+// compute-sanitizer racecheck (CUDA 13.0) reports false WAR / RAW hazards between accesses that a
+// __syncthreads orders when the warp groups of a CTA passed different numbers of named barriers since the
+// last __syncthreads; kernels that skip work per group keep the counts equal (forward_kernel.cuh). The
+// probe scripts/gpu/racecheck_named_barriers.cu shows it on a kernel that is race-free by construction. ----
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// 32-bit shared-memory store / load at a shared-space address (volatile: kept in order with the barriers).
+__device__ __forceinline__ void st_shared_b32(uint32_t smem_addr, uint32_t value) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(smem_addr), "r"(value) : "memory");
+}
+__device__ __forceinline__ float ld_shared_f32(uint32_t smem_addr) {
+  float value;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(value) : "r"(smem_addr) : "memory");
+  return value;
 }
 
 // ---- math ----

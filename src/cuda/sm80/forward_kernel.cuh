@@ -19,8 +19,18 @@
 //                  (one more mma per k16 step instead of kBlockN / 4 FADDs per row pair)
 // Epilogue: O / rowsum (x 1 / (1 - p) with dropout) through shared memory to 16-byte global stores; LSE.
 //
+// Warp groups (KernelConfig::kGroupWarps, the manifest's Tile.group_warps). With 1, each warp owns its rows alone and reads all of
+// every K and V tile from shared memory for them. With 2 (for D = 256), two warps share 32 rows: each
+// computes S for its half of the tile's keys, the two trade their row maxima through shared memory (the
+// online softmax needs the max over the whole tile), each writes its half of P (16-bit) to shared memory,
+// and each accumulates O for its half of the columns from all of P (its own half from registers). Per 32
+// rows and tile that reads Q 2 x, K 1 x and V 1 x plus P (104 KiB at D = 256, N = 64) where 16-row warps
+// read Q 1 x, K 2 x and V 2 x (144 KiB): D = 256 is bound by shared-memory reads, and O stays at 128
+// registers per thread either way (32 rows x 128 columns, or 16 x 256).
+//
 // Shared memory: Q (kBlockM x kHeadDim), then kStages x (K, V) tiles (kBlockN x kHeadDim each), all
-// swizzled (common/smem_tile.cuh). kStages = 2: the next tile's K and V load during this tile's math.
+// swizzled (common/smem_tile.cuh); with warp groups, then P (kBlockM x kBlockN) and the exchanged row
+// statistics (kBlockM x kGroupWarps floats). kStages = 2: the next tile's K and V load during this tile's math.
 // kStages = 1 (less memory): V loads during S = Q K^T and the next K during softmax and P V.
 #pragma once
 
@@ -146,6 +156,12 @@ struct MinBlocksOf : std::integral_constant<int, 1> {};
 template <typename C>
 struct MinBlocksOf<C, std::void_t<decltype(C::kMinBlocksPerSm)>> : std::integral_constant<int, C::kMinBlocksPerSm> {};
 
+// Shared memory after Q and the K / V stages that warp groups use to trade P and the row statistics.
+template <typename C>
+constexpr int forward_exchange_smem_bytes() {
+  return C::kGroupWarps == 1 ? 0 : C::kBlockM * C::kBlockN * 2 + C::kBlockM * C::kGroupWarps * 4;
+}
+
 template <typename C>
 __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_kernel(const __grid_constant__ AttentionParams params) {
   using Element = typename C::Element;
@@ -153,20 +169,29 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
   constexpr int kBlockN = C::kBlockN;
   constexpr int kHeadDim = C::kHeadDim;
   constexpr int kThreads = C::kThreads;
-  constexpr int kRowsPerWarp = kBlockM / C::kWarps;
-  constexpr int kMTiles = kRowsPerWarp / 16;  // m16 row tiles per warp
-  constexpr int kNTiles = kBlockN / 8;        // n8 key tiles of S
-  constexpr int kDTiles = kHeadDim / 8;       // n8 column tiles of O
-  constexpr int kQKSteps = kHeadDim / 16;     // k16 steps of S = Q K^T
-  constexpr int kPVSteps = kBlockN / 16;      // k16 steps of O += P V
+  constexpr int kGroupWarps = C::kGroupWarps;  // warps sharing one group of query rows (see the header)
+  constexpr int kGroupRows = kBlockM / (C::kWarps / kGroupWarps);  // query rows of a warp's group
+  constexpr int kMTiles = kGroupRows / 16;       // m16 row tiles per warp
+  constexpr int kWarpKeys = kBlockN / kGroupWarps;  // keys of a tile whose scores this warp computes
+  constexpr int kNTiles = kWarpKeys / 8;         // n8 key tiles of this warp's S
+  constexpr int kWarpCols = kHeadDim / kGroupWarps;  // columns of O this warp accumulates
+  constexpr int kDTiles = kWarpCols / 8;         // n8 column tiles of this warp's O
+  constexpr int kQKSteps = kHeadDim / 16;        // k16 steps of S = Q K^T
+  constexpr int kPVSteps = kWarpKeys / 16;       // k16 steps of O += P V per warp's share of the keys
   constexpr bool kLazyRescale = LazyRescaleOf<C>::value;
   constexpr bool kFullTileLoads = FullTileLoadsOf<C>::value;
   constexpr bool kSumByMma = SumByMmaOf<C>::value;
   static_assert(!(kSumByMma && C::kDropout), "the row sum is of the undropped P: with dropout it needs the FADDs");
   using QTile = SwizzledTile<kBlockM, kHeadDim>;
   using KVTile = SwizzledTile<kBlockN, kHeadDim>;
-  static_assert(kRowsPerWarp % 16 == 0, "each warp owns whole m16 tiles");
+  using PTile = SwizzledTile<kGroupRows, kBlockN>;  // P of one warp group (warp groups only)
+  static_assert(kGroupRows % 16 == 0, "each warp group owns whole m16 tiles");
   static_assert(kDTiles % 2 == 0 && kNTiles % 2 == 0, "ldmatrix.x4 loads two n8 tiles at once");
+  static_assert(kGroupWarps == 1 || kGroupWarps == 2, "warps work alone or in pairs");
+  static_assert(C::kWarps % kGroupWarps == 0 && C::kWarps / kGroupWarps <= 15, "whole groups, one named barrier each");
+  static_assert(kGroupWarps == 1 || (kWarpCols % KVTile::kBlockCols == 0 && !kSumByMma),
+                "a warp's columns are whole swizzle blocks; row sums by FADDs (partial sums are traded)");
+  static_assert(!C::kDropout || kWarpKeys % 32 == 0, "a warp's keys are whole Philox blocks of 32");
 
   extern __shared__ __align__(128) uint8_t smem[];
   const uint32_t q_smem = smem_address(smem);
@@ -175,6 +200,9 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
+  const int group = warp / kGroupWarps;  // this warp's group of query rows
+  const int part = warp % kGroupWarps;   // its share of a group: keys [part kWarpKeys, +kWarpKeys) of S,
+                                         // columns [part kWarpCols, +kWarpCols) of O
   const int quad_row = lane >> 2;  // accumulator row (and row + 8) of this thread in an m16 tile
   const int quad_col = lane & 3;   // accumulator columns 2 quad_col, 2 quad_col + 1 of an n8 tile
 
@@ -249,6 +277,11 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
   };
   auto k_stage = [&](int stage) { return kv_smem + uint32_t(stage) * 2u * KVTile::kBytes; };
   auto v_stage = [&](int stage) { return kv_smem + uint32_t(stage) * 2u * KVTile::kBytes + KVTile::kBytes; };
+  // Warp groups: this group's P tile and its row statistics (kGroupWarps x kGroupRows floats).
+  const uint32_t p_smem = kv_smem + uint32_t(C::kStages) * 2u * KVTile::kBytes + uint32_t(group) * PTile::kBytes;
+  const uint32_t stats_smem = kv_smem + uint32_t(C::kStages) * 2u * KVTile::kBytes + uint32_t(kBlockM * kBlockN * 2) +
+                              uint32_t(group * kGroupWarps * kGroupRows * 4);
+  auto group_barrier = [&] { named_barrier_sync(1 + group, 32 * kGroupWarps); };
 
   // Scores reach the softmax as s * score_log2_scale in log2 units. Fast path: s is the raw q.k and the
   // softmax scale is folded into the one multiplier. With softcap / ALiBi (or a negative scale, whose
@@ -282,16 +315,20 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
   // lane / 16; B (K) keys lane % 8 + 8 (lane / 16) and chunk (lane / 8) % 2; B (V, transposed) keys
   // lane % 8 + 8 ((lane / 8) % 2) and chunk lane / 16.
   const uint32_t q_lane = QTile::lane_offset(lane & 15, lane >> 4);
-  const uint32_t k_lane = KVTile::lane_offset((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1);
-  const uint32_t v_lane = KVTile::lane_offset((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4);
+  // With warp groups, K's lane part starts at this warp's keys and V's at its columns (whole swizzle blocks).
+  const uint32_t k_lane =
+      KVTile::lane_offset((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1) + KVTile::offset(0, part * kWarpKeys, 0);
+  const uint32_t v_lane =
+      KVTile::lane_offset((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4) + KVTile::offset(0, 0, part * kWarpCols / 8);
+  const uint32_t p_lane = PTile::lane_offset(lane & 15, lane >> 4);  // A of P (warp groups): as Q's
   // Query row (within the sequence) of accumulator row `half` of m16 tile `mt` of this thread.
-  auto query_row = [&](int mt, int half) { return row_begin + warp * kRowsPerWarp + mt * 16 + quad_row + 8 * half; };
+  auto query_row = [&](int mt, int half) { return row_begin + group * kGroupRows + mt * 16 + quad_row + 8 * half; };
 
   // This warp's query rows. A warp skips the math of key tiles that none of its rows sees (the far side
   // of a causal / window diagonal, rows past the end of a partial tile) and masks only the tiles that
   // straddle its rows' boundaries; it still takes part in every load and barrier.
-  const int warp_row_begin = row_begin + warp * kRowsPerWarp;
-  const int warp_row_end = min(warp_row_begin + kRowsPerWarp, ext.seqlen_q);
+  const int warp_row_begin = row_begin + group * kGroupRows;
+  const int warp_row_end = min(warp_row_begin + kGroupRows, ext.seqlen_q);
   const bool warp_has_rows = warp_row_begin < warp_row_end;
   const int warp_key_begin = warp_has_rows ? mask.key_begin(warp_row_begin) : 0;
   const int warp_key_end = warp_has_rows ? mask.key_end(warp_row_end, ext.seqlen_k) : 0;
@@ -311,6 +348,7 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
   // ---- the steps of one key tile (the main loop below runs them in order) ----
   using ScoreFrags = float[kMTiles][kNTiles][4];  // S (then P) of one key tile, m16n8 accumulator layout
   // Warp-uniform: some row of this warp sees some key of the tile at key0 (else the warp skips its math).
+  // Uniform over a warp group too (same rows), so both warps of a group take the group barriers or neither.
   auto warp_sees = [&](int key0) { return key0 < warp_key_end && key0 + kBlockN > warp_key_begin; };
 
   // S = Q K^T (fp32) from the K tile at k_tile.
@@ -326,7 +364,7 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
       uint32_t q_frag[kMTiles][4];
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)  // A: rows +lane % 16, chunk 2 ks + lane / 16
-        ldmatrix_x4(q_frag[mt], q_smem + QTile::offset(q_lane, warp * kRowsPerWarp + mt * 16, 2 * ks));
+        ldmatrix_x4(q_frag[mt], q_smem + QTile::offset(q_lane, group * kGroupRows + mt * 16, 2 * ks));
 #pragma unroll
       for (int np = 0; np < kNTiles / 2; ++np) {
         // B for key tiles 2np, 2np + 1: matrices (keys +0..7, d chunk 2ks), (+0..7, 2ks+1), (+8..15, 2ks), (+8..15, 2ks+1)
@@ -343,7 +381,8 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
     }
   };
 
-  // Score transform and mask (uniform branches: only when enabled / on boundary tiles) of the tile at key0.
+  // Score transform and mask (uniform branches: only when enabled / on boundary tiles) of this warp's keys
+  // [key0, key0 + kWarpKeys).
   auto transform_and_mask = [&](ScoreFrags& s_acc, int key0) {
     if (natural_units) {
 #pragma unroll
@@ -356,7 +395,7 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
                                          key0 + nt * 8 + 2 * quad_col + (c & 1));
     }
     const bool tile_needs_mask =
-        key0 + kBlockN > ext.seqlen_k || !mask.tile_fully_visible(warp_row_begin, warp_row_end, key0, key0 + kBlockN);
+        key0 + kWarpKeys > ext.seqlen_k || !mask.tile_fully_visible(warp_row_begin, warp_row_end, key0, key0 + kWarpKeys);
     if (tile_needs_mask) {
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
@@ -379,22 +418,60 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
     }
   };
 
-  // Online softmax, dropout and O += P V of the (transformed, masked) tile at key0 with the V tile at v_tile.
-  auto softmax_and_pv = [&](ScoreFrags& s_acc, int key0, uint32_t v_tile) {
+  // Warp groups: the sum over the group's warps of a per-row value (row `mt * 16 + quad_row + 8 half` of the
+  // group), through the group's statistics in shared memory; max or sum, in the fixed order of the parts
+  // (so every warp of the group gets the same bits).
+  auto group_reduce = [&](float (&value)[kMTiles][2], bool is_max) {
+    if (quad_col == 0)
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          st_shared_b32(stats_smem + uint32_t((part * kGroupRows + mt * 16 + quad_row + 8 * half) * 4),
+                        __float_as_uint(value[mt][half]));
+    group_barrier();  // the other warps' values are written
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t row_addr = stats_smem + uint32_t((mt * 16 + quad_row + 8 * half) * 4);
+        float total = ld_shared_f32(row_addr);
+#pragma unroll
+        for (int w = 1; w < kGroupWarps; ++w) {
+          const float other = ld_shared_f32(row_addr + uint32_t(w * kGroupRows * 4));
+          total = is_max ? fmaxf(total, other) : total + other;
+        }
+        value[mt][half] = total;
+      }
+    // No barrier after the reads: the next write to these statistics comes after this group's next
+    // group_barrier (P's, or the next tile's), which no warp passes before every warp has done these reads.
+  };
+
+  // Online softmax, dropout and O += P V of the (transformed, masked) tile: this warp's keys start at
+  // warp_key0; the V tile is at v_tile.
+  auto softmax_and_pv = [&](ScoreFrags& s_acc, int warp_key0, uint32_t v_tile) {
     // ---- online softmax: P = exp2(s * scale - max), rescale O and the sum when the max grows ----
+    float tile_max[kMTiles][2];  // max of s over the tile's keys per row (over the whole group's keys)
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float m = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt) m = fmaxf(m, fmaxf(s_acc[mt][nt][2 * half], s_acc[mt][nt][2 * half + 1]));
+        tile_max[mt][half] = quad_max(m);  // the 4 threads of a quad hold the row's columns
+      }
+    // Every warp of a group then moves its max identically (same inputs, same rule), so its O columns and
+    // its partial row sum keep one common scale.
+    if constexpr (kGroupWarps > 1) group_reduce(tile_max, /*is_max=*/true);
     float correction[kMTiles][2];  // factor of O and the sum of each row: exp2(old max - new max), or 1
     bool rescale_any = false;      // some row of this thread moved its max on this tile
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        float tile_max = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-          tile_max = fmaxf(tile_max, fmaxf(s_acc[mt][nt][2 * half], s_acc[mt][nt][2 * half + 1]));
-        tile_max = quad_max(tile_max);  // the 4 threads of a quad hold the row's columns
         const float old_max = row_max[mt][half];
-        const float new_max = fmaxf(old_max, tile_max);
+        const float new_max = fmaxf(old_max, tile_max[mt][half]);
         // Lazy: move the max only when the tile's scores exceed the stale one by more than kMaxStaleLog2.
         // First visible tile: new - (-inf) = +inf, moves. A row with no visible key yet: -inf - (-inf) is
         // NaN, the compare is false and the max stays -inf.
@@ -448,12 +525,12 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
 #pragma unroll
         for (int half = 0; half < 2; ++half)
 #pragma unroll
-          for (int block32 = 0; block32 < kBlockN / 32; ++block32) {
+          for (int block32 = 0; block32 < kWarpKeys / 32; ++block32) {
             // One call gives the 8 keys 8n + 2 quad_col + e (n = 0..3, e = 0..1) of this 32-key block:
             // exactly this thread's columns of n8 tiles 4 block32 + n (see core/philox.hpp).
             const Philox4x32 random = dropout_random_block(params.dropout_seed, params.dropout_offset, bh,
                                                            uint32_t(query_row(mt, half)),
-                                                           uint32_t(key0 + block32 * 32 + 2 * quad_col));
+                                                           uint32_t(warp_key0 + block32 * 32 + 2 * quad_col));
 #pragma unroll
             for (int n = 0; n < 4; ++n)
 #pragma unroll
@@ -465,22 +542,13 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
     }
 
     // ---- O += P V: S accumulators become A fragments in registers; V via ldmatrix.trans ----
-#pragma unroll
-    for (int ks = 0; ks < kPVSteps; ++ks) {
-      uint32_t p_frag[kMTiles][4];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        // A of m16n8k16 (rows g, g + 8; k 2t.. and 2t + 8..) = S tiles 2ks (keys +0..7) and 2ks + 1 (+8..15)
-        p_frag[mt][0] = ElementTraits<Element>::pack(s_acc[mt][2 * ks][0], s_acc[mt][2 * ks][1]);
-        p_frag[mt][1] = ElementTraits<Element>::pack(s_acc[mt][2 * ks][2], s_acc[mt][2 * ks][3]);
-        p_frag[mt][2] = ElementTraits<Element>::pack(s_acc[mt][2 * ks + 1][0], s_acc[mt][2 * ks + 1][1]);
-        p_frag[mt][3] = ElementTraits<Element>::pack(s_acc[mt][2 * ks + 1][2], s_acc[mt][2 * ks + 1][3]);
-      }
+    // One k16 step: P's A fragments of 16 keys (V rows key_row..) times this warp's columns of V.
+    auto pv_step = [&](const uint32_t (&p_frag)[kMTiles][4], int key_row) {
 #pragma unroll
       for (int dp = 0; dp < kDTiles / 2; ++dp) {
         // B for d tiles 2dp, 2dp + 1 (transposed): matrices (keys +0..7, chunk 2dp), (+8..15, 2dp), (+0..7, 2dp+1), (+8..15, 2dp+1)
         uint32_t v_frag[4];
-        ldmatrix_x4_trans(v_frag, v_tile + KVTile::offset(v_lane, ks * 16, 2 * dp));
+        ldmatrix_x4_trans(v_frag, v_tile + KVTile::offset(v_lane, key_row, 2 * dp));
         const uint32_t b_lo[2] = {v_frag[0], v_frag[1]};
         const uint32_t b_hi[2] = {v_frag[2], v_frag[3]};
 #pragma unroll
@@ -494,6 +562,44 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
         const uint32_t b_ones[2] = {ones, ones};
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) mma_m16n8k16<Element>(sum_acc[mt], p_frag[mt], b_ones);
+      }
+    };
+    if constexpr (kGroupWarps > 1) {
+      // Share this warp's P (its keys' columns of the group's P tile); 16-bit, as P V uses it.
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt)
+            st_shared_b32(p_smem + PTile::chunk_offset(mt * 16 + quad_row + 8 * half, part * kNTiles + nt) + quad_col * 4,
+                          ElementTraits<Element>::pack(s_acc[mt][nt][2 * half], s_acc[mt][nt][2 * half + 1]));
+    }
+#pragma unroll
+    for (int ks = 0; ks < kPVSteps; ++ks) {  // this warp's keys: P from registers
+      // A of m16n8k16 (rows g, g + 8; k 2t.. and 2t + 8..) = S tiles 2ks (keys +0..7) and 2ks + 1 (+8..15):
+      // register r holds rows g (r even) or g + 8 (r odd) of tile 2ks + r / 2.
+      uint32_t p_frag[kMTiles][4];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          p_frag[mt][r] = ElementTraits<Element>::pack(s_acc[mt][2 * ks + r / 2][2 * (r % 2)], s_acc[mt][2 * ks + r / 2][2 * (r % 2) + 1]);
+      pv_step(p_frag, part * kWarpKeys + ks * 16);
+    }
+    if constexpr (kGroupWarps > 1) {
+      group_barrier();  // the other warps' P is written (and, one tile on, read: see group_reduce)
+#pragma unroll
+      for (int w = 1; w < kGroupWarps; ++w) {
+        const int other = (part + w) % kGroupWarps;
+#pragma unroll
+        for (int ks = 0; ks < kPVSteps; ++ks) {  // the other warps' keys: P from shared memory
+          uint32_t p_frag[kMTiles][4];
+#pragma unroll
+          for (int mt = 0; mt < kMTiles; ++mt)
+            ldmatrix_x4(p_frag[mt], p_smem + PTile::offset(p_lane, mt * 16, 2 * (other * kPVSteps + ks)));
+          pv_step(p_frag, other * kWarpKeys + ks * 16);
+        }
       }
     }
   };
@@ -531,18 +637,35 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
       cp_async_commit();
     }
 
-    if (!warp_sees_tile) continue;  // nothing of this tile is visible to this warp's rows: O, max, sum unchanged
-    transform_and_mask(s_acc, key0);
-    softmax_and_pv(s_acc, key0, v_tile);
+    if (!warp_sees_tile) {  // nothing of this tile is visible to this warp's rows: O, max, sum unchanged
+      // A skipping group still passes its two group barriers (its own id, its own warps only: no wait on
+      // anyone else), so that every group passes the same barriers between __syncthreads. Not needed for
+      // correctness; it keeps compute-sanitizer racecheck from false reports (common/ptx.cuh).
+      if constexpr (kGroupWarps > 1) {
+        group_barrier();
+        group_barrier();
+      }
+      continue;
+    }
+    transform_and_mask(s_acc, key0 + part * kWarpKeys);
+    softmax_and_pv(s_acc, key0 + part * kWarpKeys, v_tile);
   }
 
   // ---- epilogue: normalise, LSE, O through this warp's own Q rows of shared memory to 16-byte stores ----
   const float keep_scale = C::kDropout ? 1.f / (1.f - params.dropout_p) : 1.f;
+  float sums[kMTiles][2];  // the row sums (of this warp's keys, then of the group's)
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) sums[mt][half] = kSumByMma ? sum_acc[mt][2 * half] : quad_sum(row_sum[mt][half]);
+  // Warp groups: the partial sums share one max per row (see softmax_and_pv), so they add. The barrier in it
+  // also means every warp of the group has done its last read of the group's Q rows (overwritten below).
+  if constexpr (kGroupWarps > 1) group_reduce(sums, /*is_max=*/false);
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float sum = kSumByMma ? sum_acc[mt][2 * half] : quad_sum(row_sum[mt][half]);
+      const float sum = sums[mt][half];
       // sum == 0 only when the row saw no visible key: O = 0 and LSE = -inf, never NaN. A NaN sum
       // means a NaN input reached the row: it propagates to O and LSE (the NaN/Inf policy).
       const bool no_visible_key = sum == 0.f;
@@ -553,31 +676,33 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
         o_acc[mt][dt][2 * half + 1] *= inv;
       }
       const int i = query_row(mt, half);
-      if (params.lse != nullptr && quad_col == 0 && i < ext.seqlen_q)
+      if (params.lse != nullptr && part == 0 && quad_col == 0 && i < ext.seqlen_q)
         params.lse[lse_offset(params, b, ext, i, h)] =
             no_visible_key ? -INFINITY : (row_max[mt][half] * score_log2_scale + log2f(sum)) * kLn2;
     }
-  // Each warp reads only its own Q rows (A operands), so after its last ldmatrix it may overwrite them.
+  // Each warp group reads only its own Q rows (A operands), so after its last ldmatrix it may overwrite
+  // them; each warp writes (and then stores) only its own columns of them.
+  constexpr int kWarpChunks = kWarpCols / 8;  // 16-byte chunks of a row of this warp's O columns
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = warp * kRowsPerWarp + mt * 16 + quad_row + 8 * half;
+      const int row = group * kGroupRows + mt * 16 + quad_row + 8 * half;
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         const uint32_t packed = ElementTraits<Element>::pack(o_acc[mt][dt][2 * half], o_acc[mt][dt][2 * half + 1]);
-        *reinterpret_cast<uint32_t*>(smem + QTile::chunk_offset(row, dt) + quad_col * 4) = packed;
+        *reinterpret_cast<uint32_t*>(smem + QTile::chunk_offset(row, part * kWarpChunks + dt) + quad_col * 4) = packed;
       }
     }
   __syncwarp();
   Element* out_gmem = static_cast<Element*>(params.out);
-  constexpr int kOutChunksPerLane = kRowsPerWarp * QTile::kChunksPerRow / 32;
-  static_assert((kRowsPerWarp * QTile::kChunksPerRow) % 32 == 0, "whole 16-byte chunks per lane");
+  constexpr int kOutChunksPerLane = kGroupRows * kWarpChunks / 32;
+  static_assert((kGroupRows * kWarpChunks) % 32 == 0, "whole 16-byte chunks per lane");
 #pragma unroll
   for (int k = 0; k < kOutChunksPerLane; ++k) {
     const int id = lane + 32 * k;  // consecutive lanes store consecutive chunks of a row: coalesced
-    const int row = warp * kRowsPerWarp + id / QTile::kChunksPerRow;
-    const int chunk = id % QTile::kChunksPerRow;
+    const int row = group * kGroupRows + id / kWarpChunks;
+    const int chunk = part * kWarpChunks + id % kWarpChunks;
     if (row < rows_valid && chunk < d_chunks) {
       const uint4 value = *reinterpret_cast<const uint4*>(smem + QTile::chunk_offset(row, chunk));
       const int64_t offset = q_offset(params, params.out_batch_stride, params.out_row_stride, params.out_head_stride, b, ext,

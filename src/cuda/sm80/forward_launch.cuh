@@ -15,10 +15,11 @@
 
 namespace flashattn::cuda {
 
-// Dynamic shared memory of the forward kernel: Q, then kStages x (K, V). The manifest computes the same.
+// Dynamic shared memory of the forward kernel: Q, then kStages x (K, V), then (warp groups only) P and the
+// traded row statistics. The manifest computes the same.
 template <typename C>
 constexpr int forward_smem_bytes() {
-  return (C::kBlockM + 2 * C::kStages * C::kBlockN) * C::kHeadDim * 2;
+  return (C::kBlockM + 2 * C::kStages * C::kBlockN) * C::kHeadDim * 2 + sm80::forward_exchange_smem_bytes<C>();
 }
 
 // Grid: (query tiles, Hq, B). Allocates nothing; writes only out and lse. Dispatch has checked the
