@@ -19,14 +19,14 @@
 //                  (one more mma per k16 step instead of kBlockN / 4 FADDs per row pair)
 // Epilogue: O / rowsum (x 1 / (1 - p) with dropout) through shared memory to 16-byte global stores; LSE.
 //
-// Warp groups (KernelConfig::kGroupWarps, the manifest's Tile.group_warps). With 1, each warp owns its rows alone and reads all of
-// every K and V tile from shared memory for them. With 2 (for D = 256), two warps share 32 rows: each
-// computes S for its half of the tile's keys, the two trade their row maxima through shared memory (the
-// online softmax needs the max over the whole tile), each writes its half of P (16-bit) to shared memory,
-// and each accumulates O for its half of the columns from all of P (its own half from registers). Per 32
-// rows and tile that reads Q 2 x, K 1 x and V 1 x plus P (104 KiB at D = 256, N = 64) where 16-row warps
-// read Q 1 x, K 2 x and V 2 x (144 KiB): D = 256 is bound by shared-memory reads, and O stays at 128
-// registers per thread either way (32 rows x 128 columns, or 16 x 256).
+// Warp groups (KernelConfig::kGroupWarps, the manifest's Tile.group_warps). With 1, each warp owns its rows
+// alone and reads all of every K and V tile from shared memory for them. With 2 (for D = 256), two warps
+// share 32 rows: each computes S for its half of the tile's keys, the two trade their row maxima through
+// shared memory (the online softmax needs the max over the whole tile), each writes its half of P (16-bit)
+// to shared memory, and each accumulates O for its half of the columns from all of P (its own half from
+// registers). Per 32 rows and tile that reads Q 2 x, K 1 x and V 1 x plus P (104 KiB at D = 256, N = 64)
+// where 16-row warps read Q 1 x, K 2 x and V 2 x (144 KiB): D = 256 is bound by shared-memory reads, and O
+// stays at 128 registers per thread either way (32 rows x 128 columns, or 16 x 256).
 //
 // Shared memory: Q (kBlockM x kHeadDim), then kStages x (K, V) tiles (kBlockN x kHeadDim each), all
 // swizzled (common/smem_tile.cuh); with warp groups, then P (kBlockM x kBlockN) and the exchanged row
@@ -418,9 +418,9 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
     }
   };
 
-  // Warp groups: the sum over the group's warps of a per-row value (row `mt * 16 + quad_row + 8 half` of the
-  // group), through the group's statistics in shared memory; max or sum, in the fixed order of the parts
-  // (so every warp of the group gets the same bits).
+  // Warp groups: the max (is_max) or the sum over the group's warps of a per-row value (row
+  // `mt * 16 + quad_row + 8 half` of the group), through the group's statistics in shared memory, in the
+  // fixed order of the parts (so every warp of the group gets the same bits).
   auto group_reduce = [&](float (&value)[kMTiles][2], bool is_max) {
     if (quad_col == 0)
 #pragma unroll
