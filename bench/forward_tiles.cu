@@ -88,7 +88,7 @@ using Default = C;
 //   round 1 (05:07 UTC) dropped the overlapped loop (S of the next tile beside this tile's softmax, 16 rows per
 //   warp: 10-40% slower everywhere);
 //   round 2 (05:19 UTC) measured the row sums by mma (+2-6%; an option, off by default: see SumByMmaOf);
-//   round 3 (09:50 UTC) found warp pairs for D = 256 (`pairs`, KernelConfig::kGroupWarps = 2): +4-5% from
+//   round 3 (09:50 UTC) found warp pairs for D = 256 (`pairs`, KernelConfig::kGroupWarps = 2): +3-6% from
 //   S = 2k, -2.5% at S = 512 causal; at D = 128 they lose (its warps already own 32 rows).
 const Variant kVariants[] = {
     BASE(64, 128, 64, 4, 2),  NEW(64, 128, 128, 4, 2),  MMASUM(64, 128, 128, 4, 2),
