@@ -24,6 +24,7 @@ struct KernelEntry {
   int64_t smem_bytes;   // dynamic shared memory per CTA (0: the launcher decides)
   const char* name;     // also the name of its generated launch function
   int warp_keys = 16;   // backward: keys per warp (16 or 32); 16 for the other kinds
+  bool fp8_cache = false;  // kvcache: reads (and appends to) a float8 e4m3 K/V cache; q / out are `dtype`
 };
 
 // The launch functions of one row (exactly one is set, by kind). `stream` is a cudaStream_t.

@@ -561,8 +561,11 @@ TEST(CpuKvcacheFp8, AppendQuantisesAndSaturates) {
             ASSERT_EQ(int(v_code), int(float_to_e4m3(v / c.v_scale))) << "v at " << b << "," << s << "," << x;
             saturated += (k_code & 0x7F) == 0x7E;
           }
-      if (k_scale < 0.01f) EXPECT_GT(saturated, 10) << "the small scale should saturate some values";
-      else EXPECT_EQ(saturated, 0);
+      if (k_scale < 0.01f) {
+        EXPECT_GT(saturated, 10) << "the small scale should saturate some values";
+      } else {
+        EXPECT_EQ(saturated, 0);
+      }
     }
 }
 
