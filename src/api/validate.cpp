@@ -494,33 +494,31 @@ Status make_kvcache_params(const fa_kvcache_args& a, const fa_options& options, 
   FA_RETURN_IF_ERROR(check_basic(kc));
   FA_RETURN_IF_ERROR(check_basic(vc));
   const bool fp8_cache = a.k_cache.dtype == FA_FLOAT8_E4M3 || a.v_cache.dtype == FA_FLOAT8_E4M3;
+  const struct {
+    const char* name;
+    float value;
+  } scales[] = {{"k_scale", a.k_scale}, {"v_scale", a.v_scale}};
   if (fp8_cache) {
-    if (a.k_cache.dtype != a.v_cache.dtype)
-      return FA_INVALID("%s: an FP8 cache needs k_cache and v_cache both float8_e4m3, got %s", a.k_cache.dtype == FA_FLOAT8_E4M3 ? "v_cache" : "k_cache",
-                        dtype_name(a.k_cache.dtype == FA_FLOAT8_E4M3 ? a.v_cache.dtype : a.k_cache.dtype));
+    if (a.k_cache.dtype != a.v_cache.dtype) {
+      const bool k_is_fp8 = a.k_cache.dtype == FA_FLOAT8_E4M3;
+      return FA_INVALID("%s: an FP8 cache needs k_cache and v_cache both float8_e4m3, got %s", k_is_fp8 ? "v_cache" : "k_cache",
+                        dtype_name(k_is_fp8 ? a.v_cache.dtype : a.k_cache.dtype));
+    }
     if (a.q.dtype != FA_FLOAT16 && a.q.dtype != FA_BFLOAT16)
       return FA_INVALID("q: dtype must be float16 or bfloat16 with a float8_e4m3 cache, got %s", dtype_name(a.q.dtype));
-    const struct {
-      const char* name;
-      float value;
-    } scales[] = {{"k_scale", a.k_scale}, {"v_scale", a.v_scale}};
     for (const auto& sc : scales)
       if (!(sc.value > 0.f) || !std::isfinite(sc.value))
-        return FA_INVALID("%s: must be finite and > 0 with a float8_e4m3 cache (real value = fp8 value * scale), got %g", sc.name,
-                          double(sc.value));
+        return FA_INVALID("%s: must be finite and > 0 with a float8_e4m3 cache (real value = fp8 value * scale), got %g",
+                          sc.name, double(sc.value));
     FA_RETURN_IF_ERROR(check_same_device(kc, q));
     FA_RETURN_IF_ERROR(check_same_device(vc, q));
   } else {
     FA_RETURN_IF_ERROR(check_float_input(kc, q));
     FA_RETURN_IF_ERROR(check_float_input(vc, q));
-    const struct {
-      const char* name;
-      float value;
-    } scales[] = {{"k_scale", a.k_scale}, {"v_scale", a.v_scale}};
     for (const auto& sc : scales)
       if (sc.value != 0.f && sc.value != 1.f)
-        return FA_INVALID("%s: applies to a float8_e4m3 cache only; with a %s cache it must be 0 or 1 (no scale), got %g", sc.name,
-                          dtype_name(a.k_cache.dtype), double(sc.value));
+        return FA_INVALID("%s: applies to a float8_e4m3 cache only; with a %s cache it must be 0 or 1 (no scale), got %g",
+                          sc.name, dtype_name(a.k_cache.dtype), double(sc.value));
   }
   FA_RETURN_IF_ERROR(check_ndim(kc, 4, cache_layout));
   FA_RETURN_IF_ERROR(check_ndim(vc, 4, cache_layout));
