@@ -5,7 +5,8 @@
 // batch 1..256, cache 1k..128k keys (every sequence full: cache_seqlens = S), contiguous cache and paged
 // cache (page 16, block ids shuffled; "paged-seq": ids in order, to tell table/translation costs apart).
 // Points whose K/V exceed --budget-gib are skipped (and listed).
-// K/V bytes of a call = B * S * Hk * (D + Dv) * 2. Each call is planned once (fa_plan_kvcache) and runs with
+// K/V bytes of a call = B * S * Hk * (D + Dv) * 2; with --kv fp8 (a float8 e4m3 cache, k_scale = v_scale =
+// 1/256, random finite codes) 1 byte per element: B * S * Hk * (D + Dv). Each call is planned once (fa_plan_kvcache) and runs with
 // the planned workspace; the timed unit is a CUDA graph of one call per copy of the inputs, where copies
 // are added until they exceed 2x the L2 (so every call reads from HBM, as in serving); time per call =
 // graph time / copies, median over repetitions. "eager" is one call launched normally (launch overhead
@@ -22,7 +23,7 @@
 //   --min-tiles N         variants: DecodeArgs::min_tiles_per_split
 //
 // Usage: flashattn_decode_bench [--json FILE] [--batches 1,4,16,64,256] [--caches 1024,...,131072]
-//                               [--heads 32:8] [--dim 128] [--page 16] [--dtype bf16|f16]
+//                               [--heads 32:8] [--dim 128] [--page 16] [--dtype bf16|f16] [--kv 16|fp8]
 //                               [--layouts contiguous,paged,paged-seq] [--budget-gib 32] [--reps 10]
 //                               [--splits 0,...] [--runners lib,...] [--pdl 0,1] [--min-tiles N]
 #include <cuda_bf16.h>
@@ -79,10 +80,22 @@ __global__ void fill_kernel(uint16_t* data, int64_t count, uint32_t seed, bool b
   }
 }
 
+// Fills float8 e4m3 codes with hashed bytes, NaN codes (0x7F, 0xFF) replaced by 0x7E / 0xFE.
+__global__ void fill_fp8_kernel(uint8_t* data, int64_t count, uint32_t seed) {
+  for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < count; n += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(n) * 0x9E3779B1u ^ uint32_t(n >> 32) ^ seed;
+    h ^= h >> 16, h *= 0x85EBCA6Bu, h ^= h >> 13, h *= 0xC2B2AE35u, h ^= h >> 16;
+    const uint8_t code = uint8_t(h >> 24);
+    data[n] = (code & 0x7F) == 0x7F ? uint8_t(code ^ 1u) : code;
+  }
+}
+
 void fill(void* data, int64_t count, uint32_t seed, fa_dtype dtype) {
-  fill_kernel<<<1024, 256>>>(static_cast<uint16_t*>(data), count, seed, dtype == FA_BFLOAT16);
+  if (dtype == FA_FLOAT8_E4M3) fill_fp8_kernel<<<1024, 256>>>(static_cast<uint8_t*>(data), count, seed);
+  else fill_kernel<<<1024, 256>>>(static_cast<uint16_t*>(data), count, seed, dtype == FA_BFLOAT16);
   CHECK_CUDA(cudaGetLastError());
 }
+constexpr float kFp8BenchScale = 1.f / 256.f;  // --kv fp8: k_scale = v_scale (codes up to 448: values up to 1.75)
 
 // Input memory comes from one arena reserved at the start and reused from offset 0 by every point, as a
 // serving engine allocates its KV pool once. With a cudaMalloc / cudaFree per buffer, the same point measured
@@ -135,7 +148,9 @@ struct Shape {
   bool paged;
   bool sequential_pages;  // paged: block ids in order (else shuffled)
   fa_dtype dtype;
-  int64_t kv_bytes() const { return batch * cache * heads_k * int64_t(2 * dim) * 2; }
+  bool fp8_cache;  // K/V cache float8 e4m3 (1 byte per element)
+  fa_dtype cache_dtype() const { return fp8_cache ? FA_FLOAT8_E4M3 : dtype; }
+  int64_t kv_bytes() const { return batch * cache * heads_k * int64_t(2 * dim) * (fp8_cache ? 1 : 2); }
 };
 
 // One copy of a point's inputs (device memory) and its call arguments.
@@ -148,14 +163,15 @@ Copy make_copy(const Shape& s, uint32_t seed, std::mt19937_64& rng) {
   Copy c;
   const int64_t q_elems = s.batch * s.heads_q * s.dim, kv_elems = s.batch * s.cache * s.heads_k * s.dim;
   c.q = Buffer(q_elems * 2);
-  c.k = Buffer(kv_elems * 2);
-  c.v = Buffer(kv_elems * 2);
+  const int64_t kv_element = s.fp8_cache ? 1 : 2;
+  c.k = Buffer(kv_elems * kv_element);
+  c.v = Buffer(kv_elems * kv_element);
   c.out = Buffer(q_elems * 2);
   c.lse = Buffer(s.batch * s.heads_q * 4);
   c.seqlens = Buffer(s.batch * 4);
   fill(c.q.data, q_elems, seed, s.dtype);
-  fill(c.k.data, kv_elems, seed + 1, s.dtype);
-  fill(c.v.data, kv_elems, seed + 2, s.dtype);
+  fill(c.k.data, kv_elems, seed + 1, s.cache_dtype());
+  fill(c.v.data, kv_elems, seed + 2, s.cache_dtype());
   const std::vector<int32_t> lengths(size_t(s.batch), int32_t(s.cache));
   CHECK_CUDA(cudaMemcpy(c.seqlens.data, lengths.data(), lengths.size() * 4, cudaMemcpyHostToDevice));
   fa_kvcache_args& a = c.args;
@@ -163,6 +179,7 @@ Copy make_copy(const Shape& s, uint32_t seed, std::mt19937_64& rng) {
   a.out = tensor(c.out.data, {s.batch, 1, s.heads_q, s.dim}, s.dtype);
   a.lse = tensor(c.lse.data, {s.batch, s.heads_q, 1}, FA_FLOAT32);
   a.cache_seqlens = tensor(c.seqlens.data, {s.batch}, FA_INT32);
+  if (s.fp8_cache) a.k_scale = a.v_scale = kFp8BenchScale;
   if (s.paged) {
     const int64_t per_seq = (s.cache + s.page - 1) / s.page, blocks = s.batch * per_seq;
     std::vector<int32_t> ids(static_cast<size_t>(blocks));
@@ -170,12 +187,12 @@ Copy make_copy(const Shape& s, uint32_t seed, std::mt19937_64& rng) {
     if (!s.sequential_pages) std::shuffle(ids.begin(), ids.end(), rng);  // a serving cache's pages are scattered
     c.table = Buffer(blocks * 4);
     CHECK_CUDA(cudaMemcpy(c.table.data, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
-    a.k_cache = tensor(c.k.data, {blocks, s.page, s.heads_k, s.dim}, s.dtype);
-    a.v_cache = tensor(c.v.data, {blocks, s.page, s.heads_k, s.dim}, s.dtype);
+    a.k_cache = tensor(c.k.data, {blocks, s.page, s.heads_k, s.dim}, s.cache_dtype());
+    a.v_cache = tensor(c.v.data, {blocks, s.page, s.heads_k, s.dim}, s.cache_dtype());
     a.block_table = tensor(c.table.data, {s.batch, per_seq}, FA_INT32);
   } else {
-    a.k_cache = tensor(c.k.data, {s.batch, s.cache, s.heads_k, s.dim}, s.dtype);
-    a.v_cache = tensor(c.v.data, {s.batch, s.cache, s.heads_k, s.dim}, s.dtype);
+    a.k_cache = tensor(c.k.data, {s.batch, s.cache, s.heads_k, s.dim}, s.cache_dtype());
+    a.v_cache = tensor(c.v.data, {s.batch, s.cache, s.heads_k, s.dim}, s.cache_dtype());
   }
   return c;
 }
@@ -419,8 +436,8 @@ std::vector<std::pair<Knobs, Result>> run_shape(const Shape& s, const std::vecto
     } else {
 #if defined(FLASHATTN_DECODE_TILE_VARIANTS)
       const Variant* v = find_variant(k.runner);
-      if (v == nullptr || s.dim != 128 || s.dtype != FA_BFLOAT16) {
-        r.error = "no variant " + k.runner + " for this shape (bf16, D = 128 only)";
+      if (v == nullptr || s.dim != 128 || s.dtype != FA_BFLOAT16 || s.fp8_cache) {
+        r.error = "no variant " + k.runner + " for this shape (bf16, D = 128, 16-bit cache only)";
         results.emplace_back(k, r);
         continue;
       }
@@ -457,7 +474,7 @@ std::vector<std::pair<Knobs, Result>> run_shape(const Shape& s, const std::vecto
 int main(int argc, char** argv) {
   std::string json_path, batches_arg = "1,4,16,64,256", caches_arg = "1024,4096,16384,65536,131072", heads_arg = "32:8",
                          dtype_arg = "bf16", layouts_arg = "contiguous,paged", splits_arg = "0", runners_arg = "lib",
-                         pdl_arg = "-1";
+                         pdl_arg = "-1", kv_arg = "16";
   int dim = 128, page = 16, reps = 10, min_tiles = -1;
   double budget_gib = 32;
   for (int a = 1; a < argc; ++a) {
@@ -483,6 +500,7 @@ int main(int argc, char** argv) {
     else if (arg == "--runners") runners_arg = next();
     else if (arg == "--pdl") pdl_arg = next();
     else if (arg == "--min-tiles") min_tiles = std::stoi(next());
+    else if (arg == "--kv") kv_arg = next();
     else {
       std::fprintf(stderr, "unknown argument %s (see the header of bench/decode_bench.cu)\n", arg.c_str());
       return 2;
@@ -491,6 +509,11 @@ int main(int argc, char** argv) {
   const int heads_q = std::stoi(heads_arg.substr(0, heads_arg.find(':')));
   const int heads_k = std::stoi(heads_arg.substr(heads_arg.find(':') + 1));
   const fa_dtype dtype = dtype_arg == "f16" ? FA_FLOAT16 : FA_BFLOAT16;
+  if (kv_arg != "16" && kv_arg != "fp8") {
+    std::fprintf(stderr, "--kv must be 16 (the cache in --dtype) or fp8 (float8 e4m3), got %s\n", kv_arg.c_str());
+    return 2;
+  }
+  const bool fp8_cache = kv_arg == "fp8";
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   cudaStream_t stream;
@@ -558,7 +581,8 @@ int main(int argc, char** argv) {
   std::printf("flashattn_decode_bench %s on %s (%d SMs, L2 %d MiB), %s\n", date, prop.name, prop.multiProcessorCount,
               prop.l2CacheSize >> 20, fa_version());
   std::printf("streaming read %.2f TB/s; device copy (read + write) %.2f TB/s\n", stream_tbs, copy_tbs);
-  std::printf("%s, D=%d, Hq=%d, Hk=%d, 1 query per sequence, page %d\n", dtype_arg.c_str(), dim, heads_q, heads_k, page);
+  std::printf("%s, K/V cache %s, D=%d, Hq=%d, Hk=%d, 1 query per sequence, page %d\n", dtype_arg.c_str(),
+              fp8_cache ? "float8_e4m3 (1 byte per element)" : dtype_arg.c_str(), dim, heads_q, heads_k, page);
   std::printf("%-10s %4s %6s | %-11s %2s | %6s %9s %9s %8s %7s %8s | %s\n", "layout", "B", "S", "runner", "pd",
               "splits", "us/call", "us eager", "K/V TB/s", "vs read", "check", "kernel");
 
@@ -566,9 +590,10 @@ int main(int argc, char** argv) {
                      prop.name + "\",\n";
   char line[768];
   std::snprintf(line, sizeof(line),
-                " \"stream_read_tbs\": %.4f,\n \"device_copy_tbs\": %.4f,\n \"config\": {\"dtype\": \"%s\", \"dim\": %d, "
-                "\"heads_q\": %d, \"heads_k\": %d, \"page\": %d, \"seqlen_q\": 1},\n \"points\": [\n",
-                stream_tbs, copy_tbs, dtype_arg.c_str(), dim, heads_q, heads_k, page);
+                " \"stream_read_tbs\": %.4f,\n \"device_copy_tbs\": %.4f,\n \"config\": {\"dtype\": \"%s\", \"kv_cache\": \"%s\", "
+                "\"dim\": %d, \"heads_q\": %d, \"heads_k\": %d, \"page\": %d, \"seqlen_q\": 1},\n \"points\": [\n",
+                stream_tbs, copy_tbs, dtype_arg.c_str(), fp8_cache ? "float8_e4m3" : dtype_arg.c_str(), dim, heads_q, heads_k,
+                page);
   json += line;
   bool first = true;
   const std::vector<int64_t> batches = flashattn::bench::parse_ints<int64_t>(batches_arg);
@@ -586,7 +611,7 @@ int main(int argc, char** argv) {
     }
     for (const int64_t batch : batches)
       for (const int64_t cache : caches) {
-        const Shape s{batch, cache, heads_q, heads_k, dim, page, layout != "contiguous", layout == "paged-seq", dtype};
+        const Shape s{batch, cache, heads_q, heads_k, dim, page, layout != "contiguous", layout == "paged-seq", dtype, fp8_cache};
         std::vector<std::pair<Knobs, Result>> results;
         if (double(s.kv_bytes()) > budget_gib * double(int64_t(1) << 30)) {
           Result r;

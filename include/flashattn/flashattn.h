@@ -67,7 +67,11 @@ typedef enum fa_dtype {
   FA_FLOAT16 = 1,
   FA_BFLOAT16 = 2,
   FA_INT32 = 3,
-  FA_UINT8 = 4 /* raw bytes, for workspaces */
+  FA_UINT8 = 4, /* raw bytes, for workspaces */
+  /* OCP float8 e4m3 ("e4m3fn": bias 7, no infinities, 0x7F / 0xFF are NaN, largest finite 448), with a
+     per-tensor dequantisation scale: real value = fp8 value * scale. Accepted only for fa_kvcache's
+     k_cache and v_cache (both, together), with q / out / k_new / v_new in float16 or bfloat16. */
+  FA_FLOAT8_E4M3 = 5
 } fa_dtype;
 
 typedef enum fa_device_kind { FA_DEVICE_CPU = 0, FA_DEVICE_CUDA = 1 } fa_device_kind;
@@ -163,6 +167,15 @@ typedef struct fa_kvcache_args {
                                read or written through, and their sequence gets NaN in out and lse.
                                Host tensors are always checked. */
   fa_tensor workspace;      /* optional uint8, >= plan.workspace_bytes; absent: allocated inside */
+  /* FP8 cache (k_cache / v_cache of dtype FA_FLOAT8_E4M3): per-tensor dequantisation scales,
+     real = fp8 value * scale; required finite and > 0. The cache is read as stored (dequantised), and
+     appended k_new / v_new rows (k_new after rotary) are quantised into it as
+       code = e4m3(x / scale)   (x / scale in float32, then round to nearest even, saturating to +-448;
+                                 NaN stays NaN),
+     so append-then-attend equals attending over the quantised concatenation.
+     16-bit cache: unused; must be 0 (what a zero-initialised struct holds) or 1, both meaning "no scale". */
+  float k_scale;
+  float v_scale;
 } fa_kvcache_args;
 
 typedef struct fa_kvcache_plan {

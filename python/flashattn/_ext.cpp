@@ -229,15 +229,29 @@ int64_t backward_workspace_size(const Array& dout, const Array& q, const Array& 
   return bytes;
 }
 
+// An FP8 cache (fp8_cache) arrives as uint8 views of its codes (torch's float8_e4m3fn has no portable DLPack
+// code): its dtype becomes float8 e4m3, with the scales k_scale / v_scale. Otherwise the scales are passed on as
+// given (the library accepts 0 or 1 for a 16-bit cache).
+fa_tensor fp8_cache_view(const Array& a, const char* name) {
+  fa_tensor t = view(a, name);
+  if (t.dtype != FA_UINT8)
+    fail(FA_ERROR_INVALID_ARGUMENT, std::string(name) + ": an FP8 cache is passed as the uint8 view of its e4m3 codes");
+  t.dtype = FA_FLOAT8_E4M3;
+  return t;
+}
+
 fa_kvcache_args kvcache_args(const Array& q, const Array& k_cache, const Array& v_cache, const Array& block_table,
                              const Array& cache_seqlens, const Array& k_new, const Array& v_new,
                              const Array& rotary_cos, const Array& rotary_sin, bool rotary_interleaved,
-                             const Array& out, const Array& lse, int num_splits, const Array& workspace) {
+                             const Array& out, const Array& lse, int num_splits, const Array& workspace, bool fp8_cache,
+                             float k_scale, float v_scale) {
   fa_kvcache_args args;
   std::memset(&args, 0, sizeof(args));
   args.q = view(q, "q");
-  args.k_cache = view(k_cache, "k_cache");
-  args.v_cache = view(v_cache, "v_cache");
+  args.k_cache = fp8_cache ? fp8_cache_view(k_cache, "k_cache") : view(k_cache, "k_cache");
+  args.v_cache = fp8_cache ? fp8_cache_view(v_cache, "v_cache") : view(v_cache, "v_cache");
+  args.k_scale = k_scale;
+  args.v_scale = v_scale;
   args.block_table = view(block_table, "block_table");
   args.cache_seqlens = view(cache_seqlens, "cache_seqlens");
   args.k_new = view(k_new, "k");  // flash_attn names the appended keys/values k and v
@@ -257,9 +271,10 @@ std::string kvcache(const Array& q, const Array& k_cache, const Array& v_cache, 
                     const Array& rotary_sin, bool rotary_interleaved, const Array& out, const Array& lse,
                     int num_splits, const Array& workspace, const Array& alibi_slopes, float softmax_scale,
                     bool causal, int window_left, int window_right, float softcap, int backend, int num_threads,
-                    uintptr_t stream) {
+                    uintptr_t stream, bool fp8_cache, float k_scale, float v_scale) {
   const fa_kvcache_args args = kvcache_args(q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, rotary_cos,
-                                            rotary_sin, rotary_interleaved, out, lse, num_splits, workspace);
+                                            rotary_sin, rotary_interleaved, out, lse, num_splits, workspace, fp8_cache,
+                                            k_scale, v_scale);
   fa_stats stats{};
   const CallOptions o =
       make_options(softmax_scale, causal, window_left, window_right, softcap, 0.f, 0, 0, false, backend, num_threads, stream);
@@ -280,9 +295,11 @@ std::tuple<int, int64_t> plan_kvcache(const Array& q, const Array& k_cache, cons
                                       const Array& v_new, const Array& rotary_cos, const Array& rotary_sin,
                                       bool rotary_interleaved, const Array& out, const Array& lse, int num_splits,
                                       const Array& alibi_slopes, float softmax_scale, bool causal, int window_left,
-                                      int window_right, float softcap, int backend) {
+                                      int window_right, float softcap, int backend, bool fp8_cache, float k_scale,
+                                      float v_scale) {
   const fa_kvcache_args args = kvcache_args(q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, rotary_cos,
-                                            rotary_sin, rotary_interleaved, out, lse, num_splits, Array());
+                                            rotary_sin, rotary_interleaved, out, lse, num_splits, Array(), fp8_cache,
+                                            k_scale, v_scale);
   const CallOptions o =
       make_options(softmax_scale, causal, window_left, window_right, softcap, 0.f, 0, 0, false, backend, 0, 0);
   const fa_options options = to_fa_options(o, view(alibi_slopes, "alibi_slopes"), nullptr);
@@ -424,13 +441,16 @@ NB_MODULE(_ext, m) {
         nb::arg("rotary_sin").none(), nb::arg("rotary_interleaved"), nb::arg("out"), nb::arg("lse").none(),
         nb::arg("num_splits"), nb::arg("workspace").none(), nb::arg("alibi_slopes").none(),
         nb::arg("softmax_scale"), nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"),
-        nb::arg("softcap"), nb::arg("backend"), nb::arg("num_threads"), nb::arg("stream"),
-        "Append k_new/v_new into the cache (in place), then attend. Returns the kernel that ran.");
+        nb::arg("softcap"), nb::arg("backend"), nb::arg("num_threads"), nb::arg("stream"), nb::arg("fp8_cache") = false,
+        nb::arg("k_scale") = 0.f, nb::arg("v_scale") = 0.f,
+        "Append k_new/v_new into the cache (in place), then attend. Returns the kernel that ran. fp8_cache: the "
+        "caches are uint8 views of float8 e4m3 codes, dequantised with k_scale / v_scale.");
   m.def("plan_kvcache", &plan_kvcache, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"),
         nb::arg("block_table").none(), nb::arg("cache_seqlens"), nb::arg("k_new").none(), nb::arg("v_new").none(),
         nb::arg("rotary_cos").none(), nb::arg("rotary_sin").none(), nb::arg("rotary_interleaved"), nb::arg("out"),
         nb::arg("lse").none(), nb::arg("num_splits"), nb::arg("alibi_slopes").none(), nb::arg("softmax_scale"),
         nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("softcap"), nb::arg("backend"),
+        nb::arg("fp8_cache") = false, nb::arg("k_scale") = 0.f, nb::arg("v_scale") = 0.f,
         "(num_splits, workspace_bytes) for this batch shape.");
   m.def("check_dense", &check_dense, nb::arg("q_shape"), nb::arg("k_shape"), nb::arg("v_shape"),
         nb::arg("q_dtype"), nb::arg("k_dtype"), nb::arg("v_dtype"), nb::arg("alibi_shape").none(),

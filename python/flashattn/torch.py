@@ -438,21 +438,36 @@ def _kvcache_impl(
     rotary_interleaved: bool,
     num_splits: int,
     backend: int,
+    k_scale: float = 0.0,
+    v_scale: float = 0.0,
 ) -> Tuple[Tensor, Tensor]:
     out_shape, lse_shape = _dense_out_shapes(q, v_cache)
     out = _empty(out_shape, q)
     lse = _empty(lse_shape, q, torch.float32)
+    # An FP8 (e4m3) cache crosses to the library as the uint8 view of its codes (the same storage: the append
+    # writes into the caller's cache), with its dequantisation scales.
+    fp8 = _is_fp8(k_cache) or _is_fp8(v_cache)
+    if fp8:
+        if not (_is_fp8(k_cache) and _is_fp8(v_cache)):
+            raise InvalidArgumentError("v_cache: an FP8 cache needs k_cache and v_cache both torch.float8_e4m3fn")
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     args = (q, k_cache, v_cache, block_table, cache_seqlens, k, v, rotary_cos, rotary_sin, rotary_interleaved,
             out, lse, num_splits)
     options = (softmax_scale, causal, window_left, window_right, softcap, backend)
+    cache_options = {"fp8_cache": fp8, "k_scale": float(k_scale), "v_scale": float(v_scale)}
     workspace = None
     if q.device.type == "cuda":
         # Plan once on the host, then run allocation-free with torch's memory.
-        num_splits, nbytes = _ext.plan_kvcache(*args, alibi_slopes, *options)
+        num_splits, nbytes = _ext.plan_kvcache(*args, alibi_slopes, *options, **cache_options)
         args = args[:-1] + (num_splits,)
         workspace = torch.empty((nbytes,), dtype=torch.uint8, device=q.device) if nbytes > 0 else None
-    _ext.kvcache(*args, workspace, alibi_slopes, *options, 0, _stream(q))
+    _ext.kvcache(*args, workspace, alibi_slopes, *options, 0, _stream(q), **cache_options)
     return out, lse
+
+
+def _is_fp8(t: Tensor) -> bool:
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    return fp8 is not None and t.dtype == fp8
 
 
 _kvcache = torch.library.custom_op("flashattn::kvcache", _kvcache_impl, mutates_args=("k_cache", "v_cache"))
@@ -460,7 +475,7 @@ _kvcache = torch.library.custom_op("flashattn::kvcache", _kvcache_impl, mutates_
 
 @_kvcache.register_fake
 def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, alibi_slopes, softmax_scale,
-      causal, window_left, window_right, softcap, rotary_interleaved, num_splits, backend):
+      causal, window_left, window_right, softcap, rotary_interleaved, num_splits, backend, k_scale=0.0, v_scale=0.0):
     out_shape, lse_shape = _dense_out_shapes(q, v_cache)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -656,6 +671,8 @@ def flash_attn_with_kvcache(
     return_softmax_lse=False,
     *,
     backend=None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Attention of q (B, Sq, Hq, D) against a KV cache, appending k/v (B, S_new, Hk, D) first.
 
@@ -666,6 +683,12 @@ def flash_attn_with_kvcache(
     + i when causal or windowed, else at cache_seqlens); attention then covers the first
     cache_seqlens[b] + S_new keys. cache_seqlens is an int or (B,) int32. No backward pass.
     Returns out, or (out, softmax_lse (B, Hq, Sq) float32) with return_softmax_lse.
+
+    FP8 cache (as vLLM's kv_cache_dtype="fp8_e4m3"): k_cache and v_cache of dtype torch.float8_e4m3fn with
+    q, k, v in float16 / bfloat16, and the per-tensor scales k_scale, v_scale (floats > 0; real value =
+    fp8 value * scale). Appended rows are quantised into the cache as e4m3(x / scale): x / scale in
+    float32, rounded to nearest even, saturating to +-448 (NaN stays NaN); attention reads the cache as
+    stored. With a 16-bit cache the scales are unused (None, 0 or 1).
     """
     if cache_batch_idx is not None:
         raise UnsupportedError("cache_batch_idx: not supported by flashattn; index the caches before the call")
@@ -683,8 +706,11 @@ def flash_attn_with_kvcache(
     left, right = _window(window_size)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     rotary_cos, rotary_sin = _last_dim_contiguous(rotary_cos), _last_dim_contiguous(rotary_sin)
+    if _is_fp8(k_cache) and (k_scale is None or v_scale is None):
+        raise InvalidArgumentError(("k_scale" if k_scale is None else "v_scale") + ": required with a float8_e4m3fn "
+                                   "cache (real value = fp8 value * scale)")
     run = _kvcache_impl if _eager() else _kvcache
     out, lse = run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, alibi_slopes,
                         _scale(softmax_scale), bool(causal), left, right, float(softcap), bool(rotary_interleaved),
-                        int(num_splits), backend_id(backend))
+                        int(num_splits), backend_id(backend), float(k_scale or 0.0), float(v_scale or 0.0))
     return (out, lse) if return_softmax_lse else out

@@ -49,7 +49,7 @@ Status check_basic(const Arg& a) {
                       (long long)a.t.strides[a.t.ndim - 1]);
   const int device = raw_enum(a.t.device), dtype = raw_enum(a.t.dtype);
   if (device != FA_DEVICE_CPU && device != FA_DEVICE_CUDA) return FA_INVALID("%s: unknown device kind %d", a.name, device);
-  if (dtype < FA_FLOAT32 || dtype > FA_UINT8) return FA_INVALID("%s: unknown dtype %d", a.name, dtype);
+  if (dtype < FA_FLOAT32 || dtype > FA_FLOAT8_E4M3) return FA_INVALID("%s: unknown dtype %d", a.name, dtype);
   return Status();
 }
 
@@ -95,6 +95,10 @@ Status check_index(const Arg& a, const Arg& q, int ndim, const char* layout) {
 
 Status check_float_input(const Arg& a, const Arg& q) {
   FA_RETURN_IF_ERROR(check_basic(a));
+  if (a.t.dtype == FA_FLOAT8_E4M3)
+    return FA_INVALID("%s: dtype must be float32, float16 or bfloat16, got float8_e4m3 (float8_e4m3 is accepted only for "
+                      "fa_kvcache's k_cache and v_cache)",
+                      a.name);
   if (a.t.dtype != FA_FLOAT32 && a.t.dtype != FA_FLOAT16 && a.t.dtype != FA_BFLOAT16)
     return FA_INVALID("%s: dtype must be float32, float16 or bfloat16, got %s", a.name, dtype_name(a.t.dtype));
   if (&a.t != &q.t) {
@@ -241,6 +245,9 @@ Status fill_core(const Core& c, const fa_options& options, AttentionParams* p) {
     return FA_INVALID("%s: cu_seqlens_q and cu_seqlens_k must be given together (variable-length layout)",
                       c.cu_seqlens_q.data == nullptr ? "cu_seqlens_q" : "cu_seqlens_k");
   p->dtype = c.q.dtype;
+  p->kv_dtype = c.q.dtype;  // make_kvcache_params sets an FP8 cache's dtype and scales after this
+  p->k_scale = 1.f;
+  p->v_scale = 1.f;
   p->device = c.q.device;
   p->device_id = c.q.device_id;
 
@@ -483,15 +490,45 @@ Status make_kvcache_params(const fa_kvcache_args& a, const fa_options& options, 
   FA_RETURN_IF_ERROR(check_ndim(q, 4, "(B, Sq, Hq, D)"));
   const bool paged = a.block_table.data != nullptr;
   const char* cache_layout = paged ? "(num_blocks, block_size, Hk, D)" : "(B, S_cache, Hk, D)";
-  FA_RETURN_IF_ERROR(check_float_input(kc, q));
-  FA_RETURN_IF_ERROR(check_float_input(vc, q));
+  // An FP8 cache (k_cache and v_cache together) with 16-bit q, and its scales; a 16-bit cache leaves them 0 or 1.
+  FA_RETURN_IF_ERROR(check_basic(kc));
+  FA_RETURN_IF_ERROR(check_basic(vc));
+  const bool fp8_cache = a.k_cache.dtype == FA_FLOAT8_E4M3 || a.v_cache.dtype == FA_FLOAT8_E4M3;
+  const struct {
+    const char* name;
+    float value;
+  } scales[] = {{"k_scale", a.k_scale}, {"v_scale", a.v_scale}};
+  if (fp8_cache) {
+    if (a.k_cache.dtype != a.v_cache.dtype) {
+      const bool k_is_fp8 = a.k_cache.dtype == FA_FLOAT8_E4M3;
+      return FA_INVALID("%s: an FP8 cache needs k_cache and v_cache both float8_e4m3, got %s", k_is_fp8 ? "v_cache" : "k_cache",
+                        dtype_name(k_is_fp8 ? a.v_cache.dtype : a.k_cache.dtype));
+    }
+    if (a.q.dtype != FA_FLOAT16 && a.q.dtype != FA_BFLOAT16)
+      return FA_INVALID("q: dtype must be float16 or bfloat16 with a float8_e4m3 cache, got %s", dtype_name(a.q.dtype));
+    for (const auto& sc : scales)
+      if (!(sc.value > 0.f) || !std::isfinite(sc.value))
+        return FA_INVALID("%s: must be finite and > 0 with a float8_e4m3 cache (real value = fp8 value * scale), got %g",
+                          sc.name, double(sc.value));
+    FA_RETURN_IF_ERROR(check_same_device(kc, q));
+    FA_RETURN_IF_ERROR(check_same_device(vc, q));
+  } else {
+    FA_RETURN_IF_ERROR(check_float_input(kc, q));
+    FA_RETURN_IF_ERROR(check_float_input(vc, q));
+    for (const auto& sc : scales)
+      if (sc.value != 0.f && sc.value != 1.f)
+        return FA_INVALID("%s: applies to a float8_e4m3 cache only; with a %s cache it must be 0 or 1 (no scale), got %g",
+                          sc.name, dtype_name(a.k_cache.dtype), double(sc.value));
+  }
   FA_RETURN_IF_ERROR(check_ndim(kc, 4, cache_layout));
   FA_RETURN_IF_ERROR(check_ndim(vc, 4, cache_layout));
-  // The cache as k / v of a forward problem (paged through block_table, or contiguous per batch).
+  // The cache as k / v of a forward problem (paged through block_table, or contiguous per batch); an FP8
+  // cache goes through the shape rules under q's dtype, and gets its own dtype and scales afterwards.
   fa_forward_args f{};
   f.q = a.q;
   f.k = a.k_cache;
   f.v = a.v_cache;
+  if (fp8_cache) f.k.dtype = f.v.dtype = a.q.dtype;
   f.out = a.out;
   f.lse = a.lse;
   f.block_table = a.block_table;
@@ -505,6 +542,11 @@ Status make_kvcache_params(const fa_kvcache_args& a, const fa_options& options, 
     if (m.rfind("k: ", 0) == 0) m = "k_cache: " + m.substr(3);
     else if (m.rfind("v: ", 0) == 0) m = "v_cache: " + m.substr(3);
     return Status(s.code(), m);
+  }
+  if (fp8_cache) {
+    p->kv_dtype = FA_FLOAT8_E4M3;
+    p->k_scale = a.k_scale;
+    p->v_scale = a.v_scale;
   }
   const int capacity = p->seqlen_k;
 

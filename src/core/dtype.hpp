@@ -1,10 +1,12 @@
 // Host-side element types and conversions (IEEE binary16 and bfloat16 <-> float), exact and
-// round-to-nearest-even, with NaN and Inf preserved. CUDA code uses the CUDA types instead.
+// round-to-nearest-even, with NaN and Inf preserved; float8 e4m3 through core/fp8.hpp (saturating).
+// CUDA code uses the CUDA types instead.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
+#include "core/fp8.hpp"
 #include "flashattn/flashattn.h"
 
 namespace flashattn {
@@ -16,6 +18,7 @@ inline int64_t dtype_size(fa_dtype t) {
     case FA_BFLOAT16: return 2;
     case FA_INT32: return 4;
     case FA_UINT8: return 1;
+    case FA_FLOAT8_E4M3: return 1;
   }
   return 0;
 }
@@ -27,6 +30,7 @@ inline const char* dtype_name(fa_dtype t) {
     case FA_BFLOAT16: return "bfloat16";
     case FA_INT32: return "int32";
     case FA_UINT8: return "uint8";
+    case FA_FLOAT8_E4M3: return "float8_e4m3";
   }
   return "unknown";
 }
@@ -93,14 +97,17 @@ inline float load_as_float(const void* base, int64_t index, fa_dtype t) {
   switch (t) {
     case FA_FLOAT16: return to_float(static_cast<const f16*>(base)[index]);
     case FA_BFLOAT16: return to_float(static_cast<const bf16*>(base)[index]);
+    case FA_FLOAT8_E4M3: return e4m3_to_float(static_cast<const uint8_t*>(base)[index]);  // the code's value, unscaled
     default: return static_cast<const float*>(base)[index];
   }
 }
-// Writes element `index` of a floating tensor of dtype t, rounding to nearest even.
+// Writes element `index` of a floating tensor of dtype t, rounding to nearest even (e4m3: saturating
+// to +-448, core/fp8.hpp).
 inline void store_from_float(void* base, int64_t index, fa_dtype t, float value) {
   switch (t) {
     case FA_FLOAT16: static_cast<f16*>(base)[index] = to_f16(value); break;
     case FA_BFLOAT16: static_cast<bf16*>(base)[index] = to_bf16(value); break;
+    case FA_FLOAT8_E4M3: static_cast<uint8_t*>(base)[index] = float_to_e4m3(value); break;  // saturating
     default: static_cast<float*>(base)[index] = value; break;
   }
 }

@@ -40,6 +40,10 @@ struct AttentionParams {
   int64_t k_batch_stride, k_row_stride, k_head_stride;
   const void* v;
   int64_t v_batch_stride, v_row_stride, v_head_stride;
+  // element type of k and v: `dtype`, except an FP8 KV cache of fa_kvcache (FA_FLOAT8_E4M3), whose values are
+  // dequantised as code value * k_scale / v_scale (both 1 otherwise)
+  fa_dtype kv_dtype;
+  float k_scale, v_scale;
   // out: layout of q with Dv
   void* out;
   int64_t out_batch_stride, out_row_stride, out_head_stride;

@@ -131,24 +131,28 @@ Status choose_kernel(KernelKind kind, const AttentionParams& p, const DeviceLimi
     return error(FA_ERROR_NOT_COMPILED, "q: cuda:%d is sm_%d%d, but this build holds kernels for \"%s\" only", device.device,
                  device.sm_major, device.sm_minor, arch_list.c_str());
   const bool dropout = p.dropout_p > 0.f;
+  // An FP8 KV cache (kvcache only; validate.cpp rejects it elsewhere) has rows of its own: never a 16-bit row.
+  const bool fp8_cache = p.kv_dtype == FA_FLOAT8_E4M3;
   std::set<int> compiled;
   int bucket = -1;  // the smallest compiled head dim >= D
   for (int r = 0; r < count; ++r) {
     const KernelEntry& e = table[r];
-    if (e.kind != kind || e.dtype != p.dtype || e.dropout != dropout) continue;
+    if (e.kind != kind || e.dtype != p.dtype || e.dropout != dropout || e.fp8_cache != fp8_cache) continue;
     compiled.insert(e.head_dim);
     if (e.head_dim >= p.head_dim && (bucket < 0 || e.head_dim < bucket)) bucket = e.head_dim;
   }
   if (bucket < 0)
     return error(FA_ERROR_NOT_COMPILED,
-                 "q: head dim %d is not compiled for the cuda %s (%s%s); compiled head dims: %s (any D %% 8 == 0 up to "
+                 "q: head dim %d is not compiled for the cuda %s (%s%s%s); compiled head dims: %s (any D %% %d == 0 up to "
                  "a compiled one runs in that one)",
-                 p.head_dim, kind_name(kind), dtype_name(p.dtype), dropout ? ", dropout" : "", join_ints(compiled).c_str());
+                 p.head_dim, kind_name(kind), dtype_name(p.dtype), dropout ? ", dropout" : "",
+                 fp8_cache ? ", float8_e4m3 cache" : "", join_ints(compiled).c_str(), fp8_cache ? 16 : 8);
   // Rows of the bucket come in the manifest's order of preference: the first whose shared memory fits.
   int smallest = -1;
   for (int r = 0; r < count; ++r) {
     const KernelEntry& e = table[r];
-    if (e.kind != kind || e.dtype != p.dtype || e.dropout != dropout || e.head_dim != bucket) continue;
+    if (e.kind != kind || e.dtype != p.dtype || e.dropout != dropout || e.fp8_cache != fp8_cache || e.head_dim != bucket)
+      continue;
     if (e.smem_bytes <= device.smem_per_block_optin) {
       *index = r;
       return Status();
@@ -173,12 +177,16 @@ std::string compiled_arch_list() { return FLASHATTN_CUDA_ARCH_LIST; }
 std::string compiled_kernels_summary() {
   std::string s;
   for (KernelKind kind : {KernelKind::kForward, KernelKind::kBackward, KernelKind::kKvcache}) {
-    std::set<int> dims;
+    std::set<int> dims, fp8_dims;
     std::set<std::string> dtypes;
     bool dropout = false;
     for (int r = 0; r < generated::kKernelCount; ++r) {
       const KernelEntry& e = generated::kKernelTable[r];
       if (e.kind != kind) continue;
+      if (e.fp8_cache) {
+        fp8_dims.insert(e.head_dim);
+        continue;
+      }
       dims.insert(e.head_dim);
       dtypes.insert(dtype_name(e.dtype));
       dropout = dropout || e.dropout;
@@ -192,6 +200,7 @@ std::string compiled_kernels_summary() {
     }
     s += types + " x D {" + join_ints(dims) + "} (D % 8 == 0 runs in the next compiled D, zero-padded)" +
          (dropout ? ", with dropout" : "");
+    if (!fp8_dims.empty()) s += "; float8_e4m3 cache: D {" + join_ints(fp8_dims) + "} (D % 16 == 0)";
   }
   return "kernels: " + s;
 }

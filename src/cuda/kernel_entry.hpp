@@ -25,6 +25,7 @@ struct KernelEntry {
   const char* name;     // also the name of its generated launch function
   int warp_keys = 16;   // backward: keys per warp (16 or 32); 16 for the other kinds
   int group_warps = 1;  // forward: warps sharing a group of query rows (1 or 2); 1 for the other kinds
+  bool fp8_cache = false;  // kvcache: reads (and appends to) a float8 e4m3 K/V cache; q / out are `dtype`
 };
 
 // The launch functions of one row (exactly one is set, by kind). `stream` is a cudaStream_t.

@@ -140,6 +140,18 @@ DECODE_TILES = {
 }
 DECODE_DTYPES = ["f16", "bf16"]
 
+# ---- decode with an FP8 (e4m3) K/V cache: same kernel, cache tiles staged as fp8 and converted in shared memory
+# (decode_kernel.cuh). smem = (block_m + 2 * block_n) * D * 2 (Q and the converted K / V tile) + 2 * stages *
+# block_n * D (the fp8 ring). An fp8 stage is half the bytes, so D <= 128 take 4 stages (the same bytes in
+# flight as the 16-bit rows); D = 256 keeps 2 (136 KiB: fits sm_80's 163 KiB). Only the common head dims are
+# compiled (build time); others are a NOT_COMPILED error. Untuned: the lead measures on the H200.
+DECODE_FP8_TILES = {
+    (64, False): Tile(16, 128, 4, 4),    # 98 KiB
+    (128, False): Tile(16, 64, 4, 4),    # 100 KiB
+    (256, False): Tile(16, 64, 4, 2),    # 136 KiB
+}
+DECODE_FP8_DTYPES = ["f16", "bf16"]  # q's dtype; the cache is float8 e4m3
+
 
 @dataclass(frozen=True)
 class Kernel:
@@ -148,19 +160,24 @@ class Kernel:
     head_dim: int
     tile: Tile
     dropout: bool
+    fp8_cache: bool = False  # decode only: the K/V cache is float8 e4m3 (q / out in dtype)
 
     @property
     def name(self):
         t = self.tile
         flags = "_dropout" if self.dropout else ""
         keys = f"k{t.warp_keys}" if t.warp_keys != 16 else ""
+        keys = f"k{t.warp_keys}" if t.warp_keys != 16 else ""
         groups = f"g{t.group_warps}" if t.group_warps != 1 else ""
-        return (f"{self.kind}_sm80_{self.dtype}_d{self.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}"
+        cache = "_e4m3" if self.fp8_cache else ""
+        return (f"{self.kind}_sm80_{self.dtype}{cache}_d{self.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}"
                 f"s{t.stages}{keys}{groups}{flags}")
 
     @property
     def smem_bytes(self):
         t = self.tile
+        if self.fp8_cache:  # Q and the converted K / V tile (16-bit), then stages x (K, V) in fp8
+            return (t.block_m + 2 * t.block_n) * self.head_dim * 2 + 2 * t.stages * t.block_n * self.head_dim
         if self.kind in ("fwd", "dec"):  # Q, then stages x (K, V), then (warp groups) P and row statistics
             exchange = t.block_m * t.block_n * 2 + t.block_m * t.group_warps * 4 if t.group_warps > 1 else 0
             return (t.block_m + 2 * t.stages * t.block_n) * self.head_dim * 2 + exchange
@@ -172,8 +189,10 @@ class Kernel:
 
 def kernels():
     rows = []
-    for kind, tiles, dtypes in (("fwd", FORWARD_TILES, FORWARD_DTYPES), ("bwd", BACKWARD_TILES, BACKWARD_DTYPES),
-                                ("dec", DECODE_TILES, DECODE_DTYPES)):
+    for kind, tiles, dtypes, fp8_cache in (("fwd", FORWARD_TILES, FORWARD_DTYPES, False),
+                                           ("bwd", BACKWARD_TILES, BACKWARD_DTYPES, False),
+                                           ("dec", DECODE_TILES, DECODE_DTYPES, False),
+                                           ("dec", DECODE_FP8_TILES, DECODE_FP8_DTYPES, True)):
         for dtype in dtypes:
             for (head_dim, dropout), choices in sorted(tiles.items()):
                 for tile in (choices if isinstance(choices, list) else [choices]):
@@ -202,7 +221,9 @@ def kernels():
                     assert tile.stages in (1, 2) or kind == "dec"
                     assert tile.warp_keys == 16 or kind == "bwd", f"{kind} d{head_dim}: warp_keys is a backward tile field"
                     assert tile.group_warps == 1 or kind == "fwd", f"{kind} d{head_dim}: group_warps is a forward tile field"
-                    rows.append(Kernel(kind, dtype, head_dim, tile, dropout))
+                    if fp8_cache:
+                        assert head_dim % 64 == 0, f"{kind} d{head_dim} e4m3: the fp8 staging tile needs D % 64 == 0"
+                    rows.append(Kernel(kind, dtype, head_dim, tile, dropout, fp8_cache))
     return rows
 
 
@@ -212,6 +233,8 @@ def kernel_cu(k):
     t = k.tile
     extra = f", {t.warp_keys}" if t.warp_keys != 16 or t.group_warps != 1 else ""
     extra += f", {t.group_warps}" if t.group_warps != 1 else ""
+    if k.fp8_cache:
+        extra = ", true"  # DecodeConfig's kFp8Cache
     config = (f"{CONFIG_TYPES.get(k.kind, 'KernelConfig')}<{element}, {k.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
               f"{'true' if k.dropout else 'false'}{extra}>")
     return f"""// {BANNER}
@@ -231,13 +254,14 @@ def kernel_table_hpp(rows):
              "#pragma once", "", '#include "cuda/kernel_entry.hpp"', "",
              "namespace flashattn::cuda::generated {", "",
              "inline constexpr KernelEntry kKernelTable[] = {",
-             "    // kind, dtype, head dim, block_m, block_n, warps, stages, dropout, smem bytes, name, warp keys, group warps"]
+             "    // kind, dtype, head dim, block_m, block_n, warps, stages, dropout, smem bytes, name, warp keys, group warps, fp8 cache"]
     for k in rows:
         _, fa_dtype = DTYPES[k.dtype]
         kind = {"fwd": "KernelKind::kForward", "bwd": "KernelKind::kBackward", "dec": "KernelKind::kKvcache"}[k.kind]
         t = k.tile
         lines.append(f"    {{{kind}, {fa_dtype}, {k.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
-                     f"{'true' if k.dropout else 'false'}, {k.smem_bytes}, \"{k.name}\", {t.warp_keys}, {t.group_warps}}},")
+                     f"{'true' if k.dropout else 'false'}, {k.smem_bytes}, \"{k.name}\", {t.warp_keys}, {t.group_warps}, "
+                     f"{'true' if k.fp8_cache else 'false'}}},")
     if not rows:
         lines.append("    {}")
     lines += ["};", f"inline constexpr int kKernelCount = {len(rows)};", "",

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/fp8.hpp"
 #include "testing.hpp"
 
 namespace flashattn {
@@ -32,6 +33,8 @@ struct KvCase {
   int num_splits = 0;
   int num_threads = 2;
   fa_dtype dtype = FA_FLOAT32;
+  bool fp8 = false;                     // k_cache / v_cache float8 e4m3 with these scales (dtype 16-bit)
+  float k_scale = 0.05f, v_scale = 0.03f;
   std::string to_string() const {
     std::string s = "B=" + std::to_string(batch) + " Sq=" + std::to_string(seqlen_q) + " Hq=" + std::to_string(heads_q) +
                     " Hk=" + std::to_string(heads_k) + " D=" + std::to_string(head_dim) + " new=" + std::to_string(seqlen_new) +
@@ -39,6 +42,7 @@ struct KvCase {
                     std::to_string(causal) + " window=(" + std::to_string(window_left) + "," + std::to_string(window_right) +
                     ") splits=" + std::to_string(num_splits) + " cached=[";
     for (int c : cached) s += std::to_string(c) + ",";
+    if (fp8) s += " fp8 k_scale=" + std::to_string(k_scale) + " v_scale=" + std::to_string(v_scale);
     return s + "]";
   }
 };
@@ -47,8 +51,11 @@ struct KvCase {
 struct KvTensors {
   HostTensor q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, cos, sin, out, lse, slopes;
   bool rotary_interleaved = false;
+  float k_scale = 0.f, v_scale = 0.f;  // an FP8 cache's scales (0: a 16-bit cache)
   fa_kvcache_args args() {
     fa_kvcache_args a{};
+    a.k_scale = k_scale;
+    a.v_scale = v_scale;
     a.q = q.view();
     a.k_cache = k_cache.view();
     a.v_cache = v_cache.view();
@@ -72,24 +79,30 @@ struct KvTensors {
 KvTensors make_kv(const KvCase& c, std::mt19937_64& rng) {
   KvTensors t;
   const int d = c.head_dim;
+  const fa_dtype cache_dtype = c.fp8 ? FA_FLOAT8_E4M3 : c.dtype;
+  if (c.fp8) {
+    t.k_scale = c.k_scale;
+    t.v_scale = c.v_scale;
+  }
   t.q = HostTensor({c.batch, c.seqlen_q, c.heads_q, d}, c.dtype);
   t.q.fill_normal(rng);
   if (c.block_size == 0) {
-    t.k_cache = HostTensor({c.batch, c.capacity, c.heads_k, d}, c.dtype);
-    t.v_cache = HostTensor({c.batch, c.capacity, c.heads_k, d}, c.dtype);
+    t.k_cache = HostTensor({c.batch, c.capacity, c.heads_k, d}, cache_dtype);
+    t.v_cache = HostTensor({c.batch, c.capacity, c.heads_k, d}, cache_dtype);
   } else {
     const int per_seq = (c.capacity + c.block_size - 1) / c.block_size;
     const int blocks = c.batch * per_seq + 2;
-    t.k_cache = HostTensor({blocks, c.block_size, c.heads_k, d}, c.dtype);
-    t.v_cache = HostTensor({blocks, c.block_size, c.heads_k, d}, c.dtype);
+    t.k_cache = HostTensor({blocks, c.block_size, c.heads_k, d}, cache_dtype);
+    t.v_cache = HostTensor({blocks, c.block_size, c.heads_k, d}, cache_dtype);
     std::vector<int32_t> ids(static_cast<size_t>(blocks));
     for (int n = 0; n < blocks; ++n) ids[size_t(n)] = n;
     std::shuffle(ids.begin(), ids.end(), rng);
     t.block_table = HostTensor({c.batch, per_seq}, FA_INT32);
     for (int n = 0; n < c.batch * per_seq; ++n) t.block_table.set_int(n, ids[size_t(n)]);
   }
-  t.k_cache.fill_normal(rng);
-  t.v_cache.fill_normal(rng);
+  // FP8: codes of standard deviation 1 / scale, so the real (dequantised) values have about 1
+  t.k_cache.fill_normal(rng, c.fp8 ? 1.0 / c.k_scale : 1.0);
+  t.v_cache.fill_normal(rng, c.fp8 ? 1.0 / c.v_scale : 1.0);
   t.cache_seqlens = HostTensor({c.batch}, FA_INT32);
   for (int b = 0; b < c.batch; ++b) t.cache_seqlens.set_int(b, c.cached[size_t(b)]);
   if (c.seqlen_new > 0) {
@@ -397,9 +410,57 @@ TEST(CpuKvcache, AppendEqualsAttentionOverConcatenation) {
       }
 }
 
-// fp16 / bf16 against the float64 oracle under the same-precision rule. Without rotary, attention
-// over the appended cache is a varlen forward over [cache; new] (bottom-right aligned the same way),
-// which fa_test's oracle knows how to judge.
+// Runs the case on the flash backend, then judges its out / lse against the float64 oracle under the
+// same-precision rule. Without rotary, attention over the appended cache is a varlen forward over
+// [cache; new] (bottom-right aligned the same way), which fa_test's oracle knows how to judge; the keys and
+// values are read back from the cache as stored (an FP8 cache dequantised: with power-of-two scales the
+// values are exact in the 16-bit dtype, so the oracle and the naive baseline see exactly what the cache holds).
+void expect_kvcache_like_oracle(const KvCase& c, const std::string& what) {
+  auto rng = fa_test::make_rng(what + c.to_string());
+  KvTensors t = make_kv(c, rng);
+  const fa_options o = kv_options(c, FA_BACKEND_CPU_FLASH, t);
+  ASSERT_TRUE(kvcache(t.args(), o).ok());
+  fa_test::Problem pr;
+  pr.batch = c.batch;
+  pr.heads_q = c.heads_q;
+  pr.heads_k = c.heads_k;
+  pr.head_dim = c.head_dim;
+  pr.dtype = c.dtype;
+  pr.varlen_q.assign(size_t(c.batch), c.seqlen_q);
+  for (int b = 0; b < c.batch; ++b) pr.varlen_k.push_back(c.cached[size_t(b)] + c.seqlen_new);
+  fa_test::Tensors v = fa_test::make_tensors(pr, rng);
+  const double k_scale = c.fp8 ? c.k_scale : 1.0, v_scale = c.fp8 ? c.v_scale : 1.0;
+  const int row = c.heads_k * c.head_dim;
+  int64_t k0 = 0;
+  for (int b = 0; b < c.batch; ++b) {
+    for (int j = 0; j < pr.varlen_k[size_t(b)]; ++j) {
+      int64_t src_row = int64_t(b) * c.capacity + j;
+      if (c.block_size > 0)
+        src_row = int64_t(t.block_table.get_int(int64_t(b) * t.block_table.shape()[1] + j / c.block_size)) * c.block_size +
+                  j % c.block_size;
+      for (int x = 0; x < row; ++x) {
+        const double kv = t.k_cache.get(src_row * row + x) * k_scale, vv = t.v_cache.get(src_row * row + x) * v_scale;
+        v.k.set((k0 + j) * row + x, kv);
+        v.v.set((k0 + j) * row + x, vv);
+        ASSERT_EQ(v.k.get((k0 + j) * row + x), kv) << "the test needs dequantised values exact in the 16-bit dtype";
+        ASSERT_EQ(v.v.get((k0 + j) * row + x), vv) << "the test needs dequantised values exact in the 16-bit dtype";
+      }
+    }
+    k0 += pr.varlen_k[size_t(b)];
+  }
+  for (int64_t x = 0; x < v.q.numel(); ++x) v.q.set(x, t.q.get(x));
+  fa_options oracle_options = fa_test::options_for(FA_BACKEND_CPU_REFERENCE);
+  oracle_options.causal = c.causal;
+  const fa_test::Oracle oracle = fa_test::run_oracle(v, oracle_options, false);
+  // kvcache's out (B, Sq, Hq, D) and lse (B, Hq, Sq) in varlen layout (B*Sq, Hq, D), (Hq, B*Sq)
+  for (int64_t x = 0; x < v.out.numel(); ++x) v.out.set(x, t.out.get(x));
+  for (int b = 0; b < c.batch; ++b)
+    for (int h = 0; h < c.heads_q; ++h)
+      for (int i = 0; i < c.seqlen_q; ++i)
+        v.lse.set(int64_t(h) * c.batch * c.seqlen_q + b * c.seqlen_q + i, t.lse.get((int64_t(b) * c.heads_q + h) * c.seqlen_q + i));
+  fa_test::expect_forward_matches(what + " [" + c.to_string() + "]", v, oracle, c.dtype);
+}
+
 TEST(CpuKvcache, HalfPrecisionAgainstOracle) {
   for (const fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
     for (const int block_size : {0, 16}) {
@@ -410,46 +471,200 @@ TEST(CpuKvcache, HalfPrecisionAgainstOracle) {
       c.seqlen_new = 3;
       c.causal = true;
       c.cached = {200, 57};
-      auto rng = fa_test::make_rng("kv half");
-      KvTensors t = make_kv(c, rng);
-      const fa_options o = kv_options(c, FA_BACKEND_CPU_FLASH, t);
-      ASSERT_TRUE(kvcache(t.args(), o).ok());
-      // The same problem as varlen: q rows, and each sequence's keys read back from the cache.
-      fa_test::Problem pr;
-      pr.batch = c.batch;
-      pr.heads_q = c.heads_q;
-      pr.heads_k = c.heads_k;
-      pr.head_dim = c.head_dim;
-      pr.dtype = dtype;
-      pr.varlen_q.assign(size_t(c.batch), c.seqlen_q);
-      for (int b = 0; b < c.batch; ++b) pr.varlen_k.push_back(c.cached[size_t(b)] + c.seqlen_new);
-      fa_test::Tensors v = fa_test::make_tensors(pr, rng);
-      const int row = c.heads_k * c.head_dim;
-      int64_t k0 = 0;
-      for (int b = 0; b < c.batch; ++b) {
-        for (int j = 0; j < pr.varlen_k[size_t(b)]; ++j) {
-          int64_t src_row = int64_t(b) * c.capacity + j;
-          if (block_size > 0) src_row = int64_t(t.block_table.get_int(int64_t(b) * t.block_table.shape()[1] + j / block_size)) * block_size + j % block_size;
-          for (int x = 0; x < row; ++x) {
-            v.k.set((k0 + j) * row + x, t.k_cache.get(src_row * row + x));
-            v.v.set((k0 + j) * row + x, t.v_cache.get(src_row * row + x));
-          }
-        }
-        k0 += pr.varlen_k[size_t(b)];
-      }
-      for (int64_t x = 0; x < v.q.numel(); ++x) v.q.set(x, t.q.get(x));
-      fa_options oracle_options = fa_test::options_for(FA_BACKEND_CPU_REFERENCE);
-      oracle_options.causal = 1;
-      const fa_test::Oracle oracle = fa_test::run_oracle(v, oracle_options, false);
-      // kvcache's out (B, Sq, Hq, D) and lse (B, Hq, Sq) in varlen layout (B*Sq, Hq, D), (Hq, B*Sq)
-      for (int64_t x = 0; x < v.out.numel(); ++x) v.out.set(x, t.out.get(x));
-      for (int b = 0; b < c.batch; ++b)
-        for (int h = 0; h < c.heads_q; ++h)
-          for (int i = 0; i < c.seqlen_q; ++i)
-            v.lse.set(int64_t(h) * c.batch * c.seqlen_q + b * c.seqlen_q + i,
-                      t.lse.get((int64_t(b) * c.heads_q + h) * c.seqlen_q + i));
-      fa_test::expect_forward_matches("kvcache 16-bit block " + std::to_string(block_size), v, oracle, dtype);
+      expect_kvcache_like_oracle(c, "kvcache 16-bit block " + std::to_string(block_size));
     }
+}
+
+// ---- FP8 (e4m3) caches ----
+
+KvCase fp8_case(fa_dtype dtype) {
+  KvCase c;
+  c.dtype = dtype;
+  c.fp8 = true;
+  return c;
+}
+
+// Flash == reference (appended bytes identical, out / lse within the 16-bit rule) over contiguous and
+// paged caches (block sizes 1, 3, 16, 256), decode and GQA / MQA, with a scale that is not a power of two.
+TEST(CpuKvcacheFp8, ContiguousAndPagedLikeReference) {
+  for (const fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
+    for (const int block_size : {0, 1, 3, 16, 256}) {
+      KvCase c = fp8_case(dtype);
+      c.block_size = block_size;
+      c.seqlen_new = 1;
+      expect_kvcache_like_reference(c, "fp8 decode");
+      c.causal = true;
+      c.heads_k = 1;  // MQA
+      c.seqlen_q = 3;
+      c.seqlen_new = 3;
+      expect_kvcache_like_reference(c, "fp8 causal mqa Sq 3");
+    }
+}
+
+TEST(CpuKvcacheFp8, RotarySplitsAndShortSequences) {
+  for (const int rotary : {1, 2}) {
+    KvCase c = fp8_case(FA_BFLOAT16);
+    c.rotary = rotary;
+    c.causal = true;
+    c.seqlen_q = 4;
+    c.seqlen_new = 4;
+    c.block_size = rotary == 1 ? 16 : 0;
+    expect_kvcache_like_reference(c, "fp8 rotary");
+  }
+  KvCase empty = fp8_case(FA_FLOAT16);  // cache lengths 0 and 1, with and without an append
+  empty.batch = 3;
+  empty.cached = {0, 1, 0};
+  expect_kvcache_like_reference(empty, "fp8 lengths 0 and 1");
+  empty.seqlen_new = 1;
+  empty.block_size = 1;
+  expect_kvcache_like_reference(empty, "fp8 appended to lengths 0 and 1");
+  for (const int splits : {1, 3, 8}) {
+    KvCase c = fp8_case(FA_FLOAT16);
+    c.batch = 1;
+    c.capacity = 1100;
+    c.cached = {1037};
+    c.seqlen_new = 2;
+    c.seqlen_q = 2;
+    c.causal = true;
+    c.num_splits = splits;
+    expect_kvcache_like_reference(c, "fp8 splits " + std::to_string(splits));
+  }
+}
+
+// The appended codes are exactly e4m3(x / scale) of the new rows (nearest even, saturating): here the
+// scales are small enough that a good share of the new values saturate to +-448.
+TEST(CpuKvcacheFp8, AppendQuantisesAndSaturates) {
+  for (const fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
+    for (const float k_scale : {0.05f, 0.004f}) {
+      KvCase c = fp8_case(dtype);
+      c.k_scale = k_scale;
+      c.v_scale = k_scale * 0.5f;
+      c.seqlen_q = 2;
+      c.seqlen_new = 5;
+      c.cached = {0, 123};
+      c.capacity = 200;
+      expect_kvcache_like_reference(c, "fp8 append");  // flash and reference write the same bytes
+      auto rng = fa_test::make_rng("fp8 append codes");
+      KvTensors t = make_kv(c, rng);
+      ASSERT_TRUE(kvcache(t.args(), kv_options(c, FA_BACKEND_CPU_FLASH, t)).ok());
+      const int row = c.heads_k * c.head_dim;
+      int saturated = 0;
+      for (int b = 0; b < c.batch; ++b)
+        for (int s = 0; s < c.seqlen_new; ++s)
+          for (int x = 0; x < row; ++x) {
+            const int64_t cache_index = (int64_t(b) * c.capacity + c.cached[size_t(b)] + s) * row + x;
+            const int64_t new_index = (int64_t(b) * c.seqlen_new + s) * row + x;
+            const float k = float(t.k_new.get(new_index)), v = float(t.v_new.get(new_index));
+            const uint8_t k_code = static_cast<const uint8_t*>(t.k_cache.data())[cache_index];
+            const uint8_t v_code = static_cast<const uint8_t*>(t.v_cache.data())[cache_index];
+            ASSERT_EQ(int(k_code), int(float_to_e4m3(k / c.k_scale))) << "k at " << b << "," << s << "," << x;
+            ASSERT_EQ(int(v_code), int(float_to_e4m3(v / c.v_scale))) << "v at " << b << "," << s << "," << x;
+            saturated += (k_code & 0x7F) == 0x7E;
+          }
+      if (k_scale < 0.01f) {
+        EXPECT_GT(saturated, 10) << "the small scale should saturate some values";
+      } else {
+        EXPECT_EQ(saturated, 0);
+      }
+    }
+}
+
+// Against the float64 oracle under the 16-bit same-precision rule (power-of-two scales: the dequantised values
+// are exact in the 16-bit dtype), contiguous and paged, decode and chunked prefill, after an append.
+TEST(CpuKvcacheFp8, AgainstOracle) {
+  for (const fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
+    for (const int block_size : {0, 16, 3}) {
+      KvCase c = fp8_case(dtype);
+      c.k_scale = 0.0625f;
+      c.v_scale = 0.03125f;
+      c.block_size = block_size;
+      c.seqlen_q = block_size == 3 ? 1 : 3;
+      c.seqlen_new = c.seqlen_q;
+      c.causal = true;
+      c.cached = {200, 57};
+      expect_kvcache_like_oracle(c, "kvcache fp8 block " + std::to_string(block_size));
+    }
+}
+
+// The public rules: FP8 only for the cache, with 16-bit q, scales finite and > 0 (16-bit caches: 0 or 1).
+TEST(CpuKvcacheFp8, Validation) {
+  KvCase c = fp8_case(FA_BFLOAT16);
+  c.seqlen_new = 1;
+  auto rng = fa_test::make_rng("fp8 validation");
+  KvTensors t = make_kv(c, rng);
+  const fa_options o = kv_options(c, FA_BACKEND_CPU_FLASH, t);
+  auto expect_invalid = [&](fa_kvcache_args a, const std::string& prefix, const std::string& fragment) {
+    const Status s = kvcache(a, o);
+    EXPECT_EQ(s.code(), FA_ERROR_INVALID_ARGUMENT) << prefix;
+    EXPECT_EQ(s.message().rfind(prefix, 0), 0u) << s.message();
+    EXPECT_NE(s.message().find(fragment), std::string::npos) << s.message();
+  };
+  ASSERT_TRUE(kvcache(t.args(), o).ok());
+  for (const float bad : {0.f, -1.f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    fa_kvcache_args a = t.args();
+    a.k_scale = bad;
+    expect_invalid(a, "k_scale:", "> 0");
+    a = t.args();
+    a.v_scale = bad;
+    expect_invalid(a, "v_scale:", "> 0");
+  }
+  HostTensor q8({c.batch, c.seqlen_q, c.heads_q, c.head_dim}, FA_FLOAT8_E4M3);
+  fa_kvcache_args a = t.args();
+  a.q = q8.view();
+  expect_invalid(a, "q:", "float8_e4m3 is accepted only for fa_kvcache's k_cache and v_cache");
+  HostTensor q32({c.batch, c.seqlen_q, c.heads_q, c.head_dim}, FA_FLOAT32);
+  a = t.args();
+  a.q = q32.view();
+  expect_invalid(a, "q:", "float16 or bfloat16 with a float8_e4m3 cache");
+  HostTensor k_new8(t.k_new.shape(), FA_FLOAT8_E4M3);
+  a = t.args();
+  a.k_new = k_new8.view();
+  expect_invalid(a, "k_new:", "float8_e4m3 is accepted only");
+  HostTensor out8(t.out.shape(), FA_FLOAT8_E4M3);
+  a = t.args();
+  a.out = out8.view();
+  expect_invalid(a, "out:", "float8_e4m3 is accepted only");
+  HostTensor v16(t.v_cache.shape(), FA_BFLOAT16);
+  a = t.args();
+  a.v_cache = v16.view();
+  expect_invalid(a, "v_cache:", "both float8_e4m3");
+  // 16-bit caches: scales 0 (unset) or 1 only
+  KvCase h = c;
+  h.fp8 = false;
+  KvTensors t16 = make_kv(h, rng);
+  for (const float fine : {0.f, 1.f}) {
+    fa_kvcache_args b = t16.args();
+    b.k_scale = b.v_scale = fine;
+    EXPECT_TRUE(kvcache(b, o).ok()) << fine;
+  }
+  fa_kvcache_args b = t16.args();
+  b.k_scale = 0.5f;
+  expect_invalid(b, "k_scale:", "must be 0 or 1");
+  b = t16.args();
+  b.v_scale = 2.f;
+  expect_invalid(b, "v_scale:", "must be 0 or 1");
+}
+
+// FP8 is rejected everywhere but the kvcache cache: forward and backward.
+TEST(CpuKvcacheFp8, ForwardAndBackwardRejectFp8) {
+  fa_test::Problem pr;
+  pr.dtype = FA_BFLOAT16;
+  auto rng = fa_test::make_rng("fp8 forward");
+  fa_test::Tensors t = fa_test::make_tensors(pr, rng);
+  HostTensor k8(t.k.shape(), FA_FLOAT8_E4M3);
+  fa_forward_args f = fa_test::forward_args(t);
+  f.k = k8.view();
+  for (const fa_backend backend : {FA_BACKEND_CPU_FLASH, FA_BACKEND_CPU_REFERENCE}) {
+    const Status s = forward(f, fa_test::options_for(backend));
+    EXPECT_EQ(s.code(), FA_ERROR_INVALID_ARGUMENT);
+    EXPECT_EQ(s.message().rfind("k: dtype must be", 0), 0u) << s.message();
+    EXPECT_NE(s.message().find("float8_e4m3 is accepted only"), std::string::npos) << s.message();
+  }
+  fa_backward_args bw = fa_test::backward_args(t);
+  bw.v = k8.view();
+  const Status s = backward(bw, fa_test::options_for(FA_BACKEND_CPU_FLASH));
+  EXPECT_EQ(s.code(), FA_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(s.message().rfind("v: dtype must be", 0), 0u) << s.message();
 }
 
 }  // namespace

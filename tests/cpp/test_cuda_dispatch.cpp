@@ -200,6 +200,7 @@ TEST(CudaDispatch, GeneratedTableIsConsistent) {
     EXPECT_TRUE(e.dtype == FA_FLOAT16 || e.dtype == FA_BFLOAT16) << e.name;
     EXPECT_EQ(e.head_dim % 32, 0) << e.name;
     EXPECT_EQ(e.block_n % 32, 0) << e.name;
+    EXPECT_TRUE(!e.fp8_cache || e.kind == KernelKind::kKvcache) << e.name << ": FP8 caches are a kvcache feature";
     if (e.kind == KernelKind::kForward) {
       ASSERT_TRUE(e.group_warps == 1 || e.group_warps == 2) << e.name;
       EXPECT_EQ(e.block_m % (16 * e.warps / e.group_warps), 0) << e.name;
@@ -214,7 +215,8 @@ TEST(CudaDispatch, GeneratedTableIsConsistent) {
       // Several rows of one (kind, dtype, D, dropout) are an order of preference by shared memory: a later
       // row must need less, or dispatch would never pick it.
       const KernelEntry& o = gen::kKernelTable[s];
-      if (o.kind == e.kind && o.dtype == e.dtype && o.head_dim == e.head_dim && o.dropout == e.dropout) {
+      if (o.kind == e.kind && o.dtype == e.dtype && o.head_dim == e.head_dim && o.dropout == e.dropout &&
+          o.fp8_cache == e.fp8_cache) {
         EXPECT_LT(e.smem_bytes, o.smem_bytes) << e.name << " comes after " << o.name << ": dispatch would never pick it";
       }
     }

@@ -6,6 +6,10 @@
 // reproduce bit for bit, rotary included); attention over the appended cache is then a varlen forward over
 // [cache; new] with bottom-right alignment, judged on the float64 reference forward (q rotated in double),
 // against the naive same-precision baseline (q rotated, rounded to the dtype, naive attention in the dtype).
+// FP8 caches: the oracle reads the appended codes dequantised (code * scale, float64 -> float32, one rounding far
+// below every 16-bit tolerance); the naive baseline attends over the codes themselves (exact in the 16-bit
+// dtype) with k_scale folded into the softmax scale and v_scale applied to its output, which is how any
+// same-precision FP8 kernel computes: so the error budget is the 16-bit cache's.
 // Without a GPU (CI) every test skips with a message.
 #include <gtest/gtest.h>
 
@@ -19,6 +23,7 @@
 #include <vector>
 
 #include "api/validate.hpp"
+#include "core/dtype.hpp"
 #include "cpu/reference/reference.hpp"
 #include "testing.hpp"
 
@@ -52,6 +57,8 @@ struct KvCase {
   int num_splits = 0;
   double input_std = 1.0;               // > 3: peaky softmax
   fa_dtype dtype = FA_BFLOAT16;
+  bool fp8 = false;                     // float8 e4m3 k_cache / v_cache with these scales
+  float k_scale = 0.05f, v_scale = 0.03f;
   std::string to_string() const {
     std::string s = std::string(dtype == FA_BFLOAT16 ? "bf16" : "f16") + " B=" + std::to_string(batch) + " Sq=" +
                     std::to_string(seqlen_q) + " Hq=" + std::to_string(heads_q) + " Hk=" + std::to_string(heads_k) +
@@ -62,6 +69,7 @@ struct KvCase {
                     std::to_string(softcap) + " alibi=" + std::to_string(alibi) + " splits=" + std::to_string(num_splits) +
                     " std=" + std::to_string(input_std) + " cached=[";
     for (int c : cached) s += std::to_string(c) + ",";
+    if (fp8) s += " fp8 k_scale=" + std::to_string(k_scale) + " v_scale=" + std::to_string(v_scale);
     return s + "]";
   }
 };
@@ -72,8 +80,11 @@ bool present(const HostTensor& t) { return !t.shape().empty(); }
 struct KvTensors {
   HostTensor q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, cos, sin, out, lse, slopes;
   bool rotary_interleaved = false;
+  float k_scale = 0.f, v_scale = 0.f;  // an FP8 cache's scales (0: a 16-bit cache)
   fa_kvcache_args args() {
     fa_kvcache_args a{};
+    a.k_scale = k_scale;
+    a.v_scale = v_scale;
     a.q = q.view();
     a.k_cache = k_cache.view();
     a.v_cache = v_cache.view();
@@ -97,18 +108,23 @@ struct KvTensors {
 KvTensors make_kv(const KvCase& c, std::mt19937_64& rng) {
   KvTensors t;
   const int d = c.head_dim;
+  const fa_dtype cache_dtype = c.fp8 ? FA_FLOAT8_E4M3 : c.dtype;
+  if (c.fp8) {
+    t.k_scale = c.k_scale;
+    t.v_scale = c.v_scale;
+  }
   t.q = HostTensor({c.batch, c.seqlen_q, c.heads_q, d}, c.dtype);
   t.q.fill_normal(rng, c.input_std);
   if (c.block_size == 0) {
     const int64_t row = int64_t(c.heads_k) * d + c.cache_row_pad;
     const std::vector<int64_t> strides = {c.capacity * row, row, d, 1};
-    t.k_cache = HostTensor({c.batch, c.capacity, c.heads_k, d}, strides, c.dtype);
-    t.v_cache = HostTensor({c.batch, c.capacity, c.heads_k, d}, strides, c.dtype);
+    t.k_cache = HostTensor({c.batch, c.capacity, c.heads_k, d}, strides, cache_dtype);
+    t.v_cache = HostTensor({c.batch, c.capacity, c.heads_k, d}, strides, cache_dtype);
   } else {
     const int per_seq = (c.capacity + c.block_size - 1) / c.block_size;
     const int blocks = c.batch * per_seq + 3;
-    t.k_cache = HostTensor({blocks, c.block_size, c.heads_k, d}, c.dtype);
-    t.v_cache = HostTensor({blocks, c.block_size, c.heads_k, d}, c.dtype);
+    t.k_cache = HostTensor({blocks, c.block_size, c.heads_k, d}, cache_dtype);
+    t.v_cache = HostTensor({blocks, c.block_size, c.heads_k, d}, cache_dtype);
     std::vector<int32_t> ids(static_cast<size_t>(blocks));
     for (int n = 0; n < blocks; ++n) ids[size_t(n)] = n;
     std::shuffle(ids.begin(), ids.end(), rng);
@@ -116,8 +132,9 @@ KvTensors make_kv(const KvCase& c, std::mt19937_64& rng) {
     for (int n = 0; n < c.batch * per_seq; ++n)
       t.block_table.set_int(n, c.repeat_blocks ? int32_t(rng() % uint64_t(blocks)) : ids[size_t(n)]);
   }
-  t.k_cache.fill_normal(rng, c.input_std);
-  t.v_cache.fill_normal(rng);
+  // FP8: codes of standard deviation std / scale, so the real (dequantised) values have about std
+  t.k_cache.fill_normal(rng, c.input_std / (c.fp8 ? c.k_scale : 1.0));
+  t.v_cache.fill_normal(rng, 1.0 / (c.fp8 ? c.v_scale : 1.0));
   t.cache_seqlens = HostTensor({c.batch}, FA_INT32);
   for (int b = 0; b < c.batch; ++b) t.cache_seqlens.set_int(b, c.cached[size_t(b)]);
   if (c.seqlen_new > 0) {
@@ -227,6 +244,8 @@ Expected expected_for(const KvCase& c, const KvTensors& pristine) {
       }
   HostTensor k_exact({std::max(total_k, 1), c.heads_k, d}, FA_FLOAT32), v_exact = k_exact;
   HostTensor k_naive({std::max(total_k, 1), c.heads_k, d}, c.dtype), v_naive = k_naive;
+  // FP8: the oracle's keys / values are the codes dequantised; the naive baseline's are the codes (see the header)
+  const double k_scale = c.fp8 ? c.k_scale : 1.0, v_scale = c.fp8 ? c.v_scale : 1.0;
   HostTensor cu_q({c.batch + 1}, FA_INT32), cu_k({c.batch + 1}, FA_INT32);
   int k0 = 0;
   for (int b = 0; b < c.batch; ++b) {
@@ -237,8 +256,8 @@ Expected expected_for(const KvCase& c, const KvTensors& pristine) {
         for (int x = 0; x < d; ++x) {
           const int64_t to = ((int64_t(k0) + j) * c.heads_k + hk) * d + x;
           const int64_t from = cache_index(c, e.after, b, j, hk, x);  // logical index: get() applies the strides
-          k_exact.set(to, e.after.k_cache.get(from));
-          v_exact.set(to, e.after.v_cache.get(from));
+          k_exact.set(to, e.after.k_cache.get(from) * k_scale);
+          v_exact.set(to, e.after.v_cache.get(from) * v_scale);
           k_naive.set(to, e.after.k_cache.get(from));
           v_naive.set(to, e.after.v_cache.get(from));
         }
@@ -272,11 +291,26 @@ Expected expected_for(const KvCase& c, const KvTensors& pristine) {
       for (int i = 0; i < c.seqlen_q; ++i)
         e.lse64[(size_t(b) * c.heads_q + h) * c.seqlen_q + i] = lse_exact.get(int64_t(h) * rows_q + b * c.seqlen_q + i);
   HostTensor out_naive({rows_q, c.heads_q, d}, c.dtype);
+  fa_options naive_options = fo;
+  if (c.fp8) {  // scores = scale * q . (code * k_scale): k_scale joins the softmax scale, in float as a kernel would
+    const float scale = c.softmax_scale != 0.f ? c.softmax_scale : float(1.0 / std::sqrt(double(d)));
+    naive_options.softmax_scale = scale * c.k_scale;
+  }
   flashattn::AttentionParams p;
-  const Status v = flashattn::api::make_forward_params(forward_args(q_naive, k_naive, v_naive, out_naive, nullptr), fo, &p);
+  const Status v =
+      flashattn::api::make_forward_params(forward_args(q_naive, k_naive, v_naive, out_naive, nullptr), naive_options, &p);
   EXPECT_TRUE(v.ok()) << v.to_string();
   EXPECT_TRUE(flashattn::cpu::reference::forward_naive_same_precision(p).ok());
   e.naive_out = out_naive.to_double();
+  // out = (P codes) * v_scale, delivered in the output dtype like every kernel's: the scaled value is rounded
+  // to it once more (a one-key row's out is code x v_scale, which the 16-bit dtype cannot hold: without this
+  // rounding the baseline's error there is ~0 and no 16-bit output could meet it; H200, 2026-11-30 11:22 UTC).
+  for (double& x : e.naive_out) {
+    x *= v_scale;
+    if (c.fp8)
+      x = c.dtype == FA_BFLOAT16 ? double(flashattn::to_float(flashattn::to_bf16(float(x))))
+                                 : double(flashattn::to_float(flashattn::to_f16(float(x))));
+  }
   return e;
 }
 
@@ -437,7 +471,13 @@ TEST(CudaKvcacheHarness, JudgesTheCpuFlashBackend) {
   KvCase empty;
   empty.batch = 3;
   empty.cached = {0, 1, 0};
-  for (const KvCase& c : {rotary, split, options, empty}) check_case("harness", c, FA_BACKEND_CPU_FLASH);
+  KvCase fp8 = rotary;  // FP8 cache, rotary append, paged
+  fp8.fp8 = true;
+  KvCase fp8_options = options;  // FP8, softcap / ALiBi / window, a strided contiguous cache
+  fp8_options.fp8 = true;
+  fp8_options.cache_row_pad = 32;
+  fp8_options.dtype = FA_FLOAT16;
+  for (const KvCase& c : {rotary, split, options, empty, fp8, fp8_options}) check_case("harness", c, FA_BACKEND_CPU_FLASH);
 
   auto rng = fa_test::make_rng("harness negative");
   const KvTensors pristine = make_kv(rotary, rng);
@@ -456,6 +496,25 @@ TEST(CudaKvcacheHarness, JudgesTheCpuFlashBackend) {
   const uint16_t bits = static_cast<const uint16_t*>(t.k_cache.data())[t.k_cache.offset_of(at)];
   static_cast<uint16_t*>(wrong_cache.k_cache.data())[wrong_cache.k_cache.offset_of(at)] = uint16_t(bits ^ 1u);
   EXPECT_FALSE(judge("appended key one bit off", rotary, wrong_cache, e));
+
+  // FP8: an appended code one step off, and a result computed without v_scale, are caught.
+  const KvTensors fp8_pristine = make_kv(fp8, rng);
+  const Expected fp8_e = expected_for(fp8, fp8_pristine);
+  KvTensors f = fp8_pristine;
+  ASSERT_TRUE(run_host(FA_BACKEND_CPU_FLASH, fp8, f).ok());
+  ASSERT_TRUE(judge("cpu_flash fp8", fp8, f, fp8_e));
+  KvTensors wrong_code = f;
+  const int64_t code_at = wrong_code.k_cache.offset_of(cache_index(fp8, f, 1, fp8.cached[1], 0, 5));
+  static_cast<uint8_t*>(wrong_code.k_cache.data())[code_at] ^= 1u;
+  EXPECT_FALSE(judge("appended fp8 code one step off", fp8, wrong_code, fp8_e));
+  KvCase unscaled_case = fp8;
+  unscaled_case.v_scale = 1.f;  // reads the same codes as if v_scale were 1: out off by the factor v_scale
+  KvTensors unscaled = fp8_pristine;
+  unscaled.v_scale = 1.f;
+  ASSERT_TRUE(run_host(FA_BACKEND_CPU_FLASH, unscaled_case, unscaled).ok());
+  unscaled.v_cache = f.v_cache;  // (its appended v codes differ: only out is judged wrong here)
+  unscaled.k_cache = f.k_cache;
+  EXPECT_FALSE(judge("fp8 out without v_scale", fp8, unscaled, fp8_e));
 }
 
 TEST(CudaKvcache, DecodeContiguousAndPaged) {
@@ -670,6 +729,250 @@ TEST(CudaKvcache, RepeatedAndOutOfOrderBlocks) {
     c.num_splits = block_size == 3 ? 5 : 0;
     check_case("repeated blocks", c);
   }
+}
+
+// ---- FP8 (float8 e4m3) caches: the same kernels' FP8 instantiations (D buckets 64, 128, 256) ----
+
+KvCase fp8_case(fa_dtype dtype = FA_BFLOAT16) {
+  KvCase c;
+  c.fp8 = true;
+  c.dtype = dtype;
+  return c;
+}
+
+TEST(CudaKvcacheFp8, DecodeContiguousAndPaged) {
+  SKIP_WITHOUT_GPU();
+  for (const int block_size : {0, 1, 3, 16, 256})
+    for (const int heads_k : {2, 1, 8}) {  // GQA 4, MQA 8, MHA
+      KvCase c = fp8_case(heads_k == 1 ? FA_FLOAT16 : FA_BFLOAT16);
+      c.block_size = block_size;
+      c.heads_k = heads_k;
+      c.seqlen_new = 1;
+      check_case("fp8 decode", c);
+      c.causal = true;
+      c.cached = {1000, 17};
+      c.capacity = 1100;
+      check_case("fp8 decode causal", c);
+    }
+}
+
+// Every D % 16 == 0 up to 256 runs in a compiled FP8 bucket (64, 128, 256), both q dtypes.
+TEST(CudaKvcacheFp8, HeadDimsAndDtypes) {
+  SKIP_WITHOUT_GPU();
+  for (const fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
+    for (const int d : {32, 48, 64, 80, 112, 128, 192, 256}) {
+      KvCase c = fp8_case(dtype);
+      c.head_dim = d;
+      c.cached = {1000, 127};
+      c.capacity = 1030;
+      c.seqlen_new = 2;
+      c.seqlen_q = 2;
+      c.causal = true;
+      c.block_size = 16;
+      check_case("fp8 head dims", c);
+    }
+}
+
+TEST(CudaKvcacheFp8, OptionsAndShapes) {
+  SKIP_WITHOUT_GPU();
+  KvCase base = fp8_case();
+  base.seqlen_q = 7;
+  base.seqlen_new = 7;
+  base.block_size = 3;
+  std::vector<KvCase> cases(12, base);
+  cases[0].causal = true;
+  cases[1].window_left = 20;
+  cases[1].window_right = 0;
+  cases[2].softcap = 2.f;
+  cases[2].input_std = 4.0;
+  cases[3].alibi = true;
+  cases[3].causal = true;
+  cases[4].heads_k = 8;  // MHA
+  cases[4].input_std = 4.0;  // peaky
+  cases[5].heads_q = 16;  // GQA 16
+  cases[5].heads_k = 1;
+  cases[5].seqlen_q = 1;
+  cases[5].seqlen_new = 1;
+  cases[6].seqlen_q = 70;  // chunked prefill: many m-blocks
+  cases[6].seqlen_new = 70;
+  cases[6].causal = true;
+  cases[7].window_left = 5;
+  cases[7].window_right = 3;
+  cases[7].block_size = 0;
+  cases[8].softmax_scale = -0.2f;  // a negative scale flips the max
+  cases[9].cached = {0, 4097};      // a long one that splits
+  cases[9].capacity = 4200;
+  cases[9].block_size = 16;
+  cases[10].block_size = 0;  // a strided (row-padded) contiguous cache: 32 bytes of padding per row
+  cases[10].cache_row_pad = 32;
+  cases[11].seqlen_q = 5;  // speculative decoding
+  cases[11].seqlen_new = 5;
+  cases[11].dtype = FA_FLOAT16;
+  for (const KvCase& c : cases) check_case("fp8 options", c);
+}
+
+TEST(CudaKvcacheFp8, RotaryHalvesAndInterleaved) {
+  SKIP_WITHOUT_GPU();
+  for (const int rotary : {1, 2})
+    for (const int rotary_dim : {0, 32})
+      for (const bool causal : {false, true})
+        for (const fa_dtype dtype : {FA_BFLOAT16, FA_FLOAT16}) {
+          KvCase c = fp8_case(dtype);
+          c.rotary = rotary;
+          c.rotary_dim = rotary_dim;
+          c.causal = causal;
+          c.seqlen_q = 4;
+          c.seqlen_new = 4;
+          c.block_size = causal ? 16 : 0;
+          check_case("fp8 rotary", c);
+        }
+}
+
+// The append writes exactly the bytes the CPU backends write (check_case compares with the reference; here
+// also with the CPU flash backend), small scales included, where many new values saturate to +-448.
+TEST(CudaKvcacheFp8, AppendWritesTheCpuBytes) {
+  SKIP_WITHOUT_GPU();
+  for (const float k_scale : {0.05f, 0.004f})
+    for (const int block_size : {0, 16, 3})
+      for (const int rotary : {0, 1, 2}) {
+        KvCase c = fp8_case(rotary == 2 ? FA_FLOAT16 : FA_BFLOAT16);
+        c.k_scale = k_scale;
+        c.v_scale = k_scale * 0.5f;
+        c.block_size = block_size;
+        c.rotary = rotary;
+        c.seqlen_new = 7;
+        c.seqlen_q = 7;
+        c.causal = true;
+        check_case("fp8 append", c);
+        auto rng = fa_test::make_rng("fp8 append bytes");
+        const KvTensors pristine = make_kv(c, rng);
+        KvTensors gpu = pristine, cpu = pristine;
+        ASSERT_TRUE(run_gpu(c, gpu).ok());
+        ASSERT_TRUE(run_host(FA_BACKEND_CPU_FLASH, c, cpu).ok());
+        EXPECT_TRUE(same_bytes(gpu.k_cache, cpu.k_cache)) << "k_cache: " << c.to_string();
+        EXPECT_TRUE(same_bytes(gpu.v_cache, cpu.v_cache)) << "v_cache: " << c.to_string();
+        int saturated = 0;
+        for (int64_t n = 0; n < gpu.k_cache.storage_bytes(); ++n)
+          saturated += (static_cast<const uint8_t*>(gpu.k_cache.data())[n] & 0x7F) == 0x7E;
+        if (k_scale < 0.01f) {
+          EXPECT_GT(saturated, 0) << "expected saturated appended codes: " << c.to_string();
+        }
+      }
+}
+
+// The same codes in a contiguous cache and in paged caches of several block sizes give bit-identical results
+// with the same split count.
+TEST(CudaKvcacheFp8, PagedEqualsContiguousBitwise) {
+  SKIP_WITHOUT_GPU();
+  for (const int splits : {1, 2, 3, 5}) {
+    KvCase c = fp8_case();
+    c.cached = {700, 1500};
+    c.capacity = 1536;
+    c.seqlen_new = 2;
+    c.seqlen_q = 2;
+    c.causal = true;
+    c.rotary = 1;
+    c.num_splits = splits;
+    auto rng = fa_test::make_rng("fp8 paged=contiguous");
+    const KvTensors source = make_kv(c, rng);
+    KvTensors contiguous = source;
+    ASSERT_TRUE(run_gpu(c, contiguous).ok());
+    for (const int block_size : {16, 256, 3, 1}) {
+      KvCase pc = c;
+      pc.block_size = block_size;
+      KvTensors paged = make_kv(pc, rng);
+      paged.q = source.q;
+      paged.k_new = source.k_new;
+      paged.v_new = source.v_new;
+      paged.cos = source.cos;
+      paged.sin = source.sin;
+      for (int b = 0; b < c.batch; ++b)
+        for (int j = 0; j < c.capacity; ++j)
+          for (int hk = 0; hk < c.heads_k; ++hk)
+            for (int x = 0; x < c.head_dim; ++x) {
+              paged.k_cache.set(cache_index(pc, paged, b, j, hk, x), source.k_cache.get(cache_index(c, source, b, j, hk, x)));
+              paged.v_cache.set(cache_index(pc, paged, b, j, hk, x), source.v_cache.get(cache_index(c, source, b, j, hk, x)));
+            }
+      ASSERT_TRUE(run_gpu(pc, paged).ok());
+      EXPECT_TRUE(same_bytes(paged.out, contiguous.out)) << "block size " << block_size << ", " << splits << " splits: out";
+      EXPECT_TRUE(same_bytes(paged.lse, contiguous.lse)) << "block size " << block_size << ", " << splits << " splits: lse";
+      for (int b = 0; b < c.batch; ++b)
+        for (int j = c.cached[size_t(b)]; j < c.cached[size_t(b)] + c.seqlen_new; ++j)
+          for (int x = 0; x < c.heads_k * c.head_dim; ++x)
+            ASSERT_EQ(paged.k_cache.get(cache_index(pc, paged, b, j, x / c.head_dim, x % c.head_dim)),
+                      contiguous.k_cache.get(cache_index(c, contiguous, b, j, x / c.head_dim, x % c.head_dim)))
+                << "block size " << block_size << " sequence " << b << " row " << j;
+    }
+  }
+}
+
+TEST(CudaKvcacheFp8, EverySplitCountAgrees) {
+  SKIP_WITHOUT_GPU();
+  for (const int block_size : {0, 16}) {
+    KvCase c = fp8_case();
+    c.batch = 1;
+    c.capacity = 5000;
+    c.cached = {4097};
+    c.seqlen_new = 3;
+    c.seqlen_q = 3;
+    c.causal = true;
+    c.block_size = block_size;
+    auto rng = fa_test::make_rng("fp8 splits");
+    const KvTensors pristine = make_kv(c, rng);
+    const Expected e = expected_for(c, pristine);
+    HostTensor out1;
+    for (const int splits : {1, 2, 3, 4, 5, 8, 13, 33, 64, 200}) {
+      KvCase sc = c;
+      sc.num_splits = splits;
+      KvTensors t = pristine;
+      fa_stats stats{};
+      ASSERT_TRUE(run_gpu(sc, t, &stats).ok()) << splits;
+      EXPECT_EQ(stats.num_splits, splits);
+      expect_matches("fp8 splits " + std::to_string(splits), sc, t, e, stats.kernel);
+      if (splits == 1) {
+        out1 = t.out;
+        continue;
+      }
+      EXPECT_LE(fa_test::compare(t.out, out1).rel_l2, 8e-3) << splits << " splits vs 1";
+    }
+  }
+}
+
+TEST(CudaKvcacheFp8, EmptyAndSingleKeySequences) {
+  SKIP_WITHOUT_GPU();
+  for (const int splits : {0, 1, 4}) {
+    KvCase c = fp8_case();
+    c.batch = 3;
+    c.cached = {0, 1, 0};
+    c.num_splits = splits;
+    check_case("fp8 lengths 0 and 1", c);
+    c.seqlen_new = 1;
+    c.block_size = 1;
+    check_case("fp8 appended to empty", c);
+  }
+}
+
+// A NaN code (0x7F / 0xFF) in the cache is a NaN value: it spoils exactly the rows that see it.
+TEST(CudaKvcacheFp8, NaNCodesPropagate) {
+  SKIP_WITHOUT_GPU();
+  for (const bool in_v : {false, true})
+    for (const uint8_t nan_code : {uint8_t(0x7F), uint8_t(0xFF)}) {
+      KvCase c = fp8_case();
+      c.block_size = 16;
+      auto rng = fa_test::make_rng("fp8 nan");
+      KvTensors t = make_kv(c, rng);
+      HostTensor& cache = in_v ? t.v_cache : t.k_cache;
+      static_cast<uint8_t*>(cache.data())[cache.offset_of(cache_index(c, t, 0, 20, 0, 3))] = nan_code;  // sequence 0, key 20
+      ASSERT_TRUE(run_gpu(c, t).ok());
+      const int group = c.heads_q / c.heads_k;
+      for (int h = 0; h < c.heads_q; ++h) {
+        const bool sees = h / group == 0;  // query heads of K/V head 0
+        const double o = t.out.get(int64_t(h) * c.head_dim + 3);
+        EXPECT_EQ(std::isnan(o), sees) << "head " << h << (in_v ? " (v)" : " (k)");
+        for (int x = 0; x < c.head_dim; ++x)  // sequence 1 untouched
+          ASSERT_FALSE(std::isnan(t.out.get((int64_t(c.heads_q) + h) * c.head_dim + x)));
+      }
+    }
 }
 
 #if defined(FLASHATTN_WITH_CUDA)
@@ -920,6 +1223,16 @@ TEST(CudaKvcache, UnsupportedConfigurations) {
   d264.head_dim = 264;
   expect_error(d264, FA_ERROR_NOT_COMPILED, "q: head dim 264 is not compiled for the cuda kvcache");
   expect_error(c, FA_ERROR_UNSUPPORTED, "k_cache: data pointer must be 16-byte aligned", 0.f, 8);
+  // FP8: 16 codes per 16-byte chunk, so D % 16 == 0 and 16-byte strides; D beyond the compiled buckets
+  KvCase f40 = fp8_case();
+  f40.head_dim = 40;
+  expect_error(f40, FA_ERROR_UNSUPPORTED, "k_cache: head dim 40 must be a multiple of 16 with a float8_e4m3 cache");
+  KvCase f_pad = fp8_case();
+  f_pad.cache_row_pad = 8;
+  expect_error(f_pad, FA_ERROR_UNSUPPORTED, "k_cache: row stride");
+  KvCase f264 = fp8_case();
+  f264.head_dim = 272;
+  expect_error(f264, FA_ERROR_NOT_COMPILED, "q: head dim 272 is not compiled for the cuda kvcache (bfloat16, float8_e4m3 cache)");
 }
 #endif
 

@@ -345,13 +345,25 @@ TEST(CudaKvcachePlan, SupportRulesAndMessages) {
   p.q_head_stride = 3;
   p.q_row_stride = 5;
   EXPECT_TRUE(decode::check_kvcache_support(p).ok()) << decode::check_kvcache_support(p).message();
+  // FP8 caches: 1-byte elements (strides are checked in bytes as such) and D % 16 == 0.
+  KvcacheParams f = ok;
+  f.kv_dtype = FA_FLOAT8_E4M3;
+  EXPECT_TRUE(decode::check_kvcache_support(f).ok()) << decode::check_kvcache_support(f).message();
+  f.v_row_stride = 2 * 128 + 8;  // 264 bytes
+  expect_rule(f, "v_cache: row stride 264 elements (264 bytes) must be a multiple of 16 bytes");
+  f.v_row_stride = 2 * 128 + 16;  // 272 bytes: fine for FP8 (the same stride in a 16-bit cache: also fine)
+  EXPECT_TRUE(decode::check_kvcache_support(f).ok()) << decode::check_kvcache_support(f).message();
+  f = ok;
+  f.kv_dtype = FA_FLOAT8_E4M3;
+  f.head_dim = f.head_dim_v = 40;
+  expect_rule(f, "k_cache: head dim 40 must be a multiple of 16 with a float8_e4m3 cache");
 }
 
 // Every head dim of the issue has a decode kernel for both dtypes, chosen on an H200 and on an A100; a head
 // dim between buckets runs in the next one; the table's shared memory is the kernel's.
 TEST(CudaKvcachePlan, GeneratedDecodeRows) {
   namespace gen = flashattn::cuda::generated;
-  int rows = 0;
+  int rows = 0, fp8_rows = 0;
   for (int r = 0; r < gen::kKernelCount; ++r) {
     const KernelEntry& e = gen::kKernelTable[r];
     if (e.kind != KernelKind::kKvcache) continue;
@@ -359,11 +371,18 @@ TEST(CudaKvcachePlan, GeneratedDecodeRows) {
     EXPECT_FALSE(e.dropout) << e.name;
     EXPECT_EQ(e.block_m % 16, 0) << e.name;
     EXPECT_EQ((e.block_n / e.warps) % 16, 0) << e.name;
-    EXPECT_EQ(e.smem_bytes, int64_t(e.block_m + 2 * e.stages * e.block_n) * e.head_dim * 2) << e.name;
+    if (e.fp8_cache)  // Q and the converted K / V tile in 16-bit, the ring in fp8 (decode_config.cuh)
+      EXPECT_EQ(e.smem_bytes, int64_t(e.block_m + 2 * e.block_n) * e.head_dim * 2 + int64_t(2 * e.stages * e.block_n) * e.head_dim)
+          << e.name;
+    else
+      EXPECT_EQ(e.smem_bytes, int64_t(e.block_m + 2 * e.stages * e.block_n) * e.head_dim * 2) << e.name;
     EXPECT_LE(e.smem_bytes, 163 * 1024) << e.name << " does not fit an sm_80 CTA";
     EXPECT_EQ(std::string(e.name).rfind("dec_", 0), 0u) << e.name;
+    EXPECT_EQ(std::string(e.name).find("_e4m3_") != std::string::npos, e.fp8_cache) << e.name;
+    fp8_rows += e.fp8_cache;
   }
-  EXPECT_EQ(rows, 12) << "2 dtypes x 6 head-dim buckets";
+  EXPECT_EQ(rows, 18) << "2 dtypes x 6 head-dim buckets, and 2 dtypes x 3 FP8-cache buckets";
+  EXPECT_EQ(fp8_rows, 6);
   for (fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
     for (int d : {32, 40, 64, 80, 96, 128, 160, 192, 256}) {
       KvcacheParams p = decode_params(1, 1, 8, 2, d, 1024);
@@ -372,8 +391,22 @@ TEST(CudaKvcachePlan, GeneratedDecodeRows) {
         const KernelEntry& e = decode_kernel_for(p, device);
         EXPECT_EQ(e.kind, KernelKind::kKvcache);
         EXPECT_EQ(e.dtype, dtype);
+        EXPECT_FALSE(e.fp8_cache) << "a 16-bit cache never runs in an FP8 row";
         EXPECT_GE(e.head_dim, d);
         EXPECT_LT(e.head_dim - d, 64) << "the smallest bucket >= D";
+      }
+    }
+  // FP8 caches: only FP8 rows, in the smallest compiled bucket (64, 128, 256) >= D.
+  for (fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
+    for (int d : {16, 32, 64, 80, 128, 144, 192, 256}) {
+      KvcacheParams p = decode_params(1, 1, 8, 2, d, 1024);
+      p.dtype = dtype;
+      p.kv_dtype = FA_FLOAT8_E4M3;
+      for (const auto& device : {h200(), a100()}) {
+        const KernelEntry& e = decode_kernel_for(p, device);
+        EXPECT_TRUE(e.fp8_cache) << e.name;
+        EXPECT_EQ(e.dtype, dtype);
+        EXPECT_EQ(e.head_dim, d <= 64 ? 64 : (d <= 128 ? 128 : 256)) << e.name;
       }
     }
   KvcacheParams big = decode_params(1, 1, 8, 2, 264, 1024);
@@ -382,8 +415,20 @@ TEST(CudaKvcachePlan, GeneratedDecodeRows) {
                                  "80-real 90a-real", &index);
   EXPECT_EQ(s.code(), FA_ERROR_NOT_COMPILED);
   EXPECT_NE(s.message().find("cuda kvcache"), std::string::npos) << s.message();
+  // An FP8 cache whose head dim has no FP8 row is NOT_COMPILED, never a 16-bit row: a table with 16-bit rows only.
+  const KernelEntry only16[] = {{KernelKind::kKvcache, FA_BFLOAT16, 128, 16, 64, 4, 3, false, 102400, "dec16", 16, false}};
+  KvcacheParams fp8 = decode_params(1, 1, 8, 2, 128, 1024);
+  fp8.kv_dtype = FA_FLOAT8_E4M3;
+  const Status n = choose_kernel(KernelKind::kKvcache, fp8, limits_of(h200()), only16, 1, "80-real 90a-real", &index);
+  EXPECT_EQ(n.code(), FA_ERROR_NOT_COMPILED);
+  EXPECT_EQ(n.message(), "q: head dim 128 is not compiled for the cuda kvcache (bfloat16, float8_e4m3 cache); compiled head dims: "
+                         "none (any D % 16 == 0 up to a compiled one runs in that one)")
+      << n.message();
+  fp8.kv_dtype = FA_BFLOAT16;  // ... and the 16-bit cache runs there
+  EXPECT_TRUE(choose_kernel(KernelKind::kKvcache, fp8, limits_of(h200()), only16, 1, "80-real 90a-real", &index).ok());
   const std::string summary = flashattn::cuda::compiled_kernels_summary();
   EXPECT_NE(summary.find("kvcache: "), std::string::npos) << summary;
+  EXPECT_NE(summary.find("float8_e4m3 cache: D {64, 128, 256}"), std::string::npos) << summary;
 }
 
 }  // namespace

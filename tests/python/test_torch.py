@@ -328,6 +328,102 @@ def test_kvcache_append_rotary(rng, backend, paged, rotary_interleaved, causal):
         assert_lse(lse[s], expected_lse[0])
 
 
+FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+def quantise_e4m3(x, scale):
+    """The library's rule for appended rows: e4m3(x / scale), x / scale in float32, nearest even, saturating."""
+    q = torch.from_numpy(np.asarray(x, dtype=np.float32) / np.float32(scale))
+    return q.clamp(-448.0, 448.0).to(FP8)
+
+
+@pytest.mark.skipif(FP8 is None, reason="this torch has no float8_e4m3fn")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("scales", [(0.0625, 0.03125), (2.0 ** -8, 2.0 ** -9)], ids=["scaled", "saturating"])
+def test_kvcache_fp8_cache(rng, backend, dtype, paged, scales):
+    """An FP8 (e4m3) cache: the appended codes are the quantised (rotated) new rows, bit for bit, and out / lse
+    match the float64 oracle over the dequantised cache under the 16-bit rule (power-of-two scales keep the
+    dequantised values exact in the 16-bit dtype, so the naive baseline sees what the oracle sees)."""
+    torch_dtype = DTYPES[dtype]
+    k_scale, v_scale = scales
+    b, s_cache, s_new, sq, hq, hk, d, rot, block = 3, 64, 3, 3, 4, 2, 32, 16, 16
+    cached = np.array([0, 1, 40], dtype=np.int32)
+    causal = True
+    q = randn(rng, (b, sq, hq, d), torch_dtype)
+    k_new = randn(rng, (b, s_new, hk, d), torch_dtype)
+    v_new = randn(rng, (b, s_new, hk, d), torch_dtype)
+    cos = torch.from_numpy(np.cos(rng.uniform(0, 6.3, (s_cache, rot // 2)))).to(torch_dtype)
+    sin = torch.from_numpy(np.sin(rng.uniform(0, 6.3, (s_cache, rot // 2)))).to(torch_dtype)
+    dense_k = quantise_e4m3(rng.standard_normal((b, s_cache, hk, d)), 0.0625)  # codes of std 16
+    dense_v = quantise_e4m3(rng.standard_normal((b, s_cache, hk, d)), 0.0625)
+    if paged:
+        per_seq = s_cache // block
+        table = torch.tensor(rng.permutation(b * per_seq).reshape(b, per_seq), dtype=torch.int32)
+        k_cache = torch.empty(b * per_seq, block, hk, d, dtype=FP8)
+        v_cache = torch.empty(b * per_seq, block, hk, d, dtype=FP8)
+        for s in range(b):
+            for c in range(per_seq):
+                k_cache[table[s, c]] = dense_k[s, c * block:(c + 1) * block]
+                v_cache[table[s, c]] = dense_v[s, c * block:(c + 1) * block]
+    else:
+        table = None
+        k_cache, v_cache = dense_k.clone(), dense_v.clone()
+
+    def gather(cache, s):
+        if table is None:
+            return cache[s]
+        return torch.cat([cache[table[s, c]] for c in range(table.shape[1])])
+
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    out, lse = fat.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                           cache_seqlens=torch.tensor(cached), block_table=table, causal=causal,
+                                           return_softmax_lse=True, backend=backend, k_scale=k_scale, v_scale=v_scale)
+    assert out.dtype == torch_dtype and k_cache.dtype == FP8
+    cos64, sin64 = cos.double().numpy(), sin.double().numpy()
+    saturated = 0
+    for s in range(b):
+        n = cached[s]
+        k_rot = rotary(k_new[s].double().numpy(), cos64, sin64, np.arange(n, n + s_new), True)
+        k_codes, v_codes = quantise_e4m3(k_rot, k_scale), quantise_e4m3(v_new[s].float().numpy(), v_scale)
+        got_k, got_v = gather(k_cache, s)[n:n + s_new], gather(v_cache, s)[n:n + s_new]
+        assert torch.equal(got_k.view(torch.uint8), k_codes.view(torch.uint8)), f"appended k codes of sequence {s}"
+        assert torch.equal(got_v.view(torch.uint8), v_codes.view(torch.uint8)), f"appended v codes of sequence {s}"
+        saturated += int((got_k.view(torch.uint8) & 0x7F == 0x7E).sum())
+        assert torch.equal(gather(k_cache, s)[:n].view(torch.uint8), gather(k_before, s)[:n].view(torch.uint8))
+        q_rot = rotary(q[s].double().numpy(), cos64, sin64, np.arange(n, n + sq), True)
+        keys = gather(k_cache, s)[:n + s_new].double().numpy() * k_scale  # the cache as stored, dequantised
+        values = gather(v_cache, s)[:n + s_new].double().numpy() * v_scale
+        expected, expected_lse = attention(q_rot[None], keys[None], values[None], causal=causal)
+        baseline = naive_same_precision(torch.from_numpy(q_rot[None]).to(torch_dtype),
+                                        torch.from_numpy(keys[None]).to(torch_dtype),
+                                        torch.from_numpy(values[None]).to(torch_dtype), scale=d ** -0.5, causal=causal)
+        assert_close(out[s][None], expected, torch_dtype, baseline, what=f"out of sequence {s}")
+        lse_error = np.abs(lse[s].numpy() - expected_lse[0])
+        assert np.isfinite(lse[s].numpy()).all() and lse_error.max() <= 1e-3 * max(1.0, np.abs(expected_lse).max())
+    if k_scale < 0.01:
+        assert saturated > 0, "the small scale should saturate some appended keys to +-448"
+
+
+@pytest.mark.skipif(FP8 is None, reason="this torch has no float8_e4m3fn")
+def test_kvcache_fp8_bad_arguments(rng):
+    q = randn(rng, (1, 1, 2, 32), torch.bfloat16)
+    cache = torch.zeros(1, 8, 1, 32, dtype=FP8)
+    with pytest.raises(flashattn.InvalidArgumentError, match="k_scale: required"):
+        fat.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=3, v_scale=1.0)
+    with pytest.raises(flashattn.InvalidArgumentError, match="v_scale: must be finite and > 0"):
+        fat.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=3, k_scale=1.0, v_scale=0.0)
+    with pytest.raises(flashattn.InvalidArgumentError, match="both torch.float8_e4m3fn"):
+        fat.flash_attn_with_kvcache(q, cache, torch.zeros(1, 8, 1, 32, dtype=torch.bfloat16), cache_seqlens=3,
+                                    k_scale=1.0, v_scale=1.0)
+    with pytest.raises(flashattn.InvalidArgumentError, match="q: dtype must be float16 or bfloat16"):
+        fat.flash_attn_with_kvcache(q.float(), cache, cache.clone(), cache_seqlens=3, k_scale=1.0, v_scale=1.0)
+    cache16 = torch.zeros(1, 8, 1, 32, dtype=torch.bfloat16)
+    with pytest.raises(flashattn.InvalidArgumentError, match="k_scale: applies to a float8_e4m3 cache only"):
+        fat.flash_attn_with_kvcache(q, cache16, cache16.clone(), cache_seqlens=3, k_scale=0.5)
+
+
 def test_kvcache_int_seqlens_and_no_append(rng):
     b, s_cache, hq, hk, d = 2, 20, 2, 1, 32
     q = randn(rng, (b, 1, hq, d), torch.float32)

@@ -139,8 +139,11 @@ inline void attend_keys(const AttentionParams& p, const QueryTile& t, const Sequ
     const int j0 = tile_start > key_lo ? tile_start : key_lo;
     const int j1 = tile_start + cfg.block_k < key_hi ? tile_start + cfg.block_k : key_hi;
     const int n = j1 - j0;
-    const FloatRows k_tile = load_rows(p.k, p.dtype, n, head_dim, [&](int r) { return keys.k_offset(j0 + r); }, w.k, w.ld_k);
-    const FloatRows v_tile = load_rows(p.v, p.dtype, n, head_dim_v, [&](int r) { return keys.v_offset(j0 + r); }, w.v, w.ld_v);
+    // (an FP8 KV cache is dequantised here: code value * k_scale / v_scale)
+    const FloatRows k_tile =
+        load_rows(p.k, p.kv_dtype, n, head_dim, [&](int r) { return keys.k_offset(j0 + r); }, w.k, w.ld_k, p.k_scale);
+    const FloatRows v_tile =
+        load_rows(p.v, p.kv_dtype, n, head_dim_v, [&](int r) { return keys.v_offset(j0 + r); }, w.v, w.ld_v, p.v_scale);
 
     // S = alpha * Q K^T
     gemm_abt(rows, n, head_dim, first_head.gemm_alpha, w.q, w.ld_q, k_tile.data, k_tile.ld, 0.f, w.s, w.ld_s);

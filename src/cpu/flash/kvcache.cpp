@@ -100,9 +100,19 @@ void append_row(const KvcacheParams& p, int b, int t, int hk, double* row) {
   for (int c = 0; c < p.head_dim; ++c) row[c] = load_as_float(p.k_new, k_src + c, p.dtype);
   if (p.rotary_dim > 0) rotate(p, position, row);
   const int64_t k_dst = kv_offset(p, p.k_batch_stride, p.k_row_stride, p.k_head_stride, b, e, position, hk);
-  for (int c = 0; c < p.head_dim; ++c) store_from_float(const_cast<void*>(p.k), k_dst + c, p.dtype, float(row[c]));
   const int64_t v_src = b * p.v_new_batch_stride + t * p.v_new_row_stride + hk * p.v_new_head_stride;
   const int64_t v_dst = kv_offset(p, p.v_batch_stride, p.v_row_stride, p.v_head_stride, b, e, position, hk);
+  if (p.kv_dtype == FA_FLOAT8_E4M3) {
+    // FP8 cache: e4m3(float(x) / scale), the division in float32 (core/fp8.hpp rounds and saturates), as the
+    // reference and the CUDA append kernel quantise.
+    void* k_cache = const_cast<void*>(p.k);
+    void* v_cache = const_cast<void*>(p.v);
+    for (int c = 0; c < p.head_dim; ++c) store_from_float(k_cache, k_dst + c, FA_FLOAT8_E4M3, float(row[c]) / p.k_scale);
+    for (int c = 0; c < p.head_dim_v; ++c)
+      store_from_float(v_cache, v_dst + c, FA_FLOAT8_E4M3, load_as_float(p.v_new, v_src + c, p.dtype) / p.v_scale);
+    return;
+  }
+  for (int c = 0; c < p.head_dim; ++c) store_from_float(const_cast<void*>(p.k), k_dst + c, p.dtype, float(row[c]));
   // v is copied element for element: the same dtype on both sides, no rounding.
   const size_t element = size_t(dtype_size(p.dtype));
   std::memcpy(static_cast<char*>(const_cast<void*>(p.v)) + v_dst * element, static_cast<const char*>(p.v_new) + v_src * element,

@@ -1,4 +1,4 @@
-// Moving tiles between the caller's strided tensors (fp32 / fp16 / bf16) and float32 scratch, and
+// Moving tiles between the caller's strided tensors (fp32 / fp16 / bf16; FP8 KV caches) and float32 scratch, and
 // the three GEMM shapes the CPU kernels use, through CBLAS (OpenBLAS, OpenMP build).
 #pragma once
 
@@ -20,9 +20,13 @@ namespace flashattn::cpu {
 // ---- element conversion ----
 
 // dst[0, cols) = the `cols` elements of `base` (dtype t) starting at element `offset`, as float.
-// All three conversions are exact.
-inline void load_row(const void* base, int64_t offset, fa_dtype t, int cols, float* dst) {
-  if (t == FA_FLOAT32) {
+// The conversions from float32 / float16 / bfloat16 are exact; float8 e4m3 codes are dequantised as
+// code value * scale (one float32 rounding; `scale` is ignored for the other types).
+inline void load_row(const void* base, int64_t offset, fa_dtype t, int cols, float* dst, float scale = 1.f) {
+  if (t == FA_FLOAT8_E4M3) {
+    const uint8_t* src = static_cast<const uint8_t*>(base) + offset;
+    for (int c = 0; c < cols; ++c) dst[c] = e4m3_to_float(src[c]) * scale;
+  } else if (t == FA_FLOAT32) {
     std::memcpy(dst, static_cast<const float*>(base) + offset, size_t(cols) * sizeof(float));
   } else if (t == FA_BFLOAT16) {
     const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
@@ -76,7 +80,7 @@ constexpr int64_t kMaxBlasLd = std::numeric_limits<int>::max();
 // (fp16/bf16, scattered pages) is converted into `buffer` (leading dimension buffer_ld).
 template <typename OffsetOf>
 FloatRows load_rows(const void* base, fa_dtype t, int rows, int cols, const OffsetOf& offset_of, float* buffer,
-                    int64_t buffer_ld) {
+                    int64_t buffer_ld, float scale = 1.f) {
   if (t == FA_FLOAT32 && rows > 0) {
     const int64_t first = offset_of(0);
     const int64_t step = rows > 1 ? offset_of(1) - first : cols;
@@ -84,7 +88,7 @@ FloatRows load_rows(const void* base, fa_dtype t, int rows, int cols, const Offs
     for (int r = 2; evenly_spaced && r < rows; ++r) evenly_spaced = offset_of(r) - first == int64_t(r) * step;
     if (evenly_spaced) return FloatRows{static_cast<const float*>(base) + first, step};
   }
-  for (int r = 0; r < rows; ++r) load_row(base, offset_of(r), t, cols, buffer + r * buffer_ld);
+  for (int r = 0; r < rows; ++r) load_row(base, offset_of(r), t, cols, buffer + r * buffer_ld, scale);
   return FloatRows{buffer, buffer_ld};
 }
 

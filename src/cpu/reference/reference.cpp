@@ -150,12 +150,13 @@ std::vector<double> load_q_like(const HeadIndex& x, const void* base, int64_t bs
   return m;
 }
 
+// k or v as stored (kv_dtype), dequantised: value * scale (the scale is 1 except for an FP8 cache).
 std::vector<double> load_kv(const HeadIndex& x, const void* base, int64_t bs, int64_t rs, int64_t hs,
-                            int cols) {
+                            int cols, double scale) {
   std::vector<double> m(size_t(x.e.seqlen_k) * cols);
   for (int j = 0; j < x.e.seqlen_k; ++j) {
     const int64_t row = kv_offset(*x.p, bs, rs, hs, x.b, x.e, j, x.hk);
-    for (int c = 0; c < cols; ++c) m[size_t(j) * cols + c] = load_as_float(base, row + c, x.p->dtype);
+    for (int c = 0; c < cols; ++c) m[size_t(j) * cols + c] = double(load_as_float(base, row + c, x.p->kv_dtype)) * scale;
   }
   return m;
 }
@@ -176,8 +177,8 @@ HeadProblem make_problem(const HeadIndex& x, bool emulate = false) {
   hp.head_dim = p.head_dim;
   hp.head_dim_v = p.head_dim_v;
   hp.q = load_q_like(x, p.q, p.q_batch_stride, p.q_row_stride, p.q_head_stride, p.head_dim);
-  hp.k = load_kv(x, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, p.head_dim);
-  hp.v = load_kv(x, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride, p.head_dim_v);
+  hp.k = load_kv(x, p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, p.head_dim, p.k_scale);
+  hp.v = load_kv(x, p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride, p.head_dim_v, p.v_scale);
   hp.scale = p.softmax_scale;
   hp.window_left = p.window_left;
   hp.window_right = p.window_right;
@@ -272,6 +273,16 @@ Status backward(const BackwardParams& p) { return backward_impl(p, false); }
 Status forward_naive_same_precision(const AttentionParams& p) { return forward_impl(p, true); }
 Status backward_naive_same_precision(const BackwardParams& p) { return backward_impl(p, true); }
 
+namespace {
+
+// Element `index` of the cache `base` = x: rounded once to a 16-bit cache's dtype, or quantised into an FP8
+// cache as e4m3(float(x) / scale) (the division in float32, then nearest even, saturating: core/fp8.hpp).
+void store_cache(const KvcacheParams& p, const void* base, int64_t index, float scale, float x) {
+  store_from_float(const_cast<void*>(base), index, p.kv_dtype, p.kv_dtype == FA_FLOAT8_E4M3 ? x / scale : x);
+}
+
+}  // namespace
+
 Status kvcache(const KvcacheParams& p) {
   // 1. Append: new rows go to positions cache_seqlens[b] + t, rotated there when rotary is on.
   for (int b = 0; b < p.batch; ++b) {
@@ -284,11 +295,11 @@ Status kvcache(const KvcacheParams& p) {
         for (int c = 0; c < p.head_dim; ++c) row[c] = load_as_float(p.k_new, src + c, p.dtype);
         if (p.rotary_dim > 0) rotate(p, cached + t, row.data());
         const int64_t dst = kv_offset(p, p.k_batch_stride, p.k_row_stride, p.k_head_stride, b, e, cached + t, hk);
-        for (int c = 0; c < p.head_dim; ++c) store_from_float(const_cast<void*>(p.k), dst + c, p.dtype, float(row[c]));
+        for (int c = 0; c < p.head_dim; ++c) store_cache(p, p.k, dst + c, p.k_scale, float(row[c]));
         const int64_t vsrc = b * p.v_new_batch_stride + t * p.v_new_row_stride + hk * p.v_new_head_stride;
         const int64_t vdst = kv_offset(p, p.v_batch_stride, p.v_row_stride, p.v_head_stride, b, e, cached + t, hk);
         for (int c = 0; c < p.head_dim_v; ++c)
-          store_from_float(const_cast<void*>(p.v), vdst + c, p.dtype, load_as_float(p.v_new, vsrc + c, p.dtype));
+          store_cache(p, p.v, vdst + c, p.v_scale, load_as_float(p.v_new, vsrc + c, p.dtype));
       }
   }
   // 2. Attend over the first cache_seqlens[b] + seqlen_new keys. Rotary positions of the queries:

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "core/fp8.hpp"
 #include "cuda/common/check.hpp"
 #include "cuda/common/ptx.cuh"
 #include "cuda/decode/cache_rows.cuh"
@@ -24,7 +25,10 @@ constexpr int kCombineWarps = 4;               // combine CTA: 128 threads
 constexpr int kGuardThreads = 128;
 
 // ---- append: one thread per (sequence, new token, K/V head, pair of elements) ----
-template <typename Element>
+// kFp8: the cache is float8 e4m3: each value x (k after rotary) is stored as e4m3(x / scale), the division in
+// float32 (__fdiv_rn: IEEE, as the CPU backends divide) and the rounding of core/fp8.hpp (nearest even,
+// saturating), so the bytes are the CPU backends' bytes.
+template <typename Element, bool kFp8>
 __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_constant__ DecodeArgs args) {
   const KvcacheParams& p = args.p;
   wait_for_previous_grids();  // programmatic dependent launch (sm_90): the caller's writes are visible from here
@@ -53,11 +57,22 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
     const RotaryPair pair = rotary_pair(p, q);
     float x0 = float(k_src[pair.first]), x1 = float(k_src[pair.second]);
     if (pair.rotated) rotate_pair<Element>(p, j, q, &x0, &x1);
-    k_cache[k_row + pair.first] = Element(x0);
-    k_cache[k_row + pair.second] = Element(x1);
-    // V: elements 2q, 2q + 1 copied bit for bit (4 aligned bytes: D % 8 == 0 and 16-byte aligned rows).
     const Element* v_src = v_new + b * p.v_new_batch_stride + int64_t(t) * p.v_new_row_stride + hk * p.v_new_head_stride;
-    *reinterpret_cast<uint32_t*>(v_cache + v_row + 2 * q) = *reinterpret_cast<const uint32_t*>(v_src + 2 * q);
+    if constexpr (kFp8) {
+      uint8_t* k_codes = static_cast<uint8_t*>(const_cast<void*>(p.k));
+      uint8_t* v_codes = static_cast<uint8_t*>(const_cast<void*>(p.v));
+      k_codes[k_row + pair.first] = float_to_e4m3(__fdiv_rn(x0, p.k_scale));
+      k_codes[k_row + pair.second] = float_to_e4m3(__fdiv_rn(x1, p.k_scale));
+      // V: elements 2q, 2q + 1 (2 aligned bytes: D % 16 == 0 and 16-byte aligned rows)
+      const uint32_t v0 = float_to_e4m3(__fdiv_rn(float(v_src[2 * q]), p.v_scale));
+      const uint32_t v1 = float_to_e4m3(__fdiv_rn(float(v_src[2 * q + 1]), p.v_scale));
+      *reinterpret_cast<uint16_t*>(v_codes + v_row + 2 * q) = uint16_t(v0 | (v1 << 8));
+    } else {
+      k_cache[k_row + pair.first] = Element(x0);
+      k_cache[k_row + pair.second] = Element(x1);
+      // V: elements 2q, 2q + 1 copied bit for bit (4 aligned bytes: D % 8 == 0 and 16-byte aligned rows).
+      *reinterpret_cast<uint32_t*>(v_cache + v_row + 2 * q) = *reinterpret_cast<const uint32_t*>(v_src + 2 * q);
+    }
   }
 }
 
@@ -178,12 +193,12 @@ __global__ void __launch_bounds__(kGuardThreads) guard_kernel(const __grid_const
   }
 }
 
-template <typename Element>
+template <typename Element, bool kFp8>
 Status launch_append_typed(const DecodeArgs& args, cudaStream_t stream) {
   const KvcacheParams& p = args.p;
   const int64_t total = int64_t(p.batch) * p.seqlen_new * p.heads_k * (p.head_dim / 2);
   const int64_t blocks = std::min<int64_t>((total + kAppendThreads - 1) / kAppendThreads, kMaxAppendBlocks);
-  FA_CUDA_RETURN_IF_ERROR(launch_decode_kernel(&append_kernel<Element>, dim3(unsigned(blocks)), dim3(kAppendThreads), 0, stream,
+  FA_CUDA_RETURN_IF_ERROR(launch_decode_kernel(&append_kernel<Element, kFp8>, dim3(unsigned(blocks)), dim3(kAppendThreads), 0, stream,
                                                args.programmatic_launch != 0, 0u, args));
   return Status();
 }
@@ -202,7 +217,9 @@ Status launch_append(const DecodeArgs& args, void* stream) {
   const KvcacheParams& p = args.p;
   if (p.k_new == nullptr || p.seqlen_new == 0 || p.batch == 0) return Status();
   const auto s = static_cast<cudaStream_t>(stream);
-  return p.dtype == FA_BFLOAT16 ? launch_append_typed<__nv_bfloat16>(args, s) : launch_append_typed<__half>(args, s);
+  if (p.kv_dtype == FA_FLOAT8_E4M3)
+    return p.dtype == FA_BFLOAT16 ? launch_append_typed<__nv_bfloat16, true>(args, s) : launch_append_typed<__half, true>(args, s);
+  return p.dtype == FA_BFLOAT16 ? launch_append_typed<__nv_bfloat16, false>(args, s) : launch_append_typed<__half, false>(args, s);
 }
 
 Status launch_combine(const DecodeArgs& args, void* stream) {

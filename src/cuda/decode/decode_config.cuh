@@ -1,13 +1,18 @@
 // The compile-time configuration of one decode (kvcache) kernel instantiation, as listed in
-// src/cuda/manifest.py (DECODE_TILES). Every field but Element and kHeadDim affects speed, registers and
-// shared memory only, never results.
+// src/cuda/manifest.py (DECODE_TILES, DECODE_FP8_TILES). Every field but Element, kHeadDim and kFp8Cache
+// affects speed, registers and shared memory only, never results.
 #pragma once
 
 namespace flashattn::cuda::decode {
 
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_, bool kDropout_>
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kStages_, bool kDropout_,
+          bool kFp8Cache_ = false>
 struct DecodeConfig {
-  using Element = Element_;                   // __half or __nv_bfloat16
+  using Element = Element_;                   // __half or __nv_bfloat16 (q, out; the cache too unless kFp8Cache)
+  // The K/V cache is float8 e4m3 (params.kv_dtype): its tiles stream through the kStages ring as fp8 and are
+  // converted (exactly) into one 16-bit K / V tile per step; k_scale / v_scale are folded into the softmax
+  // scale and the final normalisation.
+  static constexpr bool kFp8Cache = kFp8Cache_;
   static constexpr int kHeadDim = kHeadDim_;  // head-dim bucket: D <= kHeadDim, D % 8 == 0, zero-padded
   static constexpr int kBlockM = kBlockM_;    // packed rows (query head x new token) per CTA, in m16 tiles
   static constexpr int kBlockN = kBlockN_;    // keys per K/V tile; warp w computes keys [w, w + 1) * kWarpKeys of it
@@ -15,12 +20,21 @@ struct DecodeConfig {
   static constexpr int kThreads = 32 * kWarps_;
   static constexpr int kStages = kStages_;    // K/V tiles in shared memory: kStages - 1 load while one is used
   static constexpr int kWarpKeys = kBlockN_ / kWarps_;
+  // Launch bounds' minimum CTAs per SM: 0 (none: ptxas's own register choice) for 16-bit caches; 2 for FP8
+  // caches, whose shared memory allows 2 at D <= 128 anyway: the bound lets ptxas use up to 255 registers, where
+  // its own choice (168) made the FP8 conversion spill in the paged sm_90a build (ptxas -v, 2026-11-30).
+  static constexpr int kMinCtasPerSm = kFp8Cache ? 2 : 0;
+  // Dynamic shared memory (decode_kernel.cuh's layout; the manifest computes the same): Q, then kStages x (K, V)
+  // in 16-bit; FP8: Q, the converted K and V tiles (16-bit), then kStages x (K, V) as fp8 codes.
+  static constexpr int kSmemBytes = kFp8Cache ? (kBlockM + 2 * kBlockN) * kHeadDim * 2 + 2 * kStages * kBlockN * kHeadDim
+                                              : (kBlockM + 2 * kStages * kBlockN) * kHeadDim * 2;
 
   static_assert(!kDropout_, "the decode kernels have no dropout path (the host rejects dropout_p > 0)");
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head-dim buckets are multiples of 32 up to 256");
   static_assert(kBlockM % 16 == 0, "packed rows come in m16 tiles");
   static_assert(kWarpKeys % 16 == 0, "each warp's key slice is whole k16 steps of P V");
   static_assert(kStages >= 2 && kStages <= 4, "2 to 4 K/V stages");
+  static_assert(!kFp8Cache || kHeadDim % 64 == 0, "an fp8 staging tile is a 16-bit SwizzledTile of kHeadDim / 2 columns");
 };
 
 }  // namespace flashattn::cuda::decode

@@ -20,6 +20,12 @@
 // global memory for the combine kernel (decode_aux.cu), or, on sm_90 with a cluster per m-block, in shared
 // memory, merged by the cluster's CTAs through distributed shared memory (no second kernel).
 //
+// FP8 cache (C::kFp8Cache): the ring holds the K/V tiles as streamed, e4m3 codes (half the bytes; an fp8 row of D
+// codes is laid out as a 16-bit SwizzledTile row of D / 2 columns, so the load code is the same). After a tile
+// lands, the CTA converts it (fp8_convert.cuh, exact) into one 16-bit K and V tile in the swizzled layout that
+// the MMA loop reads, with one more barrier per tile. The dequantisation scales cost nothing per element:
+// k_scale is folded into the softmax scale, v_scale into the final 1 / rowsum.
+//
 // Index safety without host checks (cache_seqlens and block_table are device memory): a sequence whose
 // cache_seqlens entry is outside [0, capacity - S_new] gets NaN in out and lse and nothing is read for it; a
 // block id outside [0, num_blocks) is never dereferenced (its rows load as zeros) and makes the CTA's result
@@ -32,6 +38,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/mask.hpp"
 #include "core/params.hpp"
@@ -40,6 +47,7 @@
 #include "cuda/decode/cache_rows.cuh"
 #include "cuda/decode/decode_config.cuh"
 #include "cuda/decode/decode_work.hpp"
+#include "cuda/decode/fp8_convert.cuh"
 
 namespace flashattn::cuda::decode {
 
@@ -53,8 +61,10 @@ constexpr float kMaxStaleLog2 = 8.f;
 constexpr int kPrefetchTableEntries = 1024;
 
 // kPaged: the cache is paged (args.p.block_table != null); the launcher picks the instantiation.
+// Launch bounds: C::kMinCtasPerSm (decode_config.cuh) is 0, "no bound", for 16-bit caches (ptxas's own register
+// choice) and 2 for FP8 caches (see there).
 template <typename C, bool kPaged>
-__global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_constant__ DecodeArgs args) {
+__global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(const __grid_constant__ DecodeArgs args) {
   using Element = typename C::Element;
   constexpr int kBlockM = C::kBlockM;
   constexpr int kBlockN = C::kBlockN;
@@ -69,25 +79,38 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
   constexpr int kQKSteps = kHeadDim / 16;     // k16 steps of S = Q K^T
   constexpr int kPVSteps = kWarpKeys / 16;    // k16 steps of O += P V
   using QTile = SwizzledTile<kBlockM, kHeadDim>;
-  using KVTile = SwizzledTile<kBlockN, kHeadDim>;
+  using KVTile = SwizzledTile<kBlockN, kHeadDim>;  // what the MMAs read
+  constexpr bool kFp8 = C::kFp8Cache;
+  // The cache's element, and a K or V tile as streamed through the ring: the 16-bit tile itself, or (FP8) the
+  // tile's codes, whose D bytes per row are stored as the D / 2 columns of a 16-bit tile.
+  using CacheElement = std::conditional_t<kFp8, uint8_t, Element>;
+  using StageTile = SwizzledTile<kBlockN, kFp8 ? kHeadDim / 2 : kHeadDim>;
+  constexpr int kCacheElementBytes = int(sizeof(CacheElement));
+  constexpr int kChunkElements = 16 / kCacheElementBytes;  // cache elements per 16-byte copy
   static_assert(kDTiles % 2 == 0 && kNTiles % 2 == 0, "ldmatrix.x4 loads two n8 tiles at once");
-  // K/V loads: the threads sweep one column block (KVTile::kBlockCols) at a time, kRowsPerPass rows per pass.
-  constexpr int kChunksPerBlockRow = KVTile::kChunksPerBlockRow;
+  // K/V loads: the threads sweep one column block (StageTile::kBlockCols) at a time, kRowsPerPass rows per pass.
+  constexpr int kChunksPerBlockRow = StageTile::kChunksPerBlockRow;
   constexpr int kRowsPerPass = kThreads / kChunksPerBlockRow;
   constexpr int kPasses = kBlockN / kRowsPerPass;
-  constexpr int kColBlocks = kHeadDim / KVTile::kBlockCols;
+  constexpr int kColBlocks = StageTile::kChunksPerRow / kChunksPerBlockRow;
+  constexpr int kBlockColElements = StageTile::kBlockCols * 2 / kCacheElementBytes;  // cache elements per column block
   static_assert(kThreads % kChunksPerBlockRow == 0 && kRowsPerPass % 8 == 0 && kBlockN % kRowsPerPass == 0,
                 "K/V loads in passes of whole swizzle periods");
   // Epilogue: per-warp O (fp32, rows padded by kMergePad floats: conflict-free float2 stores) and (max, sum).
   constexpr int kMergePad = 8;
   constexpr int kMergeRow = kHeadDim + kMergePad;
   constexpr int kMergeBytes = kWarps * kBlockM * kMergeRow * 4 + kWarps * kBlockM * 8;
-  static_assert(kMergeBytes <= kStages * 2 * KVTile::kBytes, "the warp merge reuses the K/V stages");
+  // Shared memory: Q, [FP8: the converted K and V tiles], then the ring of kStages (K, V) stage tiles.
+  constexpr int kConvertedBytes = kFp8 ? 2 * KVTile::kBytes : 0;
+  constexpr int kKVRegionBytes = kConvertedBytes + kStages * 2 * StageTile::kBytes;
+  static_assert(QTile::kBytes + kKVRegionBytes == C::kSmemBytes, "the launcher's shared memory is the kernel's");
+  static_assert(kMergeBytes <= kKVRegionBytes, "the warp merge reuses the K/V stages");
 
   const KvcacheParams& p = args.p;
   extern __shared__ __align__(128) uint8_t smem[];
   const uint32_t q_smem = smem_address(smem);
-  const uint32_t kv_smem = q_smem + QTile::kBytes;  // stage s: K at kv_smem + 2 s KVTile::kBytes, V after it
+  const uint32_t converted_smem = q_smem + QTile::kBytes;     // FP8: K, then V (KVTile each)
+  const uint32_t kv_smem = converted_smem + kConvertedBytes;  // stage s: K at kv_smem + 2 s StageTile::kBytes, V after it
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -153,7 +176,7 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
   // global memory. Every CTA of the cluster takes part, working or not: the two cluster barriers need all.
   // Used only when used >= 2, which is the same for every CTA of a cluster (same rows, same length). ----
   constexpr int kClusterOutFloats = kBlockM * kHeadDim;
-  static_assert(kMergeBytes + (kClusterOutFloats + kBlockM) * 4 <= kStages * 2 * KVTile::kBytes,
+  static_assert(kMergeBytes + (kClusterOutFloats + kBlockM) * 4 <= kKVRegionBytes,
                 "the cluster partial follows the warp merge in the K/V stages");
   float* cluster_out = reinterpret_cast<float*>(smem + QTile::kBytes + kMergeBytes);  // [row][kHeadDim] fp32
   float* cluster_lse = cluster_out + kClusterOutFloats;                                // [row], natural log
@@ -209,8 +232,8 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
   const int num_tiles = work.tile_end - work.tile_begin;
 
   const Element* q_gmem = static_cast<const Element*>(p.q);
-  const Element* k_gmem = static_cast<const Element*>(p.k);
-  const Element* v_gmem = static_cast<const Element*>(p.v);
+  const CacheElement* k_gmem = static_cast<const CacheElement*>(p.k);
+  const CacheElement* v_gmem = static_cast<const CacheElement*>(p.v);
 
   // ---- Q: the m-block's packed rows, rotated at their positions when rotary is on ----
   if (p.rotary_dim == 0) {
@@ -252,16 +275,17 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
   // block sizes that are not a power of two >= 16 take the checked path.
   const int row_lane = tid / kChunksPerBlockRow;
   const int chunk_lane = tid % kChunksPerBlockRow;
-  const uint32_t load_lane = KVTile::lane_offset(row_lane, chunk_lane);
+  const uint32_t load_lane = StageTile::lane_offset(row_lane, chunk_lane);
   // Where a key row starts: contiguous, k_rows + j * row stride (sequence and head folded in once); paged,
   // k_rows + id * block stride + (j mod block size) * row stride (head folded in).
-  const Element* k_rows = k_gmem + hk * p.k_head_stride + (kPaged ? 0 : b * p.k_batch_stride) + chunk_lane * 8;
-  const Element* v_rows = v_gmem + hk * p.v_head_stride + (kPaged ? 0 : b * p.v_batch_stride) + chunk_lane * 8;
+  const CacheElement* k_rows = k_gmem + hk * p.k_head_stride + (kPaged ? 0 : b * p.k_batch_stride) + chunk_lane * kChunkElements;
+  const CacheElement* v_rows = v_gmem + hk * p.v_head_stride + (kPaged ? 0 : b * p.v_batch_stride) + chunk_lane * kChunkElements;
   const int32_t* table_row = kPaged ? p.block_table + b * p.block_table_batch_stride : nullptr;
-  const bool full_width = d_chunks == kHeadDim / 8;
+  const int load_chunks = p.head_dim / kChunkElements;  // 16-byte chunks of a cache row (FP8: the host checked D % 16)
+  const bool full_width = load_chunks == StageTile::kChunksPerRow;
   bool chunk_ok[kColBlocks];  // this thread's chunk of column block `block` is inside the head
 #pragma unroll
-  for (int block = 0; block < kColBlocks; ++block) chunk_ok[block] = block * kChunksPerBlockRow + chunk_lane < d_chunks;
+  for (int block = 0; block < kColBlocks; ++block) chunk_ok[block] = block * kChunksPerBlockRow + chunk_lane < load_chunks;
   bool bad_block_id = false;  // this thread met a block id outside the cache (the CTA's result becomes NaN)
 
   // Paged block ids. Power-of-two block sizes >= 16 (all common ones) take the id of each 16-row "slot" of
@@ -309,8 +333,9 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
 
   // Byte strides of the plain path as 32-bit values, so a row address is one or two wide multiply-adds
   // (IMAD.WIDE) on a 64-bit base; strides beyond 2^31 bytes take the checked path.
-  const int64_t k_row_stride_bytes = p.k_row_stride * 2, v_row_stride_bytes = p.v_row_stride * 2;
-  const int64_t k_block_stride_bytes = kPaged ? p.k_batch_stride * 2 : 0, v_block_stride_bytes = kPaged ? p.v_batch_stride * 2 : 0;
+  const int64_t k_row_stride_bytes = p.k_row_stride * kCacheElementBytes, v_row_stride_bytes = p.v_row_stride * kCacheElementBytes;
+  const int64_t k_block_stride_bytes = kPaged ? p.k_batch_stride * kCacheElementBytes : 0;
+  const int64_t v_block_stride_bytes = kPaged ? p.v_batch_stride * kCacheElementBytes : 0;
   const bool strides_32bit = k_row_stride_bytes <= INT32_MAX && v_row_stride_bytes <= INT32_MAX &&
                              k_block_stride_bytes <= INT32_MAX && v_block_stride_bytes <= INT32_MAX;
   const int k_row_bytes = int(k_row_stride_bytes), v_row_bytes = int(v_row_stride_bytes);
@@ -322,8 +347,8 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
   // in order, by every thread (the shuffles need whole warps).
   auto issue_tile = [&](int rel, int stage) {
     const int n = work.tile_begin + rel;
-    const uint32_t k_tile = kv_smem + uint32_t(stage) * 2u * KVTile::kBytes + load_lane;
-    const uint32_t v_tile = k_tile + KVTile::kBytes;
+    const uint32_t k_tile = kv_smem + uint32_t(stage) * 2u * StageTile::kBytes + load_lane;
+    const uint32_t v_tile = k_tile + StageTile::kBytes;
     uint32_t tile_bad_ids = 0;
     if constexpr (kPaged) {
       if (slot_ids) {
@@ -354,9 +379,9 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
         }
 #pragma unroll
         for (int block = 0; block < kColBlocks; ++block) {
-          const uint32_t to = KVTile::offset(0, pass * kRowsPerPass, block * kChunksPerBlockRow);
-          cp_async_16_full(k_tile + to, k_src + block * KVTile::kBlockCols * 2);
-          cp_async_16_full(v_tile + to, v_src + block * KVTile::kBlockCols * 2);
+          const uint32_t to = StageTile::offset(0, pass * kRowsPerPass, block * kChunksPerBlockRow);
+          cp_async_16_full(k_tile + to, k_src + block * StageTile::kBlockCols * 2);
+          cp_async_16_full(v_tile + to, v_src + block * StageTile::kBlockCols * 2);
         }
       }
     } else {
@@ -383,9 +408,9 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
 #pragma unroll
         for (int block = 0; block < kColBlocks; ++block) {
           const bool valid = row_valid && chunk_ok[block];
-          const uint32_t to = KVTile::offset(0, pass * kRowsPerPass, block * kChunksPerBlockRow);
-          cp_async_16(k_tile + to, valid ? k_rows + k_offset + block * KVTile::kBlockCols : k_gmem, valid);
-          cp_async_16(v_tile + to, valid ? v_rows + v_offset + block * KVTile::kBlockCols : v_gmem, valid);
+          const uint32_t to = StageTile::offset(0, pass * kRowsPerPass, block * kChunksPerBlockRow);
+          cp_async_16(k_tile + to, valid ? k_rows + k_offset + block * kBlockColElements : k_gmem, valid);
+          cp_async_16(v_tile + to, valid ? v_rows + v_offset + block * kBlockColElements : v_gmem, valid);
         }
       }
     }
@@ -403,8 +428,10 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
   // Scores reach the softmax as s * score_log2_scale in log2 units. Fast path: s is the raw q.k and the scale
   // is folded into the multiplier. With softcap / ALiBi (or a negative scale, whose sign would flip the max)
   // s is first transformed into natural-log units.
+  // FP8: the keys are codes, key = code * k_scale, so q.key = (q.code) * k_scale: the scale joins the softmax scale.
+  const float qk_scale = kFp8 ? p.softmax_scale * p.k_scale : p.softmax_scale;
   const bool natural_units = p.softcap > 0.f || p.alibi_slopes != nullptr || p.softmax_scale < 0.f;
-  const float score_log2_scale = natural_units ? kLog2e : p.softmax_scale * kLog2e;
+  const float score_log2_scale = natural_units ? kLog2e : qk_scale * kLog2e;
   const WindowMask mask(p.window_left, p.window_right, p.seqlen_q, seqlen_k);
   // Keys [unmasked_begin, unmasked_end) are visible to every row of the m-block (the visible range of
   // query i only moves right with i: the last query's first key, the first query's end), so a warp slice
@@ -456,8 +483,42 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
     cp_async_commit();
 
     const int stage = it % kStages;
-    const uint32_t k_tile = kv_smem + uint32_t(stage) * 2u * KVTile::kBytes;
-    const uint32_t v_tile = k_tile + KVTile::kBytes;
+    uint32_t k_tile = kv_smem + uint32_t(stage) * 2u * StageTile::kBytes;
+    uint32_t v_tile = k_tile + StageTile::kBytes;
+    if constexpr (kFp8) {
+      // ---- FP8: convert the staged codes of tile `it` into the 16-bit K and V tiles (every warp finished reading
+      // the previous tile's at the barrier above). Thread idx takes 16 codes (one staged chunk) of a row, i.e.
+      // 16-bit chunks 2c and 2c + 1; threads whose c has bit 2 set store 2c + 1 first, so that each store
+      // instruction's 8-thread phases hit 8 distinct bank groups (chunks 2c of c and c + 4 would share one). ----
+      constexpr int kStageChunksPerRow = kHeadDim / 16;
+      constexpr int kConvertChunks = kBlockN * kStageChunksPerRow;
+      static_assert(kConvertChunks % kThreads == 0, "whole conversion passes");
+      // Unrolled up to D = 128; at D = 256 (O holds 128 registers) one pass at a time, which keeps the register
+      // use and spills of the 16-bit D = 256 kernel (ptxas -v, 2026-11-30; unrolled: 8-12 more bytes of spills).
+      constexpr int kConvertUnroll = kHeadDim <= 128 ? kConvertChunks / kThreads : 1;
+      const uint8_t* staged = smem + (k_tile - q_smem);
+      uint8_t* converted = smem + (converted_smem - q_smem);
+#pragma unroll
+      for (int tensor = 0; tensor < 2; ++tensor) {  // K, then V
+#pragma unroll kConvertUnroll
+        for (int pass = 0; pass < kConvertChunks / kThreads; ++pass) {
+          const int idx = pass * kThreads + tid;
+          const int row = idx / kStageChunksPerRow, c = idx % kStageChunksPerRow;
+          const uint4 codes =
+              *reinterpret_cast<const uint4*>(staged + tensor * StageTile::kBytes + StageTile::chunk_offset(row, c));
+          const uint2 e0 = e4m3x4_to_element4<Element>(codes.x), e1 = e4m3x4_to_element4<Element>(codes.y);
+          const uint2 e2 = e4m3x4_to_element4<Element>(codes.z), e3 = e4m3x4_to_element4<Element>(codes.w);
+          const uint4 lo = make_uint4(e0.x, e0.y, e1.x, e1.y), hi = make_uint4(e2.x, e2.y, e3.x, e3.y);
+          const bool swap = ((c >> 2) & 1) != 0;
+          uint8_t* dst = converted + tensor * KVTile::kBytes;
+          *reinterpret_cast<uint4*>(dst + KVTile::chunk_offset(row, 2 * c + (swap ? 1 : 0))) = swap ? hi : lo;
+          *reinterpret_cast<uint4*>(dst + KVTile::chunk_offset(row, 2 * c + (swap ? 0 : 1))) = swap ? lo : hi;
+        }
+      }
+      __syncthreads();  // the converted tiles are complete
+      k_tile = converted_smem;
+      v_tile = converted_smem + KVTile::kBytes;
+    }
     const int slice0 = (work.tile_begin + it) * kBlockN + warp * kWarpKeys;  // first key of this warp's slice
     // Warp-uniform: skip slices that no row of the m-block sees (past the keys, or outside the window).
     if (slice0 >= rows.key_end || slice0 + kWarpKeys <= rows.key_begin) continue;
@@ -498,7 +559,7 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
           for (int c = 0; c < 4; ++c)
-            s_acc[mt][nt][c] = transform[mt][c >> 1](s_acc[mt][nt][c] * p.softmax_scale, row_query[mt][c >> 1],
+            s_acc[mt][nt][c] = transform[mt][c >> 1](s_acc[mt][nt][c] * qk_scale, row_query[mt][c >> 1],
                                                      slice0 + nt * 8 + 2 * quad_col + (c & 1));
     }
     const bool slice_needs_mask = slice0 < unmasked_begin || slice0 + kWarpKeys > unmasked_end;
@@ -637,7 +698,8 @@ __global__ void __launch_bounds__(C::kThreads) decode_kernel(const __grid_consta
       // merged_sum == 0: no visible key (O = 0, LSE = -inf); NaN: a NaN input reached the row and
       // propagates (the NaN/Inf policy)
       const bool no_visible_key = merged_sum == 0.f;
-      const float factor = no_visible_key ? 0.f : exp2f(own_max - merged_max) / merged_sum;
+      // FP8: values are codes, value = code * v_scale, so O = (P codes) * v_scale: folded in here.
+      const float factor = no_visible_key ? 0.f : exp2f(own_max - merged_max) / merged_sum * (kFp8 ? p.v_scale : 1.f);
       row_lse_log2[mt][half] = no_visible_key ? -INFINITY : merged_max + log2f(merged_sum);
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt)

@@ -22,10 +22,10 @@
 
 namespace flashattn::cuda {
 
-// Dynamic shared memory of the decode kernel: Q, then kStages x (K, V). The manifest computes the same.
+// Dynamic shared memory of the decode kernel (decode_config.cuh). The manifest computes the same.
 template <typename C>
 constexpr int decode_smem_bytes() {
-  return (C::kBlockM + 2 * C::kStages * C::kBlockN) * C::kHeadDim * 2;
+  return C::kSmemBytes;
 }
 
 // Once per device and kernel: raise its shared-memory limit (sticky), allow clusters of up to 16 CTAs on
@@ -46,8 +46,8 @@ Status prepare_decode_kernel(int device, bool* sm90) {
     attribute = cudaFuncSetAttribute(&decode::decode_kernel<C, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (attribute == cudaErrorInvalidDeviceFunction || attribute == cudaErrorNoKernelImageForDevice) {
     cudaGetLastError();  // clear it: the call did not run
-    return error(FA_ERROR_NOT_COMPILED, "q: the kvcache kernel (D %d, %s) has no image for cuda:%d in this build",
-                 C::kHeadDim, ElementTraits<typename C::Element>::kName, device);
+    return error(FA_ERROR_NOT_COMPILED, "q: the kvcache kernel (D %d, %s%s) has no image for cuda:%d in this build",
+                 C::kHeadDim, ElementTraits<typename C::Element>::kName, C::kFp8Cache ? ", float8_e4m3 cache" : "", device);
   }
   FA_CUDA_RETURN_IF_ERROR(attribute);
   int major = 0;

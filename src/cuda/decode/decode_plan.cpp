@@ -14,13 +14,14 @@ namespace {
 constexpr int64_t kCopyBytes = 16;     // cp.async and the output stores move 16 bytes
 constexpr int64_t kMaxGridYZ = 65535;  // CUDA's limit on gridDim.y (K/V heads) and gridDim.z (batch)
 
-// A strided (batch or block, row, head) tensor of 16-bit elements: its base pointer and every stride that
-// steps over more than one position must be multiples of 16 bytes.
+// A strided (batch or block, row, head) tensor: its base pointer and every stride that steps over more than
+// one position must be multiples of 16 bytes.
 struct Strided {
   const char* name;
   const void* data;
   int64_t strides[3];  // batch (or block), row, head, in elements
   int64_t extents[3];
+  int64_t element_bytes = 2;  // 16-bit; 1 for an FP8 cache
 };
 
 Status check_alignment(const Strided& t) {
@@ -30,10 +31,10 @@ Status check_alignment(const Strided& t) {
                           t.name, (unsigned long long)address);
   static const char* const kWhat[3] = {"batch (or block)", "row", "head"};
   for (int d = 0; d < 3; ++d)
-    if (t.extents[d] > 1 && (t.strides[d] * 2) % kCopyBytes != 0)
+    if (t.extents[d] > 1 && (t.strides[d] * t.element_bytes) % kCopyBytes != 0)
       return FA_UNSUPPORTED("%s: %s stride %lld elements (%lld bytes) must be a multiple of 16 bytes for the cuda kvcache "
                             "kernels (cp.async)",
-                            t.name, kWhat[d], (long long)t.strides[d], (long long)(t.strides[d] * 2));
+                            t.name, kWhat[d], (long long)t.strides[d], (long long)(t.strides[d] * t.element_bytes));
   return Status();
 }
 
@@ -62,6 +63,12 @@ Status check_kvcache_support(const KvcacheParams& p) {
   if (int64_t(p.heads_q / p.heads_k) * p.seqlen_q > INT_MAX / 2)
     return FA_UNSUPPORTED("q: Sq * Hq / Hk = %lld rows per K/V head exceed the cuda kvcache limit",
                           (long long)(int64_t(p.heads_q / p.heads_k) * p.seqlen_q));
+  const bool fp8_cache = p.kv_dtype == FA_FLOAT8_E4M3;
+  if (fp8_cache && p.head_dim % 16 != 0)
+    return FA_UNSUPPORTED("k_cache: head dim %d must be a multiple of 16 with a float8_e4m3 cache on the cuda backend (rows "
+                          "move in 16-byte chunks of 16 elements)",
+                          p.head_dim);
+  const int64_t cache_element_bytes = fp8_cache ? 1 : 2;
   const bool paged = p.block_table != nullptr;
   const int64_t cache_batches = paged ? p.num_blocks : p.batch;
   const int64_t cache_rows = paged ? p.page_block_size : p.seqlen_k;
@@ -69,9 +76,9 @@ Status check_kvcache_support(const KvcacheParams& p) {
   FA_RETURN_IF_ERROR(
       check_alignment({"out", p.out, {p.out_batch_stride, p.out_row_stride, p.out_head_stride}, {p.batch, p.seqlen_q, p.heads_q}}));
   FA_RETURN_IF_ERROR(check_alignment(
-      {"k_cache", p.k, {p.k_batch_stride, p.k_row_stride, p.k_head_stride}, {cache_batches, cache_rows, p.heads_k}}));
+      {"k_cache", p.k, {p.k_batch_stride, p.k_row_stride, p.k_head_stride}, {cache_batches, cache_rows, p.heads_k}, cache_element_bytes}));
   FA_RETURN_IF_ERROR(check_alignment(
-      {"v_cache", p.v, {p.v_batch_stride, p.v_row_stride, p.v_head_stride}, {cache_batches, cache_rows, p.heads_k}}));
+      {"v_cache", p.v, {p.v_batch_stride, p.v_row_stride, p.v_head_stride}, {cache_batches, cache_rows, p.heads_k}, cache_element_bytes}));
   if (p.k_new != nullptr) {
     FA_RETURN_IF_ERROR(check_alignment({"k_new", p.k_new, {p.k_new_batch_stride, p.k_new_row_stride, p.k_new_head_stride},
                                         {p.batch, p.seqlen_new, p.heads_k}}));

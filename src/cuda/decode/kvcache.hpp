@@ -2,6 +2,8 @@
 // src/cuda/backend.cpp. CUDA builds only; the host logic they use is in decode_plan.hpp (plain C++).
 //
 // What runs: fp16 / bf16 caches, D % 8 == 0 up to 256 (in the next compiled bucket), Dv == D, no dropout;
+// float8 e4m3 caches (with fp16 / bf16 q) in the FP8 rows of the manifest, D % 16 == 0 up to 256
+// (docs/FP8_KV_CACHE.md);
 // Sq from 1 up (decode, speculative decoding, chunked prefill; causal within the new tokens, windows,
 // softcap, ALiBi), GQA / MQA packed (one CTA reads a K/V head once for all its query heads), rotary
 // (interleaved or halves) on q and k_new in the kernels. Caches: contiguous (B, S_cache, Hk, D), any
