@@ -658,21 +658,19 @@ TEST(CudaKvcache, PagedEqualsContiguousBitwise) {
   }
 }
 
-// Every split count gives the oracle's attention within tolerance, and nearly the unsplit result.
-TEST(CudaKvcache, EverySplitCountAgrees) {
-  SKIP_WITHOUT_GPU();
+// Every split count gives the oracle's attention within tolerance, and nearly the unsplit result. `base`
+// gives the cache's type (16-bit or FP8); `tag` prefixes the seed and the labels.
+void check_every_split_count(const KvCase& base, const std::string& tag) {
   for (const int block_size : {0, 16}) {
-    KvCase c;
+    KvCase c = base;
     c.batch = 1;
-    c.heads_q = 8;
-    c.heads_k = 2;
     c.capacity = 5000;
     c.cached = {4097};
     c.seqlen_new = 3;
     c.seqlen_q = 3;
     c.causal = true;
     c.block_size = block_size;
-    auto rng = fa_test::make_rng("splits");
+    auto rng = fa_test::make_rng(tag + "splits");
     const KvTensors pristine = make_kv(c, rng);
     const Expected e = expected_for(c, pristine);
     HostTensor out1;
@@ -683,7 +681,7 @@ TEST(CudaKvcache, EverySplitCountAgrees) {
       fa_stats stats{};
       ASSERT_TRUE(run_gpu(sc, t, &stats).ok()) << splits;
       EXPECT_EQ(stats.num_splits, splits);
-      expect_matches("splits " + std::to_string(splits), sc, t, e, stats.kernel);
+      expect_matches(tag + "splits " + std::to_string(splits), sc, t, e, stats.kernel);
       if (splits == 1) {
         out1 = t.out;
         continue;
@@ -692,6 +690,11 @@ TEST(CudaKvcache, EverySplitCountAgrees) {
       EXPECT_LE(fa_test::compare(t.out, out1).rel_l2, 8e-3) << splits << " splits vs 1";
     }
   }
+}
+
+TEST(CudaKvcache, EverySplitCountAgrees) {
+  SKIP_WITHOUT_GPU();
+  check_every_split_count(KvCase{}, "");  // 8 query heads, 2 K/V heads (KvCase's defaults)
 }
 
 // Sequences of length 0 (nothing cached, nothing appended: out = 0, lse = -inf) and 1.
@@ -908,34 +911,7 @@ TEST(CudaKvcacheFp8, PagedEqualsContiguousBitwise) {
 
 TEST(CudaKvcacheFp8, EverySplitCountAgrees) {
   SKIP_WITHOUT_GPU();
-  for (const int block_size : {0, 16}) {
-    KvCase c = fp8_case();
-    c.batch = 1;
-    c.capacity = 5000;
-    c.cached = {4097};
-    c.seqlen_new = 3;
-    c.seqlen_q = 3;
-    c.causal = true;
-    c.block_size = block_size;
-    auto rng = fa_test::make_rng("fp8 splits");
-    const KvTensors pristine = make_kv(c, rng);
-    const Expected e = expected_for(c, pristine);
-    HostTensor out1;
-    for (const int splits : {1, 2, 3, 4, 5, 8, 13, 33, 64, 200}) {
-      KvCase sc = c;
-      sc.num_splits = splits;
-      KvTensors t = pristine;
-      fa_stats stats{};
-      ASSERT_TRUE(run_gpu(sc, t, &stats).ok()) << splits;
-      EXPECT_EQ(stats.num_splits, splits);
-      expect_matches("fp8 splits " + std::to_string(splits), sc, t, e, stats.kernel);
-      if (splits == 1) {
-        out1 = t.out;
-        continue;
-      }
-      EXPECT_LE(fa_test::compare(t.out, out1).rel_l2, 8e-3) << splits << " splits vs 1";
-    }
-  }
+  check_every_split_count(fp8_case(), "fp8 ");
 }
 
 TEST(CudaKvcacheFp8, EmptyAndSingleKeySequences) {
