@@ -227,6 +227,7 @@ namespace dec = flashattn::cuda::decode;
 
 struct Variant {
   const char* name;
+  bool fp8_cache;  // compiled for a float8 e4m3 cache (--kv fp8), else for the 16-bit one
   int block_m, block_n, warps, stages;
   int64_t smem_bytes;
   flashattn::Status (*launch)(const dec::DecodeArgs&, const dec::DecodePlan&, cudaStream_t);
@@ -236,13 +237,15 @@ struct Variant {
 // translation units registering the same kernel (non-rdc) confuse the runtime (cudaFuncSetAttribute on
 // one copy, the launch on the other: "invalid argument"). Deriving a new type gives the variants their own
 // kernels.
-template <int M, int N, int W, int S>
-struct BenchConfig : dec::DecodeConfig<__nv_bfloat16, 128, M, N, W, S, false> {};
-#define DECODE_VARIANT(M, N, W, S)                                                                                   \
+template <int M, int N, int W, int S, bool kFp8 = false>
+struct BenchConfig : dec::DecodeConfig<__nv_bfloat16, 128, M, N, W, S, false, kFp8> {};
+#define DECODE_VARIANT_OF(NAME, FP8, M, N, W, S)                                                                     \
   Variant {                                                                                                          \
-    "m" #M "n" #N "w" #W "s" #S, M, N, W, S, cu::decode_smem_bytes<BenchConfig<M, N, W, S>>(),                      \
-        &cu::launch_decode_args<BenchConfig<M, N, W, S>>, &cu::prepare_decode_kernel<BenchConfig<M, N, W, S>>        \
+    NAME, FP8, M, N, W, S, cu::decode_smem_bytes<BenchConfig<M, N, W, S, FP8>>(),                                    \
+        &cu::launch_decode_args<BenchConfig<M, N, W, S, FP8>>, &cu::prepare_decode_kernel<BenchConfig<M, N, W, S, FP8>> \
   }
+#define DECODE_VARIANT(M, N, W, S) DECODE_VARIANT_OF("m" #M "n" #N "w" #W "s" #S, false, M, N, W, S)
+#define DECODE_VARIANT_FP8(M, N, W, S) DECODE_VARIANT_OF("e4m3_m" #M "n" #N "w" #W "s" #S, true, M, N, W, S)
 // bf16, D = 128 (the issue's shape). smem = (16 + 2 stages N) * 256 bytes; CTAs per H200 SM in brackets.
 // (Round of 2026-11-30 05:07, B = 1, S = 128k, heuristic splits: n64w4s2 3.92 TB/s, n64w4s3 3.80, n32w2s3 3.71,
 // n128w8s2 3.09, n32w2s4 2.85, n128w4s2 2.76, n64w4s4 2.42, n32w2s6 2.22: the 1-CTA-per-SM and 64-thread
@@ -253,6 +256,12 @@ const Variant kVariants[] = {
     DECODE_VARIANT(16, 32, 2, 3),  //  52 KiB [4], 64 threads
     DECODE_VARIANT(16, 32, 2, 2),  //  36 KiB [4+], 64 threads
     DECODE_VARIANT(16, 64, 2, 2),  //  68 KiB [3], 64 threads, 32 keys per warp
+    // FP8 cache (--kv fp8): smem = 16 * 256 + 2 stages N * 128 bytes
+    DECODE_VARIANT_FP8(16, 64, 4, 4),   //  68 KiB: the library's tile
+    DECODE_VARIANT_FP8(16, 64, 4, 3),   //  52 KiB
+    DECODE_VARIANT_FP8(16, 128, 4, 3),  // 100 KiB, 32 keys per warp
+    DECODE_VARIANT_FP8(16, 128, 4, 2),  //  68 KiB, 32 keys per warp
+    DECODE_VARIANT_FP8(16, 128, 8, 3),  // 100 KiB, 256 threads
 };
 
 const Variant* find_variant(const std::string& name) {
@@ -280,6 +289,7 @@ struct VariantCall {
     bool programmatic = false;
     FA_RETURN_IF_ERROR(v->prepare(0, &programmatic));
     cu::KernelEntry entry{cu::KernelKind::kKvcache, p.dtype, 128, v->block_m, v->block_n, v->warps, v->stages, false, v->smem_bytes, v->name};
+    entry.fp8_cache = v->fp8_cache;
     p.num_splits = k.splits;
     dec::DecodePlan plan;
     FA_RETURN_IF_ERROR(dec::make_decode_plan(p, entry, device, &plan));
@@ -436,8 +446,8 @@ std::vector<std::pair<Knobs, Result>> run_shape(const Shape& s, const std::vecto
     } else {
 #if defined(FLASHATTN_DECODE_TILE_VARIANTS)
       const Variant* v = find_variant(k.runner);
-      if (v == nullptr || s.dim != 128 || s.dtype != FA_BFLOAT16 || s.fp8_cache) {
-        r.error = "no variant " + k.runner + " for this shape (bf16, D = 128, 16-bit cache only)";
+      if (v == nullptr || s.dim != 128 || s.dtype != FA_BFLOAT16 || s.fp8_cache != v->fp8_cache) {
+        r.error = "no variant " + k.runner + " for this shape (bf16, D = 128; e4m3_ variants with --kv fp8 only)";
         results.emplace_back(k, r);
         continue;
       }
@@ -527,7 +537,8 @@ int main(int argc, char** argv) {
     while (std::getline(ss, item, ',')) {
 #if defined(FLASHATTN_DECODE_TILE_VARIANTS)
       if (item == "all") {
-        for (const Variant& v : kVariants) runners.push_back(v.name);
+        for (const Variant& v : kVariants)
+          if (v.fp8_cache == (kv_arg == "fp8")) runners.push_back(v.name);  // those for this cache
         continue;
       }
 #endif

@@ -134,21 +134,21 @@ DECODE_TILES = {
     (32, False): Tile(16, 128, 4, 4),    # 65 KiB
     (64, False): Tile(16, 128, 4, 3),    # 98 KiB
     (96, False): Tile(16, 64, 4, 4),     # 99 KiB
-    (128, False): Tile(16, 64, 4, 3),    # 100 KiB: 148 registers, no spills (ptxas -v, 2026-11-30)
+    (128, False): Tile(16, 64, 4, 3),    # 100 KiB: 154 registers (paged: 168, 8 bytes spilled outside the loop; ptxas -v, sm_90a)
     (192, False): Tile(16, 64, 4, 2),    # 102 KiB
     (256, False): Tile(16, 64, 4, 2),    # 136 KiB: 221 registers (O is 128 of them), no spills
 }
 DECODE_DTYPES = ["f16", "bf16"]
 
-# ---- decode with an FP8 (e4m3) K/V cache: same kernel, cache tiles staged as fp8 and converted in shared memory
-# (decode_kernel.cuh). smem = (block_m + 2 * block_n) * D * 2 (Q and the converted K / V tile) + 2 * stages *
-# block_n * D (the fp8 ring). An fp8 stage is half the bytes, so D <= 128 take 4 stages (the same bytes in
-# flight as the 16-bit rows); D = 256 keeps 2 (136 KiB: fits sm_80's 163 KiB). Only the common head dims are
-# compiled (build time); others are a NOT_COMPILED error. Untuned: the lead measures on the H200.
+# ---- decode with an FP8 (e4m3) K/V cache: same kernel, cache tiles streamed as fp8 codes and converted in
+# registers as the MMAs load them (decode_kernel.cuh). smem = block_m * D * 2 (Q) + 2 * stages * block_n * D (the
+# fp8 ring); the warp merge reuses the ring, so D = 256 needs 3 stages. Only the common head dims are compiled
+# (build time); others are a NOT_COMPILED error.
 DECODE_FP8_TILES = {
-    (64, False): Tile(16, 128, 4, 4),    # 98 KiB
-    (128, False): Tile(16, 64, 4, 4),    # 100 KiB
-    (256, False): Tile(16, 64, 4, 2),    # 136 KiB
+    (64, False): Tile(16, 128, 4, 4),    # 66 KiB
+    (128, False): Tile(16, 128, 4, 3),   # 100 KiB (H200, bf16, 2026-11-30 13:17 UTC, B = 1..256, 8k-32k keys: 1.0-1.3x
+                                         # the next best of n64w4s4, n64w4s3, n128w4s2, n128w8s3, but B = 1 8k paged)
+    (256, False): Tile(16, 64, 4, 3),    # 104 KiB (fits sm_80's 163 KiB)
 }
 DECODE_FP8_DTYPES = ["f16", "bf16"]  # q's dtype; the cache is float8 e4m3
 
@@ -176,8 +176,8 @@ class Kernel:
     @property
     def smem_bytes(self):
         t = self.tile
-        if self.fp8_cache:  # Q and the converted K / V tile (16-bit), then stages x (K, V) in fp8
-            return (t.block_m + 2 * t.block_n) * self.head_dim * 2 + 2 * t.stages * t.block_n * self.head_dim
+        if self.fp8_cache:  # Q (16-bit), then stages x (K, V) in fp8
+            return t.block_m * self.head_dim * 2 + 2 * t.stages * t.block_n * self.head_dim
         if self.kind in ("fwd", "dec"):  # Q, then stages x (K, V), then (warp groups) P and row statistics
             exchange = t.block_m * t.block_n * 2 + t.block_m * t.group_warps * 4 if t.group_warps > 1 else 0
             return (t.block_m + 2 * t.stages * t.block_n) * self.head_dim * 2 + exchange

@@ -9,9 +9,9 @@ template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWar
           bool kFp8Cache_ = false>
 struct DecodeConfig {
   using Element = Element_;                   // __half or __nv_bfloat16 (q, out; the cache too unless kFp8Cache)
-  // The K/V cache is float8 e4m3 (params.kv_dtype): its tiles stream through the kStages ring as fp8 and are
-  // converted (exactly) into one 16-bit K / V tile per step; k_scale / v_scale are folded into the softmax
-  // scale and the final normalisation.
+  // The K/V cache is float8 e4m3 (params.kv_dtype): its tiles stream through the kStages ring as fp8 codes,
+  // which the MMA loops convert (exactly) in registers; k_scale / v_scale are folded into the softmax scale and
+  // the final normalisation.
   static constexpr bool kFp8Cache = kFp8Cache_;
   static constexpr int kHeadDim = kHeadDim_;  // head-dim bucket: D <= kHeadDim, D % 8 == 0, zero-padded
   static constexpr int kBlockM = kBlockM_;    // packed rows (query head x new token) per CTA, in m16 tiles
@@ -20,14 +20,14 @@ struct DecodeConfig {
   static constexpr int kThreads = 32 * kWarps_;
   static constexpr int kStages = kStages_;    // K/V tiles in shared memory: kStages - 1 load while one is used
   static constexpr int kWarpKeys = kBlockN_ / kWarps_;
-  // Launch bounds' minimum CTAs per SM: 0 (none: ptxas's own register choice) for 16-bit caches; 2 for FP8
-  // caches, whose shared memory allows 2 at D <= 128 anyway: the bound lets ptxas use up to 255 registers, where
-  // its own choice (168) made the FP8 conversion spill in the paged sm_90a build (ptxas -v, 2026-11-30).
-  static constexpr int kMinCtasPerSm = kFp8Cache ? 2 : 0;
-  // Dynamic shared memory (decode_kernel.cuh's layout; the manifest computes the same): Q, then kStages x (K, V)
-  // in 16-bit; FP8: Q, the converted K and V tiles (16-bit), then kStages x (K, V) as fp8 codes.
-  static constexpr int kSmemBytes = kFp8Cache ? (kBlockM + 2 * kBlockN) * kHeadDim * 2 + 2 * kStages * kBlockN * kHeadDim
-                                              : (kBlockM + 2 * kStages * kBlockN) * kHeadDim * 2;
+  // Dynamic shared memory (decode_kernel.cuh's layout; the manifest computes the same): Q in 16-bit, then
+  // kStages x (K, V) in the cache's element (FP8: 1 byte).
+  static constexpr int kSmemBytes = kBlockM * kHeadDim * 2 + 2 * kStages * kBlockN * kHeadDim * (kFp8Cache ? 1 : 2);
+  // Launch bounds' minimum CTAs per SM: 0 (none: ptxas's own register choice) for 16-bit caches. FP8 caches: as
+  // many as an H200 SM's shared memory holds (227 KiB), 2 or 3, so that registers never limit them more (its
+  // own choice of 194-220 registers at D = 128 would allow 2 where the 68 KiB ring allows 3; ptxas -v,
+  // 2026-11-30).
+  static constexpr int kMinCtasPerSm = !kFp8Cache ? 0 : (3 * (kSmemBytes + 1024) <= 228 * 1024 ? 3 : 2);
 
   static_assert(!kDropout_, "the decode kernels have no dropout path (the host rejects dropout_p > 0)");
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head-dim buckets are multiples of 32 up to 256");

@@ -21,10 +21,16 @@
 // memory, merged by the cluster's CTAs through distributed shared memory (no second kernel).
 //
 // FP8 cache (C::kFp8Cache): the ring holds the K/V tiles as streamed, e4m3 codes (half the bytes; an fp8 row of D
-// codes is laid out as a 16-bit SwizzledTile row of D / 2 columns, so the load code is the same). After a tile
-// lands, the CTA converts it (fp8_convert.cuh, exact) into one 16-bit K and V tile in the swizzled layout that
-// the MMA loop reads, with one more barrier per tile. The dequantisation scales cost nothing per element:
-// k_scale is folded into the softmax scale, v_scale into the final 1 / rowsum.
+// codes is laid out as a 16-bit SwizzledTile row of D / 2 columns, so the load code is the same). The MMAs read
+// the codes straight from the ring with the 16-bit ldmatrix and convert them in registers (fp8_convert.cuh,
+// exact): no 16-bit copy of the tile, no extra barrier. An ldmatrix of fp8 rows hands each thread 4 adjacent
+// codes of a row where the 16-bit MMA fragment wants 2 + 2 elements 8 apart, so two orders change, both inside
+// sums the MMA takes over them (see fp8_q_column and the S and O += P V loops):
+//   S = Q K^T  the d (reduction) order: each 16-column group of Q is stored permuted in shared memory to match
+//   O += P V   (ldmatrix.trans) the d (output) order of O's n8 tiles: even and odd columns of a 16-column group
+//              land in two tiles, put back in place when O is written out (fp8_o_column)
+// The dequantisation scales cost nothing per element: k_scale is folded into the softmax scale, v_scale into
+// the final 1 / rowsum.
 //
 // Index safety without host checks (cache_seqlens and block_table are device memory): a sequence whose
 // cache_seqlens entry is outside [0, capacity - S_new] gets NaN in out and lse and nothing is read for it; a
@@ -60,9 +66,24 @@ constexpr float kMaxStaleLog2 = 8.f;
 // start (affects speed only).
 constexpr int kPrefetchTableEntries = 1024;
 
+// FP8 cache: shared-memory column of Q's element d. The MMA's k slots 2t, 2t + 1 (A registers 0, 1) and 2t + 8,
+// 2t + 9 (registers 2, 3) of a 16-column group meet, in K's fragment, the codes d = 4t .. 4t + 3 that one
+// ldmatrix gives thread t (quad column t = lane % 4) of a key row. So Q's pair p = (d / 2) % 8 of a group is
+// stored at pair (p / 2) + 4 (p % 2): pairs 0, 2, 4, 6 fill the group's first 16-byte chunk, 1, 3, 5, 7 the second.
+__device__ __forceinline__ int fp8_q_column(int d) {
+  const int pair = (d >> 1) & 7;
+  return (d & ~15) | ((((pair >> 1) + 4 * (pair & 1)) << 1) | (d & 1));
+}
+// FP8 cache: the head column of O accumulator element e (0, 1: columns 2t + e of the n8 tile) of tile dt. The
+// ldmatrix.trans of a 16-code chunk c gives thread t V's columns 2 (lane / 4) and 2 (lane / 4) + 1, which feed the
+// n8 tiles 2c (even columns) and 2c + 1 (odd ones): tile dt holds columns 16 (dt / 2) + 2 n + dt % 2, n = 0..7.
+__device__ __forceinline__ int fp8_o_column(int dt, int quad_col, int e) {
+  return 16 * (dt >> 1) + 2 * (2 * quad_col + e) + (dt & 1);
+}
+
 // kPaged: the cache is paged (args.p.block_table != null); the launcher picks the instantiation.
 // Launch bounds: C::kMinCtasPerSm (decode_config.cuh) is 0, "no bound", for 16-bit caches (ptxas's own register
-// choice) and 2 for FP8 caches (see there).
+// choice) and 2 or 3 for FP8 caches (see there).
 template <typename C, bool kPaged>
 __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(const __grid_constant__ DecodeArgs args) {
   using Element = typename C::Element;
@@ -79,7 +100,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   constexpr int kQKSteps = kHeadDim / 16;     // k16 steps of S = Q K^T
   constexpr int kPVSteps = kWarpKeys / 16;    // k16 steps of O += P V
   using QTile = SwizzledTile<kBlockM, kHeadDim>;
-  using KVTile = SwizzledTile<kBlockN, kHeadDim>;  // what the MMAs read
   constexpr bool kFp8 = C::kFp8Cache;
   // The cache's element, and a K or V tile as streamed through the ring: the 16-bit tile itself, or (FP8) the
   // tile's codes, whose D bytes per row are stored as the D / 2 columns of a 16-bit tile.
@@ -88,6 +108,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   constexpr int kCacheElementBytes = int(sizeof(CacheElement));
   constexpr int kChunkElements = 16 / kCacheElementBytes;  // cache elements per 16-byte copy
   static_assert(kDTiles % 2 == 0 && kNTiles % 2 == 0, "ldmatrix.x4 loads two n8 tiles at once");
+  static_assert(!C::kFp8Cache || (kQKSteps % 2 == 0 && kDTiles % 4 == 0), "FP8: an ldmatrix.x4 holds two 16-code chunks");
   // K/V loads: the threads sweep one column block (StageTile::kBlockCols) at a time, kRowsPerPass rows per pass.
   constexpr int kChunksPerBlockRow = StageTile::kChunksPerBlockRow;
   constexpr int kRowsPerPass = kThreads / kChunksPerBlockRow;
@@ -100,17 +121,15 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   constexpr int kMergePad = 8;
   constexpr int kMergeRow = kHeadDim + kMergePad;
   constexpr int kMergeBytes = kWarps * kBlockM * kMergeRow * 4 + kWarps * kBlockM * 8;
-  // Shared memory: Q, [FP8: the converted K and V tiles], then the ring of kStages (K, V) stage tiles.
-  constexpr int kConvertedBytes = kFp8 ? 2 * KVTile::kBytes : 0;
-  constexpr int kKVRegionBytes = kConvertedBytes + kStages * 2 * StageTile::kBytes;
+  // Shared memory: Q, then the ring of kStages (K, V) stage tiles.
+  constexpr int kKVRegionBytes = kStages * 2 * StageTile::kBytes;
   static_assert(QTile::kBytes + kKVRegionBytes == C::kSmemBytes, "the launcher's shared memory is the kernel's");
   static_assert(kMergeBytes <= kKVRegionBytes, "the warp merge reuses the K/V stages");
 
   const KvcacheParams& p = args.p;
   extern __shared__ __align__(128) uint8_t smem[];
   const uint32_t q_smem = smem_address(smem);
-  const uint32_t converted_smem = q_smem + QTile::kBytes;     // FP8: K, then V (KVTile each)
-  const uint32_t kv_smem = converted_smem + kConvertedBytes;  // stage s: K at kv_smem + 2 s StageTile::kBytes, V after it
+  const uint32_t kv_smem = q_smem + QTile::kBytes;  // stage s: K at kv_smem + 2 s StageTile::kBytes, V after it
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -235,8 +254,26 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   const CacheElement* k_gmem = static_cast<const CacheElement*>(p.k);
   const CacheElement* v_gmem = static_cast<const CacheElement*>(p.v);
 
-  // ---- Q: the m-block's packed rows, rotated at their positions when rotary is on ----
-  if (p.rotary_dim == 0) {
+  // ---- Q: the m-block's packed rows, rotated at their positions when rotary is on; FP8 cache: each
+  // 16-column group permuted (fp8_q_column) ----
+  if (kFp8 && p.rotary_dim == 0) {
+    // Through registers: a group's 8 pairs go to two chunks as (0, 2, 4, 6) and (1, 3, 5, 7). The loop's first
+    // barrier orders these stores before any ldmatrix of Q. (FP8 caches need D % 16 == 0: whole groups.)
+    for (int idx = tid; idx < kBlockM * (kHeadDim / 16); idx += kThreads) {
+      const int row = idx / (kHeadDim / 16), group16 = idx % (kHeadDim / 16);
+      const int r = rows.row_begin + row;
+      const int i = r / group, h = hk * group + r % group;
+      uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;  // pairs 0..3, 4..7 of the group
+      if (row < rows.rows && group16 < p.head_dim / 16) {
+        const uint4* src = reinterpret_cast<const uint4*>(q_gmem + b * p.q_batch_stride + int64_t(i) * p.q_row_stride +
+                                                          h * p.q_head_stride + group16 * 16);
+        lo = src[0];
+        hi = src[1];
+      }
+      *reinterpret_cast<uint4*>(smem + QTile::chunk_offset(row, 2 * group16)) = make_uint4(lo.x, lo.z, hi.x, hi.z);
+      *reinterpret_cast<uint4*>(smem + QTile::chunk_offset(row, 2 * group16 + 1)) = make_uint4(lo.y, lo.w, hi.y, hi.w);
+    }
+  } else if (p.rotary_dim == 0) {
     for (int idx = tid; idx < kBlockM * QTile::kChunksPerRow; idx += kThreads) {
       const int row = idx / QTile::kChunksPerRow, chunk = idx % QTile::kChunksPerRow;
       const int r = rows.row_begin + row;
@@ -262,8 +299,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
         x1 = float(src[pair.second]);
         if (pair.rotated) rotate_pair<Element>(p, per_token_positions ? cached + i : cached, q, &x0, &x1);
       }
-      *reinterpret_cast<Element*>(smem + QTile::chunk_offset(row, pair.first / 8) + (pair.first % 8) * 2) = Element(x0);
-      *reinterpret_cast<Element*>(smem + QTile::chunk_offset(row, pair.second / 8) + (pair.second % 8) * 2) = Element(x1);
+      const int col0 = kFp8 ? fp8_q_column(pair.first) : pair.first;
+      const int col1 = kFp8 ? fp8_q_column(pair.second) : pair.second;
+      *reinterpret_cast<Element*>(smem + QTile::chunk_offset(row, col0 / 8) + (col0 % 8) * 2) = Element(x0);
+      *reinterpret_cast<Element*>(smem + QTile::chunk_offset(row, col1 / 8) + (col1 % 8) * 2) = Element(x1);
     }
   }
 
@@ -361,7 +400,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     }
     const bool plain =
         (n + 1) * kBlockN <= seqlen_k && full_width && strides_32bit && (!kPaged || slot_ids) && tile_bad_ids == 0;
-    if (plain) {
+    if (__builtin_expect(plain, 1)) {
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass) {
         const int row = row_lane + pass * kRowsPerPass;  // row of the tile
@@ -385,7 +424,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
         }
       }
     } else {
-#pragma unroll
+      // Rolled (affects speed only; the plain path's copies are unrolled): a smaller loop body. The paged FP8
+      // kernel's main loop is ~37 KiB of code and its warps wait on instruction fetch 41% of the time (ncu,
+      // B = 1, 8k keys, 2026-11-30); unrolled, this path made it 49%.
+#pragma unroll 1
       for (int pass = 0; pass < kPasses; ++pass) {
         const int row = row_lane + pass * kRowsPerPass;
         const int j = n * kBlockN + row;
@@ -470,10 +512,11 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
 
   // Per-lane parts of the ldmatrix addresses (SwizzledTile::offset): A (Q) rows lane % 16, chunk lane / 16;
   // B (K) keys lane % 8 + 8 (lane / 16), chunk (lane / 8) % 2; B (V, transposed) keys lane % 8 + 8 ((lane / 8)
-  // % 2), chunk lane / 16; K and V shifted to this warp's key slice (a multiple of 16 rows: same swizzle).
+  // % 2), chunk lane / 16 (FP8: K's codes too, see the S loop); K and V shifted to this warp's key slice (a
+  // multiple of 16 rows: same swizzle).
   const uint32_t q_lane = QTile::lane_offset(lane & 15, lane >> 4);
-  const uint32_t k_lane = KVTile::offset(KVTile::lane_offset((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1), warp * kWarpKeys, 0);
-  const uint32_t v_lane = KVTile::offset(KVTile::lane_offset((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4), warp * kWarpKeys, 0);
+  const uint32_t k_lane = StageTile::offset(StageTile::lane_offset((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1), warp * kWarpKeys, 0);
+  const uint32_t v_lane = StageTile::offset(StageTile::lane_offset((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4), warp * kWarpKeys, 0);
 
   for (int it = 0; it < num_tiles; ++it) {
     cp_async_wait<kStages - 2>();  // this thread's copies of tile `it` (and Q) have landed
@@ -483,42 +526,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     cp_async_commit();
 
     const int stage = it % kStages;
-    uint32_t k_tile = kv_smem + uint32_t(stage) * 2u * StageTile::kBytes;
-    uint32_t v_tile = k_tile + StageTile::kBytes;
-    if constexpr (kFp8) {
-      // ---- FP8: convert the staged codes of tile `it` into the 16-bit K and V tiles (every warp finished reading
-      // the previous tile's at the barrier above). Thread idx takes 16 codes (one staged chunk) of a row, i.e.
-      // 16-bit chunks 2c and 2c + 1; threads whose c has bit 2 set store 2c + 1 first, so that each store
-      // instruction's 8-thread phases hit 8 distinct bank groups (chunks 2c of c and c + 4 would share one). ----
-      constexpr int kStageChunksPerRow = kHeadDim / 16;
-      constexpr int kConvertChunks = kBlockN * kStageChunksPerRow;
-      static_assert(kConvertChunks % kThreads == 0, "whole conversion passes");
-      // Unrolled up to D = 128; at D = 256 (O holds 128 registers) one pass at a time, which keeps the register
-      // use and spills of the 16-bit D = 256 kernel (ptxas -v, 2026-11-30; unrolled: 8-12 more bytes of spills).
-      constexpr int kConvertUnroll = kHeadDim <= 128 ? kConvertChunks / kThreads : 1;
-      const uint8_t* staged = smem + (k_tile - q_smem);
-      uint8_t* converted = smem + (converted_smem - q_smem);
-#pragma unroll
-      for (int tensor = 0; tensor < 2; ++tensor) {  // K, then V
-#pragma unroll kConvertUnroll
-        for (int pass = 0; pass < kConvertChunks / kThreads; ++pass) {
-          const int idx = pass * kThreads + tid;
-          const int row = idx / kStageChunksPerRow, c = idx % kStageChunksPerRow;
-          const uint4 codes =
-              *reinterpret_cast<const uint4*>(staged + tensor * StageTile::kBytes + StageTile::chunk_offset(row, c));
-          const uint2 e0 = e4m3x4_to_element4<Element>(codes.x), e1 = e4m3x4_to_element4<Element>(codes.y);
-          const uint2 e2 = e4m3x4_to_element4<Element>(codes.z), e3 = e4m3x4_to_element4<Element>(codes.w);
-          const uint4 lo = make_uint4(e0.x, e0.y, e1.x, e1.y), hi = make_uint4(e2.x, e2.y, e3.x, e3.y);
-          const bool swap = ((c >> 2) & 1) != 0;
-          uint8_t* dst = converted + tensor * KVTile::kBytes;
-          *reinterpret_cast<uint4*>(dst + KVTile::chunk_offset(row, 2 * c + (swap ? 1 : 0))) = swap ? hi : lo;
-          *reinterpret_cast<uint4*>(dst + KVTile::chunk_offset(row, 2 * c + (swap ? 0 : 1))) = swap ? lo : hi;
-        }
-      }
-      __syncthreads();  // the converted tiles are complete
-      k_tile = converted_smem;
-      v_tile = converted_smem + KVTile::kBytes;
-    }
+    const uint32_t k_tile = kv_smem + uint32_t(stage) * 2u * StageTile::kBytes;
+    const uint32_t v_tile = k_tile + StageTile::kBytes;
     const int slice0 = (work.tile_begin + it) * kBlockN + warp * kWarpKeys;  // first key of this warp's slice
     // Warp-uniform: skip slices that no row of the m-block sees (past the keys, or outside the window).
     if (slice0 >= rows.key_end || slice0 + kWarpKeys <= rows.key_begin) continue;
@@ -531,22 +540,51 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
         for (int c = 0; c < 4; ++c) s_acc[mt][nt][c] = 0.f;
+    if constexpr (kFp8) {
+      // Two k16 steps (d chunks 2ks2, 2ks2 + 1 of the codes) per ldmatrix: matrices (keys +0..7, chunk 2ks2),
+      // (+8..15, 2ks2), (+0..7, 2ks2 + 1), (+8..15, 2ks2 + 1) give thread t codes d = 4 (t % 4) .. + 3 of key
+      // t / 4 of each, i.e. B registers 0 and 1 of an n8 tile in Q's permuted d order (fp8_q_column).
 #pragma unroll
-    for (int ks = 0; ks < kQKSteps; ++ks) {
-      uint32_t q_frag[kMTiles][4];
+      for (int ks2 = 0; ks2 < kQKSteps / 2; ++ks2) {
+        uint32_t q_frag[2][kMTiles][4];
 #pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(q_frag[mt], q_smem + QTile::offset(q_lane, mt * 16, 2 * ks));
+        for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int np = 0; np < kNTiles / 2; ++np) {
-        // B for key tiles 2np, 2np + 1: matrices (keys +0..7, chunk 2ks), (+0..7, 2ks+1), (+8..15, 2ks), (+8..15, 2ks+1)
-        uint32_t k_frag[4];
-        ldmatrix_x4(k_frag, k_tile + KVTile::offset(k_lane, np * 16, 2 * ks));
-        const uint32_t b_lo[2] = {k_frag[0], k_frag[1]};
-        const uint32_t b_hi[2] = {k_frag[2], k_frag[3]};
+          for (int mt = 0; mt < kMTiles; ++mt)
+            ldmatrix_x4(q_frag[j][mt], q_smem + QTile::offset(q_lane, mt * 16, 2 * (2 * ks2 + j)));
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          mma_m16n8k16<Element>(s_acc[mt][2 * np], q_frag[mt], b_lo);
-          mma_m16n8k16<Element>(s_acc[mt][2 * np + 1], q_frag[mt], b_hi);
+        for (int np = 0; np < kNTiles / 2; ++np) {
+          uint32_t codes[4];
+          ldmatrix_x4(codes, k_tile + StageTile::offset(v_lane, np * 16, 2 * ks2));
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int t = 0; t < 2; ++t) {  // key tile 2np + t
+              const uint2 k_values = e4m3x4_to_element4<Element>(codes[2 * j + t]);
+              const uint32_t b[2] = {k_values.x, k_values.y};
+#pragma unroll
+              for (int mt = 0; mt < kMTiles; ++mt) mma_m16n8k16<Element>(s_acc[mt][2 * np + t], q_frag[j][mt], b);
+            }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < kQKSteps; ++ks) {
+        uint32_t q_frag[kMTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(q_frag[mt], q_smem + QTile::offset(q_lane, mt * 16, 2 * ks));
+#pragma unroll
+        for (int np = 0; np < kNTiles / 2; ++np) {
+          // B for key tiles 2np, 2np + 1: matrices (keys +0..7, chunk 2ks), (+0..7, 2ks+1), (+8..15, 2ks), (+8..15, 2ks+1)
+          uint32_t k_frag[4];
+          ldmatrix_x4(k_frag, k_tile + StageTile::offset(k_lane, np * 16, 2 * ks));
+          const uint32_t b_lo[2] = {k_frag[0], k_frag[1]};
+          const uint32_t b_hi[2] = {k_frag[2], k_frag[3]};
+#pragma unroll
+          for (int mt = 0; mt < kMTiles; ++mt) {
+            mma_m16n8k16<Element>(s_acc[mt][2 * np], q_frag[mt], b_lo);
+            mma_m16n8k16<Element>(s_acc[mt][2 * np + 1], q_frag[mt], b_hi);
+          }
         }
       }
     }
@@ -646,17 +684,41 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
         p_frag[mt][2] = ElementTraits<Element>::pack(s_acc[mt][2 * ks + 1][0], s_acc[mt][2 * ks + 1][1]);
         p_frag[mt][3] = ElementTraits<Element>::pack(s_acc[mt][2 * ks + 1][2], s_acc[mt][2 * ks + 1][3]);
       }
+      if constexpr (kFp8) {
+        // Two code chunks (32 columns, O tiles 4cp .. 4cp + 3) per ldmatrix.trans: matrices (keys +0..7, chunk
+        // 2cp), (+8..15, 2cp), (+0..7, 2cp + 1), (+8..15, 2cp + 1) give thread t, of keys 2 (t % 4) and + 1 (+ 8
+        // in the second matrix), the codes of columns 2 (t / 4) and + 1 of the chunk: B registers 0 and 1 of the
+        // chunk's even-column tile and of its odd-column tile (fp8_o_column).
 #pragma unroll
-      for (int dp = 0; dp < kDTiles / 2; ++dp) {
-        // B for d tiles 2dp, 2dp + 1 (transposed): matrices (keys +0..7, chunk 2dp), (+8..15, 2dp), (+0..7, 2dp+1), (+8..15, 2dp+1)
-        uint32_t v_frag[4];
-        ldmatrix_x4_trans(v_frag, v_tile + KVTile::offset(v_lane, ks * 16, 2 * dp));
-        const uint32_t b_lo[2] = {v_frag[0], v_frag[1]};
-        const uint32_t b_hi[2] = {v_frag[2], v_frag[3]};
+        for (int cp = 0; cp < kDTiles / 4; ++cp) {
+          uint32_t codes[4];
+          ldmatrix_x4_trans(codes, v_tile + StageTile::offset(v_lane, ks * 16, 2 * cp));
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) {
-          mma_m16n8k16<Element>(o_acc[mt][2 * dp], p_frag[mt], b_lo);
-          mma_m16n8k16<Element>(o_acc[mt][2 * dp + 1], p_frag[mt], b_hi);
+          for (int j = 0; j < 2; ++j) {
+            const uint32_t b_even[2] = {e4m3_column_to_element2<Element, false>(codes[2 * j]),
+                                        e4m3_column_to_element2<Element, false>(codes[2 * j + 1])};
+            const uint32_t b_odd[2] = {e4m3_column_to_element2<Element, true>(codes[2 * j]),
+                                       e4m3_column_to_element2<Element, true>(codes[2 * j + 1])};
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+              mma_m16n8k16<Element>(o_acc[mt][4 * cp + 2 * j], p_frag[mt], b_even);
+              mma_m16n8k16<Element>(o_acc[mt][4 * cp + 2 * j + 1], p_frag[mt], b_odd);
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int dp = 0; dp < kDTiles / 2; ++dp) {
+          // B for d tiles 2dp, 2dp + 1 (transposed): matrices (keys +0..7, chunk 2dp), (+8..15, 2dp), (+0..7, 2dp+1), (+8..15, 2dp+1)
+          uint32_t v_frag[4];
+          ldmatrix_x4_trans(v_frag, v_tile + StageTile::offset(v_lane, ks * 16, 2 * dp));
+          const uint32_t b_lo[2] = {v_frag[0], v_frag[1]};
+          const uint32_t b_hi[2] = {v_frag[2], v_frag[3]};
+#pragma unroll
+          for (int mt = 0; mt < kMTiles; ++mt) {
+            mma_m16n8k16<Element>(o_acc[mt][2 * dp], p_frag[mt], b_lo);
+            mma_m16n8k16<Element>(o_acc[mt][2 * dp + 1], p_frag[mt], b_hi);
+          }
         }
       }
     }
@@ -701,10 +763,20 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       // FP8: values are codes, value = code * v_scale, so O = (P codes) * v_scale: folded in here.
       const float factor = no_visible_key ? 0.f : exp2f(own_max - merged_max) / merged_sum * (kFp8 ? p.v_scale : 1.f);
       row_lse_log2[mt][half] = no_visible_key ? -INFINITY : merged_max + log2f(merged_sum);
+      float* merge_row = merge_o + (warp * kBlockM + row) * kMergeRow;
+      if constexpr (kFp8) {  // tiles 2c, 2c + 1 hold the even and odd columns of 16c .. 16c + 15 (fp8_o_column)
 #pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt)
-        *reinterpret_cast<float2*>(merge_o + (warp * kBlockM + row) * kMergeRow + dt * 8 + 2 * quad_col) =
-            make_float2(o_acc[mt][dt][2 * half] * factor, o_acc[mt][dt][2 * half + 1] * factor);
+        for (int dt = 0; dt < kDTiles; dt += 2)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            *reinterpret_cast<float2*>(merge_row + fp8_o_column(dt, quad_col, e)) =
+                make_float2(o_acc[mt][dt][2 * half + e] * factor, o_acc[mt][dt + 1][2 * half + e] * factor);
+      } else {
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt)
+          *reinterpret_cast<float2*>(merge_row + dt * 8 + 2 * quad_col) =
+              make_float2(o_acc[mt][dt][2 * half] * factor, o_acc[mt][dt][2 * half + 1] * factor);
+      }
     }
   __syncthreads();
 

@@ -71,11 +71,11 @@ Status dec_sm80_bf16_d128_m16n64w4s3(const KvcacheParams& params, void* stream);
 Status dec_sm80_bf16_d192_m16n64w4s2(const KvcacheParams& params, void* stream);
 Status dec_sm80_bf16_d256_m16n64w4s2(const KvcacheParams& params, void* stream);
 Status dec_sm80_f16_e4m3_d64_m16n128w4s4(const KvcacheParams& params, void* stream);
-Status dec_sm80_f16_e4m3_d128_m16n64w4s4(const KvcacheParams& params, void* stream);
-Status dec_sm80_f16_e4m3_d256_m16n64w4s2(const KvcacheParams& params, void* stream);
+Status dec_sm80_f16_e4m3_d128_m16n128w4s3(const KvcacheParams& params, void* stream);
+Status dec_sm80_f16_e4m3_d256_m16n64w4s3(const KvcacheParams& params, void* stream);
 Status dec_sm80_bf16_e4m3_d64_m16n128w4s4(const KvcacheParams& params, void* stream);
-Status dec_sm80_bf16_e4m3_d128_m16n64w4s4(const KvcacheParams& params, void* stream);
-Status dec_sm80_bf16_e4m3_d256_m16n64w4s2(const KvcacheParams& params, void* stream);
+Status dec_sm80_bf16_e4m3_d128_m16n128w4s3(const KvcacheParams& params, void* stream);
+Status dec_sm80_bf16_e4m3_d256_m16n64w4s3(const KvcacheParams& params, void* stream);
 
 const KernelLaunch kKernelLaunch[] = {
     {&fwd_sm80_f16_d32_m128n128w4s2, nullptr, nullptr},
@@ -145,11 +145,11 @@ const KernelLaunch kKernelLaunch[] = {
     {nullptr, nullptr, &dec_sm80_bf16_d192_m16n64w4s2},
     {nullptr, nullptr, &dec_sm80_bf16_d256_m16n64w4s2},
     {nullptr, nullptr, &dec_sm80_f16_e4m3_d64_m16n128w4s4},
-    {nullptr, nullptr, &dec_sm80_f16_e4m3_d128_m16n64w4s4},
-    {nullptr, nullptr, &dec_sm80_f16_e4m3_d256_m16n64w4s2},
+    {nullptr, nullptr, &dec_sm80_f16_e4m3_d128_m16n128w4s3},
+    {nullptr, nullptr, &dec_sm80_f16_e4m3_d256_m16n64w4s3},
     {nullptr, nullptr, &dec_sm80_bf16_e4m3_d64_m16n128w4s4},
-    {nullptr, nullptr, &dec_sm80_bf16_e4m3_d128_m16n64w4s4},
-    {nullptr, nullptr, &dec_sm80_bf16_e4m3_d256_m16n64w4s2},
+    {nullptr, nullptr, &dec_sm80_bf16_e4m3_d128_m16n128w4s3},
+    {nullptr, nullptr, &dec_sm80_bf16_e4m3_d256_m16n64w4s3},
 };
 static_assert(sizeof(kKernelLaunch) / sizeof(kKernelLaunch[0]) >= kKernelCount);
 

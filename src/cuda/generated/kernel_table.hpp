@@ -74,12 +74,12 @@ inline constexpr KernelEntry kKernelTable[] = {
     {KernelKind::kKvcache, FA_BFLOAT16, 128, 16, 64, 4, 3, false, 102400, "dec_sm80_bf16_d128_m16n64w4s3", 16, 1, false},
     {KernelKind::kKvcache, FA_BFLOAT16, 192, 16, 64, 4, 2, false, 104448, "dec_sm80_bf16_d192_m16n64w4s2", 16, 1, false},
     {KernelKind::kKvcache, FA_BFLOAT16, 256, 16, 64, 4, 2, false, 139264, "dec_sm80_bf16_d256_m16n64w4s2", 16, 1, false},
-    {KernelKind::kKvcache, FA_FLOAT16, 64, 16, 128, 4, 4, false, 100352, "dec_sm80_f16_e4m3_d64_m16n128w4s4", 16, 1, true},
-    {KernelKind::kKvcache, FA_FLOAT16, 128, 16, 64, 4, 4, false, 102400, "dec_sm80_f16_e4m3_d128_m16n64w4s4", 16, 1, true},
-    {KernelKind::kKvcache, FA_FLOAT16, 256, 16, 64, 4, 2, false, 139264, "dec_sm80_f16_e4m3_d256_m16n64w4s2", 16, 1, true},
-    {KernelKind::kKvcache, FA_BFLOAT16, 64, 16, 128, 4, 4, false, 100352, "dec_sm80_bf16_e4m3_d64_m16n128w4s4", 16, 1, true},
-    {KernelKind::kKvcache, FA_BFLOAT16, 128, 16, 64, 4, 4, false, 102400, "dec_sm80_bf16_e4m3_d128_m16n64w4s4", 16, 1, true},
-    {KernelKind::kKvcache, FA_BFLOAT16, 256, 16, 64, 4, 2, false, 139264, "dec_sm80_bf16_e4m3_d256_m16n64w4s2", 16, 1, true},
+    {KernelKind::kKvcache, FA_FLOAT16, 64, 16, 128, 4, 4, false, 67584, "dec_sm80_f16_e4m3_d64_m16n128w4s4", 16, 1, true},
+    {KernelKind::kKvcache, FA_FLOAT16, 128, 16, 128, 4, 3, false, 102400, "dec_sm80_f16_e4m3_d128_m16n128w4s3", 16, 1, true},
+    {KernelKind::kKvcache, FA_FLOAT16, 256, 16, 64, 4, 3, false, 106496, "dec_sm80_f16_e4m3_d256_m16n64w4s3", 16, 1, true},
+    {KernelKind::kKvcache, FA_BFLOAT16, 64, 16, 128, 4, 4, false, 67584, "dec_sm80_bf16_e4m3_d64_m16n128w4s4", 16, 1, true},
+    {KernelKind::kKvcache, FA_BFLOAT16, 128, 16, 128, 4, 3, false, 102400, "dec_sm80_bf16_e4m3_d128_m16n128w4s3", 16, 1, true},
+    {KernelKind::kKvcache, FA_BFLOAT16, 256, 16, 64, 4, 3, false, 106496, "dec_sm80_bf16_e4m3_d256_m16n64w4s3", 16, 1, true},
 };
 inline constexpr int kKernelCount = 72;
 

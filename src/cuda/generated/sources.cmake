@@ -67,9 +67,9 @@ set(FLASHATTN_CUDA_GENERATED_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_bf16_d192_m16n64w4s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_bf16_d256_m16n64w4s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_f16_e4m3_d64_m16n128w4s4.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_f16_e4m3_d128_m16n64w4s4.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_f16_e4m3_d256_m16n64w4s2.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_f16_e4m3_d128_m16n128w4s3.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_f16_e4m3_d256_m16n64w4s3.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_bf16_e4m3_d64_m16n128w4s4.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_bf16_e4m3_d128_m16n64w4s4.cu
-  ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_bf16_e4m3_d256_m16n64w4s2.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_bf16_e4m3_d128_m16n128w4s3.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_bf16_e4m3_d256_m16n64w4s3.cu
 )
