@@ -66,6 +66,12 @@ constexpr float kMaxStaleLog2 = 8.f;
 // start (affects speed only).
 constexpr int kPrefetchTableEntries = 1024;
 
+// a * b as a 64-bit byte offset from one IMAD.WIDE.U32, for factors known to be in [0, 2^31): a row or block
+// index of the plain load path (ids checked, rows below the key count) and a byte stride below 2^31 (strides
+// are non-negative: src/api/validate.cpp; the plain path takes strides_32bit only). Signed
+// 64-bit products cost 3-4 integer instructions each, and the paged path takes 4 per row (SASS, 2026-11-30).
+__device__ __forceinline__ uint64_t wide_product(uint32_t a, uint32_t b) { return uint64_t(a) * b; }
+
 // FP8 cache: shared-memory column of Q's element d. The MMA's k slots 2t, 2t + 1 (A registers 0, 1) and 2t + 8,
 // 2t + 9 (registers 2, 3) of a 16-column group meet, in K's fragment, the codes d = 4t .. 4t + 3 that one
 // ldmatrix gives thread t (quad column t = lane % 4) of a key row. So Q's pair p = (d / 2) % 8 of a group is
@@ -354,7 +360,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   };
   int32_t per_row_ids[kPasses];  // other block sizes: the ids of this thread's rows of the next tile
   auto fetch_per_row_ids = [&](int n) {  // rows past the key count are never looked up
-#pragma unroll
+#pragma unroll 1  // a division per row: rolled, like the checked path (code size; affects speed only)
     for (int pass = 0; pass < kPasses; ++pass) {
       const int j = n * kBlockN + row_lane + pass * kRowsPerPass;
       per_row_ids[pass] = j < seqlen_k ? table_row[page_of(args, j)] : 0;
@@ -408,13 +414,13 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
         const char* k_src;
         const char* v_src;
         if constexpr (kPaged) {
-          const int32_t id = __shfl_sync(0xffffffffu, ids_now, (rel % kTilesPerIdBatch) * kSlots + row / 16);
-          const int slot = j & page_mask;
-          k_src = k_bytes + int64_t(id) * k_block_bytes + int64_t(slot) * k_row_bytes;
-          v_src = v_bytes + int64_t(id) * v_block_bytes + int64_t(slot) * v_row_bytes;
+          const uint32_t id = __shfl_sync(0xffffffffu, ids_now, (rel % kTilesPerIdBatch) * kSlots + row / 16);
+          const uint32_t slot = j & page_mask;
+          k_src = k_bytes + (wide_product(id, k_block_bytes) + wide_product(slot, k_row_bytes));
+          v_src = v_bytes + (wide_product(id, v_block_bytes) + wide_product(slot, v_row_bytes));
         } else {
-          k_src = k_bytes + int64_t(j) * k_row_bytes;
-          v_src = v_bytes + int64_t(j) * v_row_bytes;
+          k_src = k_bytes + wide_product(j, k_row_bytes);
+          v_src = v_bytes + wide_product(j, v_row_bytes);
         }
 #pragma unroll
         for (int block = 0; block < kColBlocks; ++block) {
@@ -460,8 +466,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   };
 
   // ---- prologue: Q (above) and the first kStages - 1 tiles, one commit group each (empty ones too, so
-  // that "wait until kStages - 2 groups are pending" always means "tile it has landed") ----
-#pragma unroll
+  // that "wait until kStages - 2 groups are pending" always means "tile it has landed"). Rolled: one copy of
+  // issue_tile's code instead of kStages - 1 (code size; affects speed only) ----
+#pragma unroll 1
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < num_tiles) issue_tile(s, s);
     cp_async_commit();
@@ -518,211 +525,219 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   const uint32_t k_lane = StageTile::offset(StageTile::lane_offset((lane & 7) + ((lane >> 4) << 3), (lane >> 3) & 1), warp * kWarpKeys, 0);
   const uint32_t v_lane = StageTile::offset(StageTile::lane_offset((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4), warp * kWarpKeys, 0);
 
-  for (int it = 0; it < num_tiles; ++it) {
-    cp_async_wait<kStages - 2>();  // this thread's copies of tile `it` (and Q) have landed
-    __syncthreads();               // everyone's have; and every warp is done with tile it - 1, whose stage is refilled now
-    const int ahead = it + kStages - 1;
-    if (ahead < num_tiles) issue_tile(ahead, ahead % kStages);
-    cp_async_commit();
+  // The tile loop, compiled twice: with the score transform (softcap, ALiBi, a negative scale) and without it.
+  // The transform's inlined code (~700 instructions: a software tanhf per score) sat inside the one loop even
+  // when skipped, and with it the paged kernels' loops outgrew the instruction cache (ncu: up to 45% of warp
+  // samples stalled on "no instruction"). Code size only: both copies compute the same.
+  auto tile_loop = [&](auto with_transform) {
+    for (int it = 0; it < num_tiles; ++it) {
+      cp_async_wait<kStages - 2>();  // this thread's copies of tile `it` (and Q) have landed
+      __syncthreads();               // everyone's have; and every warp is done with tile it - 1, whose stage is refilled now
+      const int ahead = it + kStages - 1;
+      if (ahead < num_tiles) issue_tile(ahead, ahead % kStages);
+      cp_async_commit();
 
-    const int stage = it % kStages;
-    const uint32_t k_tile = kv_smem + uint32_t(stage) * 2u * StageTile::kBytes;
-    const uint32_t v_tile = k_tile + StageTile::kBytes;
-    const int slice0 = (work.tile_begin + it) * kBlockN + warp * kWarpKeys;  // first key of this warp's slice
-    // Warp-uniform: skip slices that no row of the m-block sees (past the keys, or outside the window).
-    if (slice0 >= rows.key_end || slice0 + kWarpKeys <= rows.key_begin) continue;
+      const int stage = it % kStages;
+      const uint32_t k_tile = kv_smem + uint32_t(stage) * 2u * StageTile::kBytes;
+      const uint32_t v_tile = k_tile + StageTile::kBytes;
+      const int slice0 = (work.tile_begin + it) * kBlockN + warp * kWarpKeys;  // first key of this warp's slice
+      // Warp-uniform: skip slices that no row of the m-block sees (past the keys, or outside the window).
+      if (slice0 >= rows.key_end || slice0 + kWarpKeys <= rows.key_begin) continue;
 
-    // ---- S = Q K^T (fp32) over this warp's keys ----
-    float s_acc[kMTiles][kNTiles][4];
+      // ---- S = Q K^T (fp32) over this warp's keys ----
+      float s_acc[kMTiles][kNTiles][4];
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
+      for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
+        for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) s_acc[mt][nt][c] = 0.f;
-    if constexpr (kFp8) {
-      // Two k16 steps (d chunks 2ks2, 2ks2 + 1 of the codes) per ldmatrix: matrices (keys +0..7, chunk 2ks2),
-      // (+8..15, 2ks2), (+0..7, 2ks2 + 1), (+8..15, 2ks2 + 1) give thread t codes d = 4 (t % 4) .. + 3 of key
-      // t / 4 of each, i.e. B registers 0 and 1 of an n8 tile in Q's permuted d order (fp8_q_column).
+          for (int c = 0; c < 4; ++c) s_acc[mt][nt][c] = 0.f;
+      if constexpr (kFp8) {
+        // Two k16 steps (d chunks 2ks2, 2ks2 + 1 of the codes) per ldmatrix: matrices (keys +0..7, chunk 2ks2),
+        // (+8..15, 2ks2), (+0..7, 2ks2 + 1), (+8..15, 2ks2 + 1) give thread t codes d = 4 (t % 4) .. + 3 of key
+        // t / 4 of each, i.e. B registers 0 and 1 of an n8 tile in Q's permuted d order (fp8_q_column).
 #pragma unroll
-      for (int ks2 = 0; ks2 < kQKSteps / 2; ++ks2) {
-        uint32_t q_frag[2][kMTiles][4];
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt)
-            ldmatrix_x4(q_frag[j][mt], q_smem + QTile::offset(q_lane, mt * 16, 2 * (2 * ks2 + j)));
-#pragma unroll
-        for (int np = 0; np < kNTiles / 2; ++np) {
-          uint32_t codes[4];
-          ldmatrix_x4(codes, k_tile + StageTile::offset(v_lane, np * 16, 2 * ks2));
+        for (int ks2 = 0; ks2 < kQKSteps / 2; ++ks2) {
+          uint32_t q_frag[2][kMTiles][4];
 #pragma unroll
           for (int j = 0; j < 2; ++j)
 #pragma unroll
-            for (int t = 0; t < 2; ++t) {  // key tile 2np + t
-              const uint2 k_values = e4m3x4_to_element4<Element>(codes[2 * j + t]);
-              const uint32_t b[2] = {k_values.x, k_values.y};
+            for (int mt = 0; mt < kMTiles; ++mt)
+              ldmatrix_x4(q_frag[j][mt], q_smem + QTile::offset(q_lane, mt * 16, 2 * (2 * ks2 + j)));
 #pragma unroll
-              for (int mt = 0; mt < kMTiles; ++mt) mma_m16n8k16<Element>(s_acc[mt][2 * np + t], q_frag[j][mt], b);
-            }
-        }
-      }
-    } else {
+          for (int np = 0; np < kNTiles / 2; ++np) {
+            uint32_t codes[4];
+            ldmatrix_x4(codes, k_tile + StageTile::offset(v_lane, np * 16, 2 * ks2));
 #pragma unroll
-      for (int ks = 0; ks < kQKSteps; ++ks) {
-        uint32_t q_frag[kMTiles][4];
+            for (int j = 0; j < 2; ++j)
 #pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(q_frag[mt], q_smem + QTile::offset(q_lane, mt * 16, 2 * ks));
+              for (int t = 0; t < 2; ++t) {  // key tile 2np + t
+                const uint2 k_values = e4m3x4_to_element4<Element>(codes[2 * j + t]);
+                const uint32_t b[2] = {k_values.x, k_values.y};
 #pragma unroll
-        for (int np = 0; np < kNTiles / 2; ++np) {
-          // B for key tiles 2np, 2np + 1: matrices (keys +0..7, chunk 2ks), (+0..7, 2ks+1), (+8..15, 2ks), (+8..15, 2ks+1)
-          uint32_t k_frag[4];
-          ldmatrix_x4(k_frag, k_tile + StageTile::offset(k_lane, np * 16, 2 * ks));
-          const uint32_t b_lo[2] = {k_frag[0], k_frag[1]};
-          const uint32_t b_hi[2] = {k_frag[2], k_frag[3]};
-#pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            mma_m16n8k16<Element>(s_acc[mt][2 * np], q_frag[mt], b_lo);
-            mma_m16n8k16<Element>(s_acc[mt][2 * np + 1], q_frag[mt], b_hi);
-          }
-        }
-      }
-    }
-
-    // ---- score transform and mask (uniform branches: only when enabled / on boundary slices) ----
-    if (natural_units) {
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int c = 0; c < 4; ++c)
-            s_acc[mt][nt][c] = transform[mt][c >> 1](s_acc[mt][nt][c] * qk_scale, row_query[mt][c >> 1],
-                                                     slice0 + nt * 8 + 2 * quad_col + (c & 1));
-    }
-    const bool slice_needs_mask = slice0 < unmasked_begin || slice0 + kWarpKeys > unmasked_end;
-    if (slice_needs_mask) {
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          // Row i sees keys [key_begin(i), key_end(i + 1)) (clamped to the keys): two compares per score,
-          // against offsets relative to this thread's first column.
-          const int i = row_query[mt][half];
-          const int first_col = slice0 + 2 * quad_col;
-          const int visible_begin = mask.key_begin(i) - first_col;
-          const int visible_end = mask.key_end(i + 1, seqlen_k) - first_col;
-#pragma unroll
-          for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int col = nt * 8 + e;  // compile-time
-              if (col < visible_begin || col >= visible_end) s_acc[mt][nt][2 * half + e] = -INFINITY;
-            }
-        }
-    }
-
-    // ---- online softmax: P = exp2(s * scale - max); lazy: the max moves (and O and the sum are rescaled)
-    // only when a tile's scores exceed it by more than kMaxStaleLog2 (as in the forward kernel:
-    // sm80/forward_kernel.cuh explains why any max that bounds the scores gives the same O and LSE) ----
-    float correction[kMTiles][2];
-    bool rescale_any = false;
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float tile_max = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-          tile_max = fmaxf(tile_max, fmaxf(s_acc[mt][nt][2 * half], s_acc[mt][nt][2 * half + 1]));
-        tile_max = quad_max(tile_max);  // the 4 threads of a quad hold the row's columns
-        const float old_max = row_max[mt][half];
-        const float new_max = fmaxf(old_max, tile_max);
-        // First visible tile: new - (-inf) = +inf, moves. A row with no visible key yet: -inf - (-inf) is NaN,
-        // the compare is false and the max stays -inf.
-        const bool rescale = (new_max - old_max) * score_log2_scale > kMaxStaleLog2;
-        const float row_max_now = rescale ? new_max : old_max;
-        // A row that so far sees only masked keys keeps max = -inf; subtracting 0 instead gives exp2(-inf) = 0
-        // for its entries, where -inf - (-inf) would give NaN.
-        const float max_scaled = row_max_now == -INFINITY ? 0.f : row_max_now * score_log2_scale;
-        correction[mt][half] = rescale ? exp2_approx(old_max * score_log2_scale - max_scaled) : 1.f;  // 0 on the first visit
-        rescale_any |= rescale;
-        row_max[mt][half] = row_max_now;
-        float tile_sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float prob = exp2_approx(fmaf(s_acc[mt][nt][2 * half + e], score_log2_scale, -max_scaled));
-            tile_sum += prob;
-            s_acc[mt][nt][2 * half + e] = prob;
-          }
-        row_sum[mt][half] = fmaf(row_sum[mt][half], correction[mt][half], tile_sum);
-      }
-    // Warp-uniform branch (a vote): the skip pays only when no row of the warp moved its max.
-    if (__any_sync(0xffffffffu, rescale_any)) {
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-          for (int dt = 0; dt < kDTiles; ++dt) {
-            o_acc[mt][dt][2 * half] *= correction[mt][half];
-            o_acc[mt][dt][2 * half + 1] *= correction[mt][half];
-          }
-    }
-
-    // ---- O += P V: S accumulators become A fragments in registers; V via ldmatrix.trans ----
-#pragma unroll
-    for (int ks = 0; ks < kPVSteps; ++ks) {
-      uint32_t p_frag[kMTiles][4];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
-        // A of m16n8k16 (rows g, g + 8; k 2t.. and 2t + 8..) = S tiles 2ks (keys +0..7) and 2ks + 1 (+8..15)
-        p_frag[mt][0] = ElementTraits<Element>::pack(s_acc[mt][2 * ks][0], s_acc[mt][2 * ks][1]);
-        p_frag[mt][1] = ElementTraits<Element>::pack(s_acc[mt][2 * ks][2], s_acc[mt][2 * ks][3]);
-        p_frag[mt][2] = ElementTraits<Element>::pack(s_acc[mt][2 * ks + 1][0], s_acc[mt][2 * ks + 1][1]);
-        p_frag[mt][3] = ElementTraits<Element>::pack(s_acc[mt][2 * ks + 1][2], s_acc[mt][2 * ks + 1][3]);
-      }
-      if constexpr (kFp8) {
-        // Two code chunks (32 columns, O tiles 4cp .. 4cp + 3) per ldmatrix.trans: matrices (keys +0..7, chunk
-        // 2cp), (+8..15, 2cp), (+0..7, 2cp + 1), (+8..15, 2cp + 1) give thread t, of keys 2 (t % 4) and + 1 (+ 8
-        // in the second matrix), the codes of columns 2 (t / 4) and + 1 of the chunk: B registers 0 and 1 of the
-        // chunk's even-column tile and of its odd-column tile (fp8_o_column).
-#pragma unroll
-        for (int cp = 0; cp < kDTiles / 4; ++cp) {
-          uint32_t codes[4];
-          ldmatrix_x4_trans(codes, v_tile + StageTile::offset(v_lane, ks * 16, 2 * cp));
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const uint32_t b_even[2] = {e4m3_column_to_element2<Element, false>(codes[2 * j]),
-                                        e4m3_column_to_element2<Element, false>(codes[2 * j + 1])};
-            const uint32_t b_odd[2] = {e4m3_column_to_element2<Element, true>(codes[2 * j]),
-                                       e4m3_column_to_element2<Element, true>(codes[2 * j + 1])};
-#pragma unroll
-            for (int mt = 0; mt < kMTiles; ++mt) {
-              mma_m16n8k16<Element>(o_acc[mt][4 * cp + 2 * j], p_frag[mt], b_even);
-              mma_m16n8k16<Element>(o_acc[mt][4 * cp + 2 * j + 1], p_frag[mt], b_odd);
-            }
+                for (int mt = 0; mt < kMTiles; ++mt) mma_m16n8k16<Element>(s_acc[mt][2 * np + t], q_frag[j][mt], b);
+              }
           }
         }
       } else {
 #pragma unroll
-        for (int dp = 0; dp < kDTiles / 2; ++dp) {
-          // B for d tiles 2dp, 2dp + 1 (transposed): matrices (keys +0..7, chunk 2dp), (+8..15, 2dp), (+0..7, 2dp+1), (+8..15, 2dp+1)
-          uint32_t v_frag[4];
-          ldmatrix_x4_trans(v_frag, v_tile + StageTile::offset(v_lane, ks * 16, 2 * dp));
-          const uint32_t b_lo[2] = {v_frag[0], v_frag[1]};
-          const uint32_t b_hi[2] = {v_frag[2], v_frag[3]};
+        for (int ks = 0; ks < kQKSteps; ++ks) {
+          uint32_t q_frag[kMTiles][4];
 #pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            mma_m16n8k16<Element>(o_acc[mt][2 * dp], p_frag[mt], b_lo);
-            mma_m16n8k16<Element>(o_acc[mt][2 * dp + 1], p_frag[mt], b_hi);
+          for (int mt = 0; mt < kMTiles; ++mt) ldmatrix_x4(q_frag[mt], q_smem + QTile::offset(q_lane, mt * 16, 2 * ks));
+#pragma unroll
+          for (int np = 0; np < kNTiles / 2; ++np) {
+            // B for key tiles 2np, 2np + 1: matrices (keys +0..7, chunk 2ks), (+0..7, 2ks+1), (+8..15, 2ks), (+8..15, 2ks+1)
+            uint32_t k_frag[4];
+            ldmatrix_x4(k_frag, k_tile + StageTile::offset(k_lane, np * 16, 2 * ks));
+            const uint32_t b_lo[2] = {k_frag[0], k_frag[1]};
+            const uint32_t b_hi[2] = {k_frag[2], k_frag[3]};
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+              mma_m16n8k16<Element>(s_acc[mt][2 * np], q_frag[mt], b_lo);
+              mma_m16n8k16<Element>(s_acc[mt][2 * np + 1], q_frag[mt], b_hi);
+            }
+          }
+        }
+      }
+
+      // ---- score transform (the with_transform loop only) and mask (a uniform branch: boundary slices only) ----
+      if constexpr (decltype(with_transform)::value) {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+              s_acc[mt][nt][c] = transform[mt][c >> 1](s_acc[mt][nt][c] * qk_scale, row_query[mt][c >> 1],
+                                                       slice0 + nt * 8 + 2 * quad_col + (c & 1));
+      }
+      const bool slice_needs_mask = slice0 < unmasked_begin || slice0 + kWarpKeys > unmasked_end;
+      if (slice_needs_mask) {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            // Row i sees keys [key_begin(i), key_end(i + 1)) (clamped to the keys): two compares per score,
+            // against offsets relative to this thread's first column.
+            const int i = row_query[mt][half];
+            const int first_col = slice0 + 2 * quad_col;
+            const int visible_begin = mask.key_begin(i) - first_col;
+            const int visible_end = mask.key_end(i + 1, seqlen_k) - first_col;
+#pragma unroll
+            for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int col = nt * 8 + e;  // compile-time
+                if (col < visible_begin || col >= visible_end) s_acc[mt][nt][2 * half + e] = -INFINITY;
+              }
+          }
+      }
+
+      // ---- online softmax: P = exp2(s * scale - max); lazy: the max moves (and O and the sum are rescaled)
+      // only when a tile's scores exceed it by more than kMaxStaleLog2 (as in the forward kernel:
+      // sm80/forward_kernel.cuh explains why any max that bounds the scores gives the same O and LSE) ----
+      float correction[kMTiles][2];
+      bool rescale_any = false;
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float tile_max = -INFINITY;
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt)
+            tile_max = fmaxf(tile_max, fmaxf(s_acc[mt][nt][2 * half], s_acc[mt][nt][2 * half + 1]));
+          tile_max = quad_max(tile_max);  // the 4 threads of a quad hold the row's columns
+          const float old_max = row_max[mt][half];
+          const float new_max = fmaxf(old_max, tile_max);
+          // First visible tile: new - (-inf) = +inf, moves. A row with no visible key yet: -inf - (-inf) is NaN,
+          // the compare is false and the max stays -inf.
+          const bool rescale = (new_max - old_max) * score_log2_scale > kMaxStaleLog2;
+          const float row_max_now = rescale ? new_max : old_max;
+          // A row that so far sees only masked keys keeps max = -inf; subtracting 0 instead gives exp2(-inf) = 0
+          // for its entries, where -inf - (-inf) would give NaN.
+          const float max_scaled = row_max_now == -INFINITY ? 0.f : row_max_now * score_log2_scale;
+          correction[mt][half] = rescale ? exp2_approx(old_max * score_log2_scale - max_scaled) : 1.f;  // 0 on the first visit
+          rescale_any |= rescale;
+          row_max[mt][half] = row_max_now;
+          float tile_sum = 0.f;
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float prob = exp2_approx(fmaf(s_acc[mt][nt][2 * half + e], score_log2_scale, -max_scaled));
+              tile_sum += prob;
+              s_acc[mt][nt][2 * half + e] = prob;
+            }
+          row_sum[mt][half] = fmaf(row_sum[mt][half], correction[mt][half], tile_sum);
+        }
+      // Warp-uniform branch (a vote): the skip pays only when no row of the warp moved its max.
+      if (__any_sync(0xffffffffu, rescale_any)) {
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int dt = 0; dt < kDTiles; ++dt) {
+              o_acc[mt][dt][2 * half] *= correction[mt][half];
+              o_acc[mt][dt][2 * half + 1] *= correction[mt][half];
+            }
+      }
+
+      // ---- O += P V: S accumulators become A fragments in registers; V via ldmatrix.trans ----
+#pragma unroll
+      for (int ks = 0; ks < kPVSteps; ++ks) {
+        uint32_t p_frag[kMTiles][4];
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          // A of m16n8k16 (rows g, g + 8; k 2t.. and 2t + 8..) = S tiles 2ks (keys +0..7) and 2ks + 1 (+8..15)
+          p_frag[mt][0] = ElementTraits<Element>::pack(s_acc[mt][2 * ks][0], s_acc[mt][2 * ks][1]);
+          p_frag[mt][1] = ElementTraits<Element>::pack(s_acc[mt][2 * ks][2], s_acc[mt][2 * ks][3]);
+          p_frag[mt][2] = ElementTraits<Element>::pack(s_acc[mt][2 * ks + 1][0], s_acc[mt][2 * ks + 1][1]);
+          p_frag[mt][3] = ElementTraits<Element>::pack(s_acc[mt][2 * ks + 1][2], s_acc[mt][2 * ks + 1][3]);
+        }
+        if constexpr (kFp8) {
+          // Two code chunks (32 columns, O tiles 4cp .. 4cp + 3) per ldmatrix.trans: matrices (keys +0..7, chunk
+          // 2cp), (+8..15, 2cp), (+0..7, 2cp + 1), (+8..15, 2cp + 1) give thread t, of keys 2 (t % 4) and + 1 (+ 8
+          // in the second matrix), the codes of columns 2 (t / 4) and + 1 of the chunk: B registers 0 and 1 of the
+          // chunk's even-column tile and of its odd-column tile (fp8_o_column).
+#pragma unroll
+          for (int cp = 0; cp < kDTiles / 4; ++cp) {
+            uint32_t codes[4];
+            ldmatrix_x4_trans(codes, v_tile + StageTile::offset(v_lane, ks * 16, 2 * cp));
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              const uint32_t b_even[2] = {e4m3_column_to_element2<Element, false>(codes[2 * j]),
+                                          e4m3_column_to_element2<Element, false>(codes[2 * j + 1])};
+              const uint32_t b_odd[2] = {e4m3_column_to_element2<Element, true>(codes[2 * j]),
+                                         e4m3_column_to_element2<Element, true>(codes[2 * j + 1])};
+#pragma unroll
+              for (int mt = 0; mt < kMTiles; ++mt) {
+                mma_m16n8k16<Element>(o_acc[mt][4 * cp + 2 * j], p_frag[mt], b_even);
+                mma_m16n8k16<Element>(o_acc[mt][4 * cp + 2 * j + 1], p_frag[mt], b_odd);
+              }
+            }
+          }
+        } else {
+#pragma unroll
+          for (int dp = 0; dp < kDTiles / 2; ++dp) {
+            // B for d tiles 2dp, 2dp + 1 (transposed): matrices (keys +0..7, chunk 2dp), (+8..15, 2dp), (+0..7, 2dp+1), (+8..15, 2dp+1)
+            uint32_t v_frag[4];
+            ldmatrix_x4_trans(v_frag, v_tile + StageTile::offset(v_lane, ks * 16, 2 * dp));
+            const uint32_t b_lo[2] = {v_frag[0], v_frag[1]};
+            const uint32_t b_hi[2] = {v_frag[2], v_frag[3]};
+#pragma unroll
+            for (int mt = 0; mt < kMTiles; ++mt) {
+              mma_m16n8k16<Element>(o_acc[mt][2 * dp], p_frag[mt], b_lo);
+              mma_m16n8k16<Element>(o_acc[mt][2 * dp + 1], p_frag[mt], b_hi);
+            }
           }
         }
       }
     }
-  }
+  };
+  if (natural_units) tile_loop(std::true_type{});
+  else tile_loop(std::false_type{});
 
   // ---- epilogue 1: merge the warps' (max, sum, O) through the (now idle) K/V stages ----
   cp_async_wait<0>();  // only empty groups can be pending here, but never reuse memory a copy may still target
