@@ -29,8 +29,12 @@ constexpr int decode_smem_bytes() {
 }
 
 // Once per device and kernel: raise its shared-memory limit (sticky), allow clusters of up to 16 CTAs on
-// sm_90+, and learn whether the device takes programmatic dependent launches and clusters (compute
-// capability 9.0+). `*sm90` is that answer.
+// sm_90+, and learn whether programmatic dependent launches and the cluster merge may be used: `*sm90` is
+// true when the device has compute capability 9.0+ AND the kernel's image was compiled for it (PTX version
+// >= 9.0). A build for sm_80 only that runs on an H100 / H200 through its compute_80 PTX (JIT) has neither
+// the kernels' griddepcontrol.wait nor their cluster merge (#if __CUDA_ARCH__ >= 900): launching it as a
+// programmatic dependent or in clusters would let it read the append's rows too early and leave the split
+// partials unmerged (found on the H200 with a compute_80 build, 2026-11-30: 7 of 9 FP8 decode tests failed).
 template <typename C>
 Status prepare_decode_kernel(int device, bool* sm90) {
   constexpr int kSmem = decode_smem_bytes<C>();
@@ -52,7 +56,9 @@ Status prepare_decode_kernel(int device, bool* sm90) {
   FA_CUDA_RETURN_IF_ERROR(attribute);
   int major = 0;
   FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  *sm90 = major >= 9;
+  cudaFuncAttributes image{};
+  FA_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&image, &decode::decode_kernel<C, false>));
+  *sm90 = major >= 9 && image.ptxVersion >= 90;
   if (*sm90) {
     FA_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(&decode::decode_kernel<C, false>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     FA_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(&decode::decode_kernel<C, true>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
