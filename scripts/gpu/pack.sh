@@ -4,10 +4,13 @@
 #   bins.tar.xz   the static test, benchmark and tool binaries of BUILD_DIR (see run_gpu.sh)
 #   blas.tar.xz   OpenBLAS (OpenMP build) with its Fortran runtime and cblas.h, for building the
 #                 Python package there (the GPU machine has no OpenBLAS)
-#   scripts/gpu/pack.sh BUILD_DIR
+#   ptx80.tar.xz  with PTX_BUILD_DIR: that build's test binary (configured with
+#                 -DFLASHATTN_CUDA_ARCHS=80-virtual), for run_gpu.sh's FA_PTX_TESTS
+#   scripts/gpu/pack.sh BUILD_DIR [PTX_BUILD_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-build=${1:?usage: pack.sh BUILD_DIR}
+build=${1:?usage: pack.sh BUILD_DIR [PTX_BUILD_DIR]}
+ptx_build=${2:-}
 mkdir -p .gpucarry
 # The static binaries share most of their bytes (every kernel, BLAS): xz -9's 64 MiB dictionary
 # stores them about once (4 binaries of ~54 MB: 5-6 MB), where -6 stored each (15 MB).
@@ -16,6 +19,9 @@ for tuning in bench/flashattn_forward_tiles bench/flashattn_backward_tiles; do  
   [[ -x "$build/$tuning" ]] && bins+=("$tuning")
 done
 tar -C "$build" -cf - "${bins[@]}" | xz -T1 -9 > .gpucarry/bins.tar.xz
+if [[ -n "$ptx_build" ]]; then
+  tar -C "$ptx_build" -cf - tests/cpp/flashattn_tests | xz -T2 -6 > .gpucarry/ptx80.tar.xz
+fi
 blas=$(mktemp -d)
 cp -L /usr/lib/x86_64-linux-gnu/openblas-openmp/libopenblas.so.0 /usr/lib/x86_64-linux-gnu/libgfortran.so.5 \
       /usr/lib/x86_64-linux-gnu/libquadmath.so.0 "$blas/"

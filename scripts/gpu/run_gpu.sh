@@ -28,6 +28,9 @@
 #                      bench/flashattn_forward_tiles, bench/flashattn_backward_tiles (FA_TUNING_ARGS)
 #   FA_PYTHON=1        build the Python package here (pip, no network: CUDA for sm_90a, OpenBLAS from
 #                      .gpucarry/blas.tar.xz) and run tests/python and python/bench_overhead.py
+#   FA_PTX_TESTS       gtest filter run from .gpucarry/ptx80.tar.xz (pack.sh's PTX_BUILD_DIR: a build with
+#                      -DFLASHATTN_CUDA_ARCHS=80-virtual), whose kernels the driver compiles from compute_80 PTX:
+#                      the sm_80 code paths (e.g. the FP8 bit-move conversion) on this Hopper GPU
 #   FA_BENCH_ARGS, FA_PEERS_ARGS   extra arguments;  FA_TEST_TIMEOUT (seconds, default 300)
 set -uo pipefail
 out=${1:?usage: run_gpu.sh OUT_DIR [BUILD_DIR] [--quick]}
@@ -67,6 +70,20 @@ if [[ "${FA_SKIP_TESTS:-0}" != "1" ]]; then
   note "== GPU tests (exit $status)"
   grep -E "^\[  FAILED|FA_TEST_SEED|Failure|S=128k" "$work/gpu_tests.log" | head -40 | tee -a "$summary"
   tail -3 "$work/gpu_tests.log" | tee -a "$summary"
+fi
+if [[ -n "${FA_PTX_TESTS:-}" && -f "$here/.gpucarry/ptx80.tar.xz" ]]; then
+  # The sm_80 code paths, run here through the compute_80 PTX (the first launch of each kernel JIT-compiles it).
+  ptx_build="$work/ptx80"
+  mkdir -p "$ptx_build"
+  python3 -c "import tarfile,sys; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$here/.gpucarry/ptx80.tar.xz" "$ptx_build"
+  CUDA_CACHE_MAXSIZE=4294967296 timeout "${FA_TEST_TIMEOUT:-300}" "$ptx_build/tests/cpp/flashattn_tests" \
+      --gtest_filter="$FA_PTX_TESTS" > "$work/ptx80_tests.log" 2>&1
+  ptx_status=$?
+  note "== GPU tests of the compute_80 PTX build (exit $ptx_status): $FA_PTX_TESTS"
+  grep -E "^\[  FAILED|Failure" "$work/ptx80_tests.log" | head -20 | tee -a "$summary"
+  tail -3 "$work/ptx80_tests.log" | tee -a "$summary"
+  rm -rf "$ptx_build"
+  [[ $ptx_status -ne 0 ]] && status=$ptx_status
 fi
 if [[ -n "${FA_SANITIZE_TESTS:-}" ]]; then
   # Out-of-bounds and misaligned accesses of the kernels (slow: small tests only).
