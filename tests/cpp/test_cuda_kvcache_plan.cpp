@@ -13,6 +13,7 @@
 #include "core/mask.hpp"
 #include "cuda/decode/decode_plan.hpp"
 #include "cuda/decode/decode_work.hpp"
+#include "cuda/decode/fp8_layout.hpp"
 #include "cuda/dispatch.hpp"
 #include "cuda/generated/kernel_table.hpp"
 #include "testing.hpp"
@@ -431,3 +432,62 @@ TEST(CudaKvcachePlan, GeneratedDecodeRows) {
 }
 
 }  // namespace
+
+// The FP8 decode kernel's fragment orders (src/cuda/decode/fp8_layout.hpp) against a model of ldmatrix and
+// mma.m16n8k16 (the PTX ISA's fragment layouts; thread t = 4 g + q): S over one 16-column group, and the head
+// columns of O over two 16-code chunks, come out as the plain sums. Integer values: exact.
+TEST(CudaKvcacheFp8Layout, FragmentOrdersMatchAModelOfTheMma) {
+  using flashattn::cuda::decode::fp8_o_column;
+  using flashattn::cuda::decode::fp8_q_column;
+  std::mt19937 rng(2026);
+  std::uniform_int_distribution<int> value(-8, 8);
+  // ---- S = Q K^T over one group of 16 head columns: 16 query rows, 8 keys (one n8 tile) ----
+  int q[16][16], k[8][16], q_smem[16][16], b[16][8];
+  for (auto& row : q) for (int& x : row) x = value(rng);
+  for (auto& row : k) for (int& x : row) x = value(rng);
+  std::vector<int> filled(16, 0);
+  for (int d = 0; d < 16; ++d) ++filled[size_t(fp8_q_column(d))];
+  for (int c = 0; c < 16; ++c) ASSERT_EQ(filled[size_t(c)], 1) << "fp8_q_column must permute a group, column " << c;
+  for (int r = 0; r < 16; ++r)
+    for (int d = 0; d < 16; ++d) q_smem[r][fp8_q_column(d)] = q[r][d];  // ldmatrix then gives A[r][k] = q_smem[r][k]
+  for (int t = 0; t < 32; ++t) {  // ldmatrix of fp8 key rows: thread t holds codes 4 q_ .. 4 q_ + 3 of key g
+    const int g = t / 4, q_ = t % 4;
+    b[2 * q_][g] = k[g][4 * q_], b[2 * q_ + 1][g] = k[g][4 * q_ + 1];          // B register 0: k slots 2q, 2q + 1
+    b[2 * q_ + 8][g] = k[g][4 * q_ + 2], b[2 * q_ + 9][g] = k[g][4 * q_ + 3];  // register 1: 2q + 8, 2q + 9
+  }
+  for (int r = 0; r < 16; ++r)
+    for (int n = 0; n < 8; ++n) {
+      int mma = 0, exact = 0;
+      for (int slot = 0; slot < 16; ++slot) mma += q_smem[r][slot] * b[slot][n];
+      for (int d = 0; d < 16; ++d) exact += q[r][d] * k[n][d];
+      ASSERT_EQ(mma, exact) << "S row " << r << " key " << n;
+    }
+  // ---- O += P V over 16 keys and two chunks of 16 codes: n8 tiles dt = 0..3 ----
+  int p[16][16], v[16][32];
+  for (auto& row : p) for (int& x : row) x = value(rng);
+  for (auto& row : v) for (int& x : row) x = value(rng);
+  std::vector<int> seen(32, 0);
+  for (int dt = 0; dt < 4; ++dt) {
+    const int chunk = dt / 2, odd = dt % 2;
+    int bv[16][8];  // B of tile dt: ldmatrix.trans of the chunk read as 16-bit, thread t: keys 2q, 2q + 1 (+ 8)
+    for (int t = 0; t < 32; ++t) {
+      const int g = t / 4, q_ = t % 4, column = 16 * chunk + 2 * g + odd;  // the 16-bit element's low / high code
+      bv[2 * q_][g] = v[2 * q_][column], bv[2 * q_ + 1][g] = v[2 * q_ + 1][column];
+      bv[2 * q_ + 8][g] = v[2 * q_ + 8][column], bv[2 * q_ + 9][g] = v[2 * q_ + 9][column];
+    }
+    for (int t = 0; t < 32; ++t)  // accumulator (row g and g + 8, n = 2 q + e) of thread t
+      for (int e = 0; e < 2; ++e) {
+        const int g = t / 4, q_ = t % 4, n = 2 * q_ + e, column = fp8_o_column(dt, q_, e);
+        ASSERT_GE(column, 0);
+        ASSERT_LT(column, 32);
+        if (g == 0) ++seen[size_t(column)];
+        for (const int r : {g, g + 8}) {
+          int mma = 0, exact = 0;
+          for (int key = 0; key < 16; ++key) mma += p[r][key] * bv[key][n];
+          for (int key = 0; key < 16; ++key) exact += p[r][key] * v[key][column];
+          ASSERT_EQ(mma, exact) << "O row " << r << " tile " << dt << " element " << e << " -> column " << column;
+        }
+      }
+  }
+  for (int c = 0; c < 32; ++c) EXPECT_EQ(seen[size_t(c)], 1) << "fp8_o_column must reach each head column once: " << c;
+}

@@ -25,7 +25,7 @@
 // the codes straight from the ring with the 16-bit ldmatrix and convert them in registers (fp8_convert.cuh,
 // exact): no 16-bit copy of the tile, no extra barrier. An ldmatrix of fp8 rows hands each thread 4 adjacent
 // codes of a row where the 16-bit MMA fragment wants 2 + 2 elements 8 apart, so two orders change, both inside
-// sums the MMA takes over them (see fp8_q_column and the S and O += P V loops):
+// sums the MMA takes over them (fp8_layout.hpp; the S and O += P V loops):
 //   S = Q K^T  the d (reduction) order: each 16-column group of Q is stored permuted in shared memory to match
 //   O += P V   (ldmatrix.trans) the d (output) order of O's n8 tiles: even and odd columns of a 16-column group
 //              land in two tiles, put back in place when O is written out (fp8_o_column)
@@ -54,6 +54,7 @@
 #include "cuda/decode/decode_config.cuh"
 #include "cuda/decode/decode_work.hpp"
 #include "cuda/decode/fp8_convert.cuh"
+#include "cuda/decode/fp8_layout.hpp"
 
 namespace flashattn::cuda::decode {
 
@@ -71,21 +72,6 @@ constexpr int kPrefetchTableEntries = 1024;
 // are non-negative: src/api/validate.cpp; the plain path takes strides_32bit only). Signed
 // 64-bit products cost 3-4 integer instructions each, and the paged path takes 4 per row (SASS, 2026-11-30).
 __device__ __forceinline__ uint64_t wide_product(uint32_t a, uint32_t b) { return uint64_t(a) * b; }
-
-// FP8 cache: shared-memory column of Q's element d. The MMA's k slots 2t, 2t + 1 (A registers 0, 1) and 2t + 8,
-// 2t + 9 (registers 2, 3) of a 16-column group meet, in K's fragment, the codes d = 4t .. 4t + 3 that one
-// ldmatrix gives thread t (quad column t = lane % 4) of a key row. So Q's pair p = (d / 2) % 8 of a group is
-// stored at pair (p / 2) + 4 (p % 2): pairs 0, 2, 4, 6 fill the group's first 16-byte chunk, 1, 3, 5, 7 the second.
-__device__ __forceinline__ int fp8_q_column(int d) {
-  const int pair = (d >> 1) & 7;
-  return (d & ~15) | ((((pair >> 1) + 4 * (pair & 1)) << 1) | (d & 1));
-}
-// FP8 cache: the head column of O accumulator element e (0, 1: columns 2t + e of the n8 tile) of tile dt. The
-// ldmatrix.trans of a 16-code chunk c gives thread t V's columns 2 (lane / 4) and 2 (lane / 4) + 1, which feed the
-// n8 tiles 2c (even columns) and 2c + 1 (odd ones): tile dt holds columns 16 (dt / 2) + 2 n + dt % 2, n = 0..7.
-__device__ __forceinline__ int fp8_o_column(int dt, int quad_col, int e) {
-  return 16 * (dt >> 1) + 2 * (2 * quad_col + e) + (dt & 1);
-}
 
 // kPaged: the cache is paged (args.p.block_table != null); the launcher picks the instantiation.
 // Launch bounds: C::kMinCtasPerSm (decode_config.cuh) is 0, "no bound", for 16-bit caches (ptxas's own register
