@@ -17,7 +17,8 @@
 // Tuning sweeps (one GPU run tells the best heuristic; every knob affects speed only):
 //   --splits 0,8,16,...   split counts to time at every point (0 = the library's heuristic)
 //   --runners lib,...     "lib" = the public API; with -DFLASHATTN_BUILD_TUNING=ON (target
-//                         flashattn_decode_tiles) also tile variants such as m16n64w4s3 ("all": every one),
+//                         flashattn_decode_tiles) also tile variants such as m16n64w4s3, and e4m3_m16n128w4s3
+//                         for --kv fp8 ("all": every one for the cache of --kv),
 //                         launched directly with the knobs below and checked against "lib"'s output
 //   --pdl 0,1             variants: programmatic dependent launch (DecodeArgs::programmatic_launch)
 //   --min-tiles N         variants: DecodeArgs::min_tiles_per_split
