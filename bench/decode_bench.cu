@@ -258,9 +258,9 @@ const Variant kVariants[] = {
     DECODE_VARIANT(16, 32, 2, 2),  //  36 KiB [4+], 64 threads
     DECODE_VARIANT(16, 64, 2, 2),  //  68 KiB [3], 64 threads, 32 keys per warp
     // FP8 cache (--kv fp8): smem = 16 * 256 + 2 stages N * 128 bytes
-    DECODE_VARIANT_FP8(16, 64, 4, 4),   //  68 KiB: the library's tile
+    DECODE_VARIANT_FP8(16, 64, 4, 4),   //  68 KiB
     DECODE_VARIANT_FP8(16, 64, 4, 3),   //  52 KiB
-    DECODE_VARIANT_FP8(16, 128, 4, 3),  // 100 KiB, 32 keys per warp
+    DECODE_VARIANT_FP8(16, 128, 4, 3),  // 100 KiB, 32 keys per warp: the library's tile
     DECODE_VARIANT_FP8(16, 128, 4, 2),  //  68 KiB, 32 keys per warp
     DECODE_VARIANT_FP8(16, 128, 8, 3),  // 100 KiB, 256 threads
 };

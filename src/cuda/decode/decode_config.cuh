@@ -24,9 +24,9 @@ struct DecodeConfig {
   // kStages x (K, V) in the cache's element (FP8: 1 byte).
   static constexpr int kSmemBytes = kBlockM * kHeadDim * 2 + 2 * kStages * kBlockN * kHeadDim * (kFp8Cache ? 1 : 2);
   // Launch bounds' minimum CTAs per SM: 0 (none: ptxas's own register choice) for 16-bit caches. FP8 caches: as
-  // many as an H200 SM's shared memory holds (227 KiB), 2 or 3, so that registers never limit them more (its
-  // own choice of 194-220 registers at D = 128 would allow 2 where the 68 KiB ring allows 3; ptxas -v,
-  // 2026-11-30).
+  // many as an H200 SM's shared memory holds (227 KiB), 2 or 3, so that registers never limit them more
+  // (ptxas's own choice for a 68 KiB D = 128 tile, 194-220 registers, allowed 2 where shared memory allowed 3;
+  // ptxas -v, 2026-11-30).
   static constexpr int kMinCtasPerSm = !kFp8Cache ? 0 : (3 * (kSmemBytes + 1024) <= 228 * 1024 ? 3 : 2);
 
   static_assert(!kDropout_, "the decode kernels have no dropout path (the host rejects dropout_p > 0)");

@@ -23,12 +23,9 @@
 // FP8 cache (C::kFp8Cache): the ring holds the K/V tiles as streamed, e4m3 codes (half the bytes; an fp8 row of D
 // codes is laid out as a 16-bit SwizzledTile row of D / 2 columns, so the load code is the same). The MMAs read
 // the codes straight from the ring with the 16-bit ldmatrix and convert them in registers (fp8_convert.cuh,
-// exact): no 16-bit copy of the tile, no extra barrier. An ldmatrix of fp8 rows hands each thread 4 adjacent
-// codes of a row where the 16-bit MMA fragment wants 2 + 2 elements 8 apart, so two orders change, both inside
-// sums the MMA takes over them (fp8_layout.hpp; the S and O += P V loops):
-//   S = Q K^T  the d (reduction) order: each 16-column group of Q is stored permuted in shared memory to match
-//   O += P V   (ldmatrix.trans) the d (output) order of O's n8 tiles: even and odd columns of a 16-column group
-//              land in two tiles, put back in place when O is written out (fp8_o_column)
+// exact): no 16-bit copy of the tile, no extra barrier. The fragments then come in other orders: Q is stored
+// with each 16-column group permuted, and O's even and odd columns land in separate n8 tiles
+// (fp8_layout.hpp says why and where; the S and O += P V loops use them).
 // The dequantisation scales cost nothing per element: k_scale is folded into the softmax scale, v_scale into
 // the final 1 / rowsum.
 //
