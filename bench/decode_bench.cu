@@ -257,6 +257,11 @@ const Variant kVariants[] = {
     DECODE_VARIANT(16, 32, 2, 3),  //  52 KiB [4], 64 threads
     DECODE_VARIANT(16, 32, 2, 2),  //  36 KiB [4+], 64 threads
     DECODE_VARIANT(16, 64, 2, 2),  //  68 KiB [3], 64 threads, 32 keys per warp
+    // 196 KiB [1], 8 warps: two per scheduler where one CTA runs per SM (a 4-warp CTA alone on an SM waits ~2
+    // cycles per instruction on fixed-latency dependencies: ncu, B = 16, 2026-11-30). Against the library's
+    // tile (H200, 15:25 UTC, bf16, B 1-256 x 1k-32k): 0.75-0.97x at 1k caches of B <= 64, about equal at 8k-32k,
+    // +2-7% at B = 256 contiguous, -1-4% paged; not taken.
+    DECODE_VARIANT(16, 128, 8, 3),
     // FP8 cache (--kv fp8): smem = 16 * 256 + 2 stages N * 128 bytes
     DECODE_VARIANT_FP8(16, 64, 4, 4),   //  68 KiB
     DECODE_VARIANT_FP8(16, 64, 4, 3),   //  52 KiB

@@ -46,6 +46,8 @@ struct KvCase {
   int capacity = 400;                   // keys per sequence the cache holds
   int block_size = 0;                   // 0: contiguous cache; else paged with this block size
   bool repeat_blocks = false;           // paged: table entries drawn with repeats (read-only cases)
+  bool heads_major_blocks = false;      // paged: each block stored [Hk][block size][D] (FlashInfer's HND), not as
+                                        // block-size runs of [Hk][D] rows: the kernel's general block addressing
   int cache_row_pad = 0;                // contiguous: extra elements per cache row (a strided cache)
   int rotary = 0;                       // 0 none, 1 halves (GPT-NeoX), 2 interleaved
   int rotary_dim = 0;                   // 0: head_dim
@@ -63,7 +65,8 @@ struct KvCase {
     std::string s = std::string(dtype == FA_BFLOAT16 ? "bf16" : "f16") + " B=" + std::to_string(batch) + " Sq=" +
                     std::to_string(seqlen_q) + " Hq=" + std::to_string(heads_q) + " Hk=" + std::to_string(heads_k) +
                     " D=" + std::to_string(head_dim) + " new=" + std::to_string(seqlen_new) + " cap=" + std::to_string(capacity) +
-                    " block=" + std::to_string(block_size) + (repeat_blocks ? " repeated" : "") + " rotary=" +
+                    " block=" + std::to_string(block_size) + (repeat_blocks ? " repeated" : "") +
+                    (heads_major_blocks ? " heads-major" : "") + " rotary=" +
                     std::to_string(rotary) + "/" + std::to_string(rotary_dim) + " causal=" + std::to_string(causal) +
                     " window=(" + std::to_string(window_left) + "," + std::to_string(window_right) + ") softcap=" +
                     std::to_string(softcap) + " alibi=" + std::to_string(alibi) + " splits=" + std::to_string(num_splits) +
@@ -123,8 +126,11 @@ KvTensors make_kv(const KvCase& c, std::mt19937_64& rng) {
   } else {
     const int per_seq = (c.capacity + c.block_size - 1) / c.block_size;
     const int blocks = c.batch * per_seq + 3;
-    t.k_cache = HostTensor({blocks, c.block_size, c.heads_k, d}, cache_dtype);
-    t.v_cache = HostTensor({blocks, c.block_size, c.heads_k, d}, cache_dtype);
+    const std::vector<int64_t> strides =
+        c.heads_major_blocks ? std::vector<int64_t>{int64_t(c.heads_k) * c.block_size * d, d, int64_t(c.block_size) * d, 1}
+                             : std::vector<int64_t>{int64_t(c.block_size) * c.heads_k * d, int64_t(c.heads_k) * d, d, 1};
+    t.k_cache = HostTensor({blocks, c.block_size, c.heads_k, d}, strides, cache_dtype);
+    t.v_cache = HostTensor({blocks, c.block_size, c.heads_k, d}, strides, cache_dtype);
     std::vector<int32_t> ids(static_cast<size_t>(blocks));
     for (int n = 0; n < blocks; ++n) ids[size_t(n)] = n;
     std::shuffle(ids.begin(), ids.end(), rng);
@@ -531,6 +537,16 @@ TEST(CudaKvcache, DecodeContiguousAndPaged) {
       c.capacity = 1100;
       check_case("decode causal", c);
     }
+  // Blocks that are not runs of rows (heads-major): the general block addressing, plain and checked tiles.
+  for (const int block_size : {16, 64, 3}) {
+    KvCase c;
+    c.block_size = block_size;
+    c.heads_major_blocks = true;
+    c.seqlen_new = 1;
+    c.cached = {1000, 17};
+    c.capacity = 1100;
+    check_case("decode heads-major blocks", c);
+  }
 }
 
 TEST(CudaKvcache, HeadDimsAndDtypes) {
@@ -757,6 +773,13 @@ TEST(CudaKvcacheFp8, DecodeContiguousAndPaged) {
       c.capacity = 1100;
       check_case("fp8 decode causal", c);
     }
+  KvCase c = fp8_case();  // blocks that are not runs of rows: the general block addressing
+  c.block_size = 16;
+  c.heads_major_blocks = true;
+  c.seqlen_new = 1;
+  c.cached = {1000, 17};
+  c.capacity = 1100;
+  check_case("fp8 decode heads-major blocks", c);
 }
 
 // Every D % 16 == 0 up to 256 runs in a compiled FP8 bucket (64, 128, 256), both q dtypes.

@@ -296,6 +296,21 @@ TEST(CudaKvcachePlan, DecodeArgs) {
     p.page_block_size = size;
     EXPECT_EQ(decode::make_decode_args(p, plan, nullptr).page_shift, shift) << "block size " << size;
   }
+  // Blocks addressed as pool rows only when each is a run of block-size rows (K and V) and the pool has < 2^31 rows.
+  EXPECT_EQ(a.paged_rows, 0) << "contiguous cache";
+  p.page_block_size = 16;
+  p.num_blocks = 4;
+  p.k_row_stride = p.v_row_stride = 4 * 64;  // [blocks, 16, Hk = 4, D = 64]
+  p.k_batch_stride = p.v_batch_stride = 16 * 4 * 64;
+  EXPECT_EQ(decode::make_decode_args(p, plan, nullptr).paged_rows, 1);
+  p.v_batch_stride += 64;  // padded V blocks
+  EXPECT_EQ(decode::make_decode_args(p, plan, nullptr).paged_rows, 0);
+  p.v_batch_stride = p.k_batch_stride;
+  p.k_row_stride = p.v_row_stride = 64;  // heads-major blocks: [blocks][Hk][16][D]
+  EXPECT_EQ(decode::make_decode_args(p, plan, nullptr).paged_rows, 0);
+  p.k_row_stride = p.v_row_stride = 4 * 64;
+  p.num_blocks = (1 << 27);  // 2^31 rows
+  EXPECT_EQ(decode::make_decode_args(p, plan, nullptr).paged_rows, 0);
   // One split: no workspace pointers.
   plan = decode::decode_layout(p, 16, 128, 1);
   EXPECT_EQ(plan.workspace_bytes, 0);

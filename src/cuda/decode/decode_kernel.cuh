@@ -8,7 +8,10 @@
 //   loads      K/V tiles of kBlockN keys through a kStages-deep cp.async ring (swizzled shared memory,
 //              common/smem_tile.cuh); paged caches (the kPaged instantiation) read the block ids of
 //              kTilesPerIdBatch tiles at once, a batch ahead, one per 16-row slot (power-of-two block sizes
-//              >= 16; else one per row, a tile ahead), so the table's latency never stalls the copies
+//              >= 16; else one per row, a tile ahead), so the table's latency never stalls the copies (split
+//              0 reads its first batch beside cache_seqlens); blocks that are runs of rows (the usual
+//              [num_blocks, block, Hk, D] layout, DecodeArgs::paged_rows) are addressed by their row in the
+//              pool, one shuffle plus a contiguous cache's address per row
 //   S = Q K^T  the kWarps warps split each tile's keys (kWarpKeys each); every warp owns all kBlockM rows
 //   mask       core/mask.hpp's WindowMask (causal within the new tokens, sliding window, the key count), only
 //              on warp slices that straddle a boundary; softcap / ALiBi through ScoreTransform when enabled
@@ -149,6 +152,15 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     const int64_t row_entries = (int64_t(p.seqlen_k) + p.page_block_size - 1) / p.page_block_size;
     if (row_entries <= kPrefetchTableEntries && tid * 32 < row_entries)
       prefetch_l2(p.block_table + b * p.block_table_batch_stride + tid * 32);
+  }
+  // Split 0's first batch of block ids (see the paged block ids below) does not depend on the sequence's length:
+  // its tiles start at tile 0 (unless a window moves them), so it is read beside cache_seqlens instead of one
+  // dependent round trip after it. Bounded by the capacity, which the table row covers.
+  constexpr int kIdSlots = kBlockN / 16;  // 16-row slots of a tile
+  int32_t split0_ids = 0;
+  if (kPaged && args.page_shift >= 4 && split == 0) {
+    const int j = (lane / kIdSlots) * kBlockN + (lane % kIdSlots) * 16;
+    if (j < p.seqlen_k) split0_ids = p.block_table[b * p.block_table_batch_stride + (j >> args.page_shift)];
   }
   const int cached = p.cache_seqlens[b];
   const int seqlen_k = cached + p.seqlen_new;  // keys after the append
@@ -321,25 +333,29 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // of tile l / kSlots of the batch), read a whole batch ahead, so the table's latency (a DRAM round trip
   // under full load, ~1-2 us) never delays a tile's copies; each thread picks its slot's id with a shuffle.
   // Other block sizes look up every row's id one tile ahead (per_row_ids).
-  constexpr int kSlots = kBlockN / 16;
+  constexpr int kSlots = kIdSlots;
   constexpr int kTilesPerIdBatch = 32 / kSlots;
   static_assert(kBlockN % 16 == 0 && 32 % kSlots == 0, "16-row id slots, a whole number of tiles per warp register");
   const bool slot_ids = kPaged && args.page_shift >= 4;
   const int page_mask = kPaged ? p.page_block_size - 1 : 0;  // slot_ids: row in block = j & page_mask
   int32_t ids_now = 0, ids_next = 0;  // slot_ids: the id batches of the tile being issued and of the next one
+  int j_next = 0;                      // the first key of this lane's slot in the next batch
   bool needed_next = false;            // whether this lane's entry of the next batch was read (a key exists)
   uint32_t bad_now = 0;                // lanes of the current batch whose id is not a block of the cache
+  uint32_t rows_now = 0;               // args.paged_rows: the pool row of this lane's slot (id * block size + row in block)
   auto load_id_batch = [&](int batch) {  // tiles [batch, batch + 1) * kTilesPerIdBatch into ids_next
     const int tile = work.tile_begin + batch * kTilesPerIdBatch + lane / kSlots;
-    const int j = tile * kBlockN + (lane % kSlots) * 16;  // the slot's first key
-    needed_next = tile < work.tile_end && j < seqlen_k;   // never read past the keys' blocks
-    ids_next = needed_next ? table_row[j >> args.page_shift] : 0;
+    j_next = tile * kBlockN + (lane % kSlots) * 16;  // the slot's first key
+    needed_next = tile < work.tile_end && j_next < seqlen_k;  // never read past the keys' blocks
+    if (batch == 0 && split == 0 && work.tile_begin == 0) ids_next = split0_ids;  // read beside cache_seqlens
+    else ids_next = needed_next ? table_row[j_next >> args.page_shift] : 0;
   };
   // The next batch becomes the current one. Its ids are checked only now (a vote waits for the loads, which
   // were issued a batch ago), never right after the load.
   auto rotate_id_batches = [&]() {
     ids_now = ids_next;
     bad_now = __ballot_sync(0xffffffffu, needed_next && uint32_t(ids_now) >= uint32_t(p.num_blocks));  // also < 0
+    rows_now = (uint32_t(ids_now) << args.page_shift) + uint32_t(j_next & page_mask);  // < 2^31 where the id is good
   };
   int32_t per_row_ids[kPasses];  // other block sizes: the ids of this thread's rows of the next tile
   auto fetch_per_row_ids = [&](int n) {  // rows past the key count are never looked up
@@ -370,6 +386,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   const int k_block_bytes = int(k_block_stride_bytes), v_block_bytes = int(v_block_stride_bytes);
   const char* k_bytes = reinterpret_cast<const char*>(k_rows);
   const char* v_bytes = reinterpret_cast<const char*>(v_rows);
+  // args.paged_rows: when a pass covers whole 16-row slots (kRowsPerPass a multiple of 16), a thread's row
+  // within its slot is row_lane % 16 in every pass, and that row's offset is folded into the base once.
+  constexpr bool kSlotRowInBase = kRowsPerPass % 16 == 0;
+  const uint32_t base_slot_row = kPaged && kSlotRowInBase ? uint32_t(row_lane & 15) : 0u;
+  const uint64_t k_slot_row_base = uint64_t(k_bytes) + wide_product(base_slot_row, k_row_bytes);
+  const uint64_t v_slot_row_base = uint64_t(v_bytes) + wide_product(base_slot_row, v_row_bytes);
 
   // Copies the rows of the split's tile `rel` (relative index) into `stage`. Called for rel = 0, 1, 2, ...
   // in order, by every thread (the shuffles need whole warps).
@@ -389,7 +411,27 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     }
     const bool plain =
         (n + 1) * kBlockN <= seqlen_k && full_width && strides_32bit && (!kPaged || slot_ids) && tile_bad_ids == 0;
-    if (__builtin_expect(plain, 1)) {
+    // One pass's copies: this thread's chunks of row `row` of the tile (kColBlocks column blocks, K and V).
+    auto copy_pass = [&](int pass, const char* k_src, const char* v_src) {
+#pragma unroll
+      for (int block = 0; block < kColBlocks; ++block) {
+        const uint32_t to = StageTile::offset(0, pass * kRowsPerPass, block * kChunksPerBlockRow);
+        cp_async_16_full(k_tile + to, k_src + block * StageTile::kBlockCols * 2);
+        cp_async_16_full(v_tile + to, v_src + block * StageTile::kBlockCols * 2);
+      }
+    };
+    if (kPaged && __builtin_expect(plain && args.paged_rows, 1)) {
+      // The pool row of the slot (one shuffle) plus the thread's row in it (in the base): one wide multiply-add
+      // per row of K and of V, as for a contiguous cache.
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) {
+        const int row = row_lane + pass * kRowsPerPass;
+        const uint32_t pool_row = __shfl_sync(0xffffffffu, rows_now, (rel % kTilesPerIdBatch) * kSlots + row / 16) +
+                                  (kSlotRowInBase ? 0u : uint32_t(row & 15));
+        copy_pass(pass, reinterpret_cast<const char*>(k_slot_row_base + wide_product(pool_row, k_row_bytes)),
+                  reinterpret_cast<const char*>(v_slot_row_base + wide_product(pool_row, v_row_bytes)));
+      }
+    } else if (__builtin_expect(plain, 1)) {
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass) {
         const int row = row_lane + pass * kRowsPerPass;  // row of the tile
@@ -405,12 +447,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
           k_src = k_bytes + wide_product(j, k_row_bytes);
           v_src = v_bytes + wide_product(j, v_row_bytes);
         }
-#pragma unroll
-        for (int block = 0; block < kColBlocks; ++block) {
-          const uint32_t to = StageTile::offset(0, pass * kRowsPerPass, block * kChunksPerBlockRow);
-          cp_async_16_full(k_tile + to, k_src + block * StageTile::kBlockCols * 2);
-          cp_async_16_full(v_tile + to, v_src + block * StageTile::kBlockCols * 2);
-        }
+        copy_pass(pass, k_src, v_src);
       }
     } else {
       // Rolled (affects speed only; the plain path's copies are unrolled): a smaller loop body. The paged FP8

@@ -166,6 +166,9 @@ DecodeArgs make_decode_args(const KvcacheParams& p, const DecodePlan& plan, void
     a.page_shift = 0;
     while ((1 << a.page_shift) < p.page_block_size) ++a.page_shift;
   }
+  a.paged_rows = p.block_table != nullptr && p.k_batch_stride == int64_t(p.page_block_size) * p.k_row_stride &&
+                 p.v_batch_stride == int64_t(p.page_block_size) * p.v_row_stride &&
+                 int64_t(p.num_blocks) * p.page_block_size <= INT32_MAX;
   if (plan.workspace_bytes > 0 && workspace != nullptr) {
     const auto address = reinterpret_cast<uintptr_t>(workspace);
     char* aligned = static_cast<char*>(workspace) + (kWorkspaceAlignment - address % kWorkspaceAlignment) % kWorkspaceAlignment;

@@ -35,6 +35,10 @@ struct DecodeArgs {
   int num_splits;           // the most splits of one key range (>= 1); grid.x = m_blocks * num_splits
   int min_tiles_per_split;  // a split streams at least this many key tiles (affects speed only)
   int page_shift;           // paged cache: log2(block size) when it is a power of two, else -1 (divisions)
+  int paged_rows;           // 1 = paged cache whose blocks are block-size runs of rows (block stride = block size x
+                            // row stride, K and V; every row index of the pool < 2^31): a key's row in the pool is
+                            // id * block size + its row in the block, and its address is computed as a contiguous
+                            // cache's (vLLM / FlashAttention's [num_blocks, block, Hk, D] layout). Speed only.
   int programmatic_launch;  // 1 = the kernels launch as programmatic dependents (sm_90+; set by the launcher)
   int cluster_merge;        // 1 = the num_splits CTAs of one (m-block, K/V head, sequence) are a thread-block
                             // cluster (grid.x split-fastest) that merges its partials through distributed
