@@ -974,6 +974,43 @@ TEST(CudaKvcacheFp8, NaNCodesPropagate) {
     }
 }
 
+// A bf16 q over an FP8 cache is stored as fp16 scaled by a power of two per CTA (from its block's largest |q|),
+// and the power comes off the softmax scale. Query heads of one K/V group (one CTA) 2^-40 .. 2^20 apart; q near
+// bf16's largest values and near its smallest normal ones, with k_scale the other way round (ordinary logits:
+// q.code alone would overflow fp32 in the first, and q would underflow fp16 unscaled in the second).
+TEST(CudaKvcacheFp8, QMagnitudesWithinAndAcrossBlocks) {
+  SKIP_WITHOUT_GPU();
+  struct Scaling {
+    std::vector<int> head_exponents;  // q of head h times 2^head_exponents[h] (heads 0-3: K/V head 0)
+    int k_scale_exponent;             // k_scale times this power of two
+  };
+  const Scaling scalings[] = {{{0, -40, 20, -8, 3, 0, -12, 12}, 0},
+                              {{116, 116, 116, 116, 116, 116, 116, 116}, -116},
+                              {{-120, -120, -120, -120, -120, -120, -120, -120}, 120}};
+  for (const bool paged : {false, true})
+    for (const Scaling& scaling : scalings) {
+      KvCase c = fp8_case(FA_BFLOAT16);
+      c.block_size = paged ? 16 : 0;
+      auto rng = fa_test::make_rng("fp8 q magnitudes");
+      const KvTensors unscaled = make_kv(c, rng);
+      KvTensors pristine = unscaled;  // the same codes, the scale moved (the oracle reads c.k_scale)
+      c.k_scale = pristine.k_scale = std::ldexp(unscaled.k_scale, scaling.k_scale_exponent);
+      for (int b = 0; b < c.batch; ++b)
+        for (int h = 0; h < c.heads_q; ++h)
+          for (int x = 0; x < c.head_dim; ++x) {
+            const int64_t at = (int64_t(b) * c.heads_q + h) * c.head_dim + x;  // Sq = 1
+            pristine.q.set(at, std::ldexp(unscaled.q.get(at), scaling.head_exponents[size_t(h)]));
+          }
+      const Expected e = expected_for(c, pristine);
+      KvTensors t = pristine;
+      fa_stats stats{};
+      ASSERT_TRUE(run_gpu(c, t, &stats).ok());
+      expect_matches("fp8 q 2^" + std::to_string(scaling.head_exponents[0]) + " k_scale 2^" +
+                         std::to_string(scaling.k_scale_exponent) + (paged ? " paged" : ""),
+                     c, t, e, stats.kernel);
+    }
+}
+
 #if defined(FLASHATTN_WITH_CUDA)
 // A bad block id (in the append's target block of sequence 1) and an overflowing cache_seqlens (sequence 2).
 KvCase invalid_case() {

@@ -29,6 +29,8 @@
 // exact): no 16-bit copy of the tile, no extra barrier. The fragments then come in other orders: Q is stored
 // with each 16-column group permuted, and O's even and odd columns land in separate n8 tiles
 // (fp8_layout.hpp says why and where; the S and O += P V loops use them).
+// The MMAs run in fp16 whatever q's type (an e4m3 code becomes fp16 in one instruction, bf16 in four): a bf16 q
+// is stored as fp16 times a power of two per CTA, which the softmax scale takes back (exact).
 // The dequantisation scales cost nothing per element: k_scale is folded into the softmax scale, v_scale into
 // the final 1 / rowsum.
 //
@@ -42,6 +44,7 @@
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -96,6 +99,13 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // The cache's element, and a K or V tile as streamed through the ring: the 16-bit tile itself, or (FP8) the
   // tile's codes, whose D bytes per row are stored as the D / 2 columns of a 16-bit tile.
   using CacheElement = std::conditional_t<kFp8, uint8_t, Element>;
+  // The MMAs' 16-bit type: q's, or fp16 with an FP8 cache whatever q's type. An e4m3 code becomes fp16 in one
+  // instruction (cvt.rn.f16x2.e4m3x2) where bf16 takes four, and the FP8 loop is bound by its instructions.
+  // A bf16 q is then stored as fp16 scaled by 2^q_exponent (below): every value within 2^-29 of the block's
+  // largest |q| stays exact, smaller ones become fp16 subnormals (steps of 2^-39 of it); P (in [0, 2^8]) is
+  // fp16 too, with 3 more mantissa bits than bf16.
+  using MmaElement = std::conditional_t<kFp8, __half, Element>;
+  constexpr bool kScaledQ = kFp8 && !std::is_same_v<Element, __half>;
   using StageTile = SwizzledTile<kBlockN, kFp8 ? kHeadDim / 2 : kHeadDim>;
   constexpr int kCacheElementBytes = int(sizeof(CacheElement));
   constexpr int kChunkElements = 16 / kCacheElementBytes;  // cache elements per 16-byte copy
@@ -255,6 +265,57 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   const CacheElement* k_gmem = static_cast<const CacheElement*>(p.k);
   const CacheElement* v_gmem = static_cast<const CacheElement*>(p.v);
 
+  // ---- bf16 q over an FP8 cache: the power of two that brings the block's largest finite |q| just below 2^15
+  // (fp16's largest is 65504); infinities and NaN stay what they are. With rotary, rotation keeps each pair's
+  // norm, so |rotated| <= sqrt(2) max |q| bounds it. The block maximum goes through the last ring stage, which
+  // the prologue's copies do not touch (the loop's first barrier comes before its refill). ----
+  int q_exponent = 0;  // Q is stored as q * 2^q_exponent; the softmax scale takes 2^-q_exponent
+  if constexpr (kScaledQ) {
+    float local_max = 0.f;
+    for (int idx = tid; idx < kBlockM * QTile::kChunksPerRow; idx += kThreads) {
+      const int row = idx / QTile::kChunksPerRow, chunk = idx % QTile::kChunksPerRow;
+      if (row >= rows.rows || chunk >= d_chunks) continue;
+      const int r = rows.row_begin + row;
+      const int i = r / group, h = hk * group + r % group;
+      const uint4 v = *reinterpret_cast<const uint4*>(q_gmem + b * p.q_batch_stride + int64_t(i) * p.q_row_stride +
+                                                      h * p.q_head_stride + chunk * 8);
+      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float2 pair = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[w]));
+        const float a = fabsf(pair.x), c = fabsf(pair.y);
+        if (a <= FLT_MAX) local_max = fmaxf(local_max, a);  // false for inf and NaN
+        if (c <= FLT_MAX) local_max = fmaxf(local_max, c);
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) local_max = fmaxf(local_max, __shfl_xor_sync(0xffffffffu, local_max, offset));
+    float* warp_max = reinterpret_cast<float*>(smem + QTile::kBytes + (kStages - 1) * 2 * StageTile::kBytes);
+    if (lane == 0) warp_max[warp] = local_max;
+    __syncthreads();
+    float block_max = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) block_max = fmaxf(block_max, warp_max[w]);
+    if (p.rotary_dim > 0) block_max *= 1.5f;  // >= sqrt(2), rounded up
+    if (block_max > 0.f) {
+      int e;
+      frexpf(block_max, &e);  // block_max < 2^e
+      // bf16's range bounds it: e from -132 (2^-133, the smallest subnormal) to 128, q_exponent from -113 to 147.
+      // The softmax multiplier qk_scale * 2^-q_exponent (below) overflows only where q.key itself would (no
+      // fp32 could hold the logits), and becomes subnormal or zero only where the logits are below 2^-90.
+      q_exponent = 15 - e;
+    }
+  }
+  // Stores one pair of q values (floats) as two MmaElements at smem byte offset `at`.
+  auto store_q_pair = [&](uint32_t at0, uint32_t at1, float x0, float x1) {
+    if constexpr (kScaledQ) {
+      x0 = ldexpf(x0, q_exponent);
+      x1 = ldexpf(x1, q_exponent);
+    }
+    *reinterpret_cast<MmaElement*>(smem + at0) = MmaElement(x0);
+    *reinterpret_cast<MmaElement*>(smem + at1) = MmaElement(x1);
+  };
+
   // ---- Q: the m-block's packed rows, rotated at their positions when rotary is on; FP8 cache: each
   // 16-column group permuted (fp8_q_column) ----
   if (kFp8 && p.rotary_dim == 0) {
@@ -270,6 +331,14 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
                                                           h * p.q_head_stride + group16 * 16);
         lo = src[0];
         hi = src[1];
+      }
+      if constexpr (kScaledQ) {  // bf16 pairs -> scaled fp16 pairs (exact: powers of two, fp16's range)
+        auto rescale = [&](uint32_t& word) {
+          const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&word));
+          word = ElementTraits<__half>::pack(ldexpf(x.x, q_exponent), ldexpf(x.y, q_exponent));
+        };
+        rescale(lo.x), rescale(lo.y), rescale(lo.z), rescale(lo.w);
+        rescale(hi.x), rescale(hi.y), rescale(hi.z), rescale(hi.w);
       }
       *reinterpret_cast<uint4*>(smem + QTile::chunk_offset(row, 2 * group16)) = make_uint4(lo.x, lo.z, hi.x, hi.z);
       *reinterpret_cast<uint4*>(smem + QTile::chunk_offset(row, 2 * group16 + 1)) = make_uint4(lo.y, lo.w, hi.y, hi.w);
@@ -302,8 +371,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       }
       const int col0 = kFp8 ? fp8_q_column(pair.first) : pair.first;
       const int col1 = kFp8 ? fp8_q_column(pair.second) : pair.second;
-      *reinterpret_cast<Element*>(smem + QTile::chunk_offset(row, col0 / 8) + (col0 % 8) * 2) = Element(x0);
-      *reinterpret_cast<Element*>(smem + QTile::chunk_offset(row, col1 / 8) + (col1 % 8) * 2) = Element(x1);
+      store_q_pair(QTile::chunk_offset(row, col0 / 8) + (col0 % 8) * 2, QTile::chunk_offset(row, col1 / 8) + (col1 % 8) * 2, x0,
+                   x1);
     }
   }
 
@@ -498,7 +567,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // is folded into the multiplier. With softcap / ALiBi (or a negative scale, whose sign would flip the max)
   // s is first transformed into natural-log units.
   // FP8: the keys are codes, key = code * k_scale, so q.key = (q.code) * k_scale: the scale joins the softmax scale.
-  const float qk_scale = kFp8 ? p.softmax_scale * p.k_scale : p.softmax_scale;
+  // A scaled q (kScaledQ) gives q.key * 2^q_exponent: the exponent comes off here (exact, a power of two).
+  const float qk_scale = kFp8 ? ldexpf(p.softmax_scale * p.k_scale, -q_exponent) : p.softmax_scale;
   const bool natural_units = p.softcap > 0.f || p.alibi_slopes != nullptr || p.softmax_scale < 0.f;
   const float score_log2_scale = natural_units ? kLog2e : qk_scale * kLog2e;
   const WindowMask mask(p.window_left, p.window_right, p.seqlen_q, seqlen_k);
@@ -592,10 +662,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
             for (int j = 0; j < 2; ++j)
 #pragma unroll
               for (int t = 0; t < 2; ++t) {  // key tile 2np + t
-                const uint2 k_values = e4m3x4_to_element4<Element>(codes[2 * j + t]);
+                const uint2 k_values = e4m3x4_to_half4(codes[2 * j + t]);
                 const uint32_t b[2] = {k_values.x, k_values.y};
 #pragma unroll
-                for (int mt = 0; mt < kMTiles; ++mt) mma_m16n8k16<Element>(s_acc[mt][2 * np + t], q_frag[j][mt], b);
+                for (int mt = 0; mt < kMTiles; ++mt) mma_m16n8k16<MmaElement>(s_acc[mt][2 * np + t], q_frag[j][mt], b);
               }
           }
         }
@@ -711,10 +781,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
 #pragma unroll
         for (int mt = 0; mt < kMTiles; ++mt) {
           // A of m16n8k16 (rows g, g + 8; k 2t.. and 2t + 8..) = S tiles 2ks (keys +0..7) and 2ks + 1 (+8..15)
-          p_frag[mt][0] = ElementTraits<Element>::pack(s_acc[mt][2 * ks][0], s_acc[mt][2 * ks][1]);
-          p_frag[mt][1] = ElementTraits<Element>::pack(s_acc[mt][2 * ks][2], s_acc[mt][2 * ks][3]);
-          p_frag[mt][2] = ElementTraits<Element>::pack(s_acc[mt][2 * ks + 1][0], s_acc[mt][2 * ks + 1][1]);
-          p_frag[mt][3] = ElementTraits<Element>::pack(s_acc[mt][2 * ks + 1][2], s_acc[mt][2 * ks + 1][3]);
+          p_frag[mt][0] = ElementTraits<MmaElement>::pack(s_acc[mt][2 * ks][0], s_acc[mt][2 * ks][1]);
+          p_frag[mt][1] = ElementTraits<MmaElement>::pack(s_acc[mt][2 * ks][2], s_acc[mt][2 * ks][3]);
+          p_frag[mt][2] = ElementTraits<MmaElement>::pack(s_acc[mt][2 * ks + 1][0], s_acc[mt][2 * ks + 1][1]);
+          p_frag[mt][3] = ElementTraits<MmaElement>::pack(s_acc[mt][2 * ks + 1][2], s_acc[mt][2 * ks + 1][3]);
         }
         if constexpr (kFp8) {
           // Two code chunks (32 columns, O tiles 4cp .. 4cp + 3) per ldmatrix.trans: matrices (keys +0..7, chunk
@@ -727,14 +797,14 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
             ldmatrix_x4_trans(codes, v_tile + StageTile::offset(v_lane, ks * 16, 2 * cp));
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
-              const uint32_t b_even[2] = {e4m3_column_to_element2<Element, false>(codes[2 * j]),
-                                          e4m3_column_to_element2<Element, false>(codes[2 * j + 1])};
-              const uint32_t b_odd[2] = {e4m3_column_to_element2<Element, true>(codes[2 * j]),
-                                         e4m3_column_to_element2<Element, true>(codes[2 * j + 1])};
+              const uint32_t b_even[2] = {e4m3_column_to_half2<false>(codes[2 * j]),
+                                          e4m3_column_to_half2<false>(codes[2 * j + 1])};
+              const uint32_t b_odd[2] = {e4m3_column_to_half2<true>(codes[2 * j]),
+                                         e4m3_column_to_half2<true>(codes[2 * j + 1])};
 #pragma unroll
               for (int mt = 0; mt < kMTiles; ++mt) {
-                mma_m16n8k16<Element>(o_acc[mt][4 * cp + 2 * j], p_frag[mt], b_even);
-                mma_m16n8k16<Element>(o_acc[mt][4 * cp + 2 * j + 1], p_frag[mt], b_odd);
+                mma_m16n8k16<MmaElement>(o_acc[mt][4 * cp + 2 * j], p_frag[mt], b_even);
+                mma_m16n8k16<MmaElement>(o_acc[mt][4 * cp + 2 * j + 1], p_frag[mt], b_odd);
               }
             }
           }
