@@ -135,8 +135,12 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
   int splits = p.num_splits;
   if (splits <= 0) {
     const int64_t ctas = int64_t(p.batch) * p.heads_k * m_blocks;
-    // One CTA per SM, or every slot for paged caches that may hold long sequences (decode_plan.hpp).
-    const bool every_slot = p.block_table != nullptr && p.seqlen_k >= kPagedFullSlotsKeys;
+    // One CTA per SM, or every slot for paged caches that may hold long sequences, or medium ones whose
+    // unsplit grid already fills about one CTA per SM (decode_plan.hpp).
+    const bool every_slot =
+        p.block_table != nullptr &&
+        (p.seqlen_k >= kPagedFullSlotsKeys ||
+         (p.seqlen_k >= kPagedOneWaveSlotsKeys && double(ctas) >= kOneCtaPerSm * double(device.sm_count)));
     const int64_t slots =
         int64_t(device.sm_count) * (every_slot ? ctas_per_sm(kernel.smem_bytes, 32 * kernel.warps, device) : 1);
     const int64_t capacity_tiles = (int64_t(p.seqlen_k) + kernel.block_n - 1) / kernel.block_n;
