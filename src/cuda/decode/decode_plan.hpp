@@ -57,7 +57,9 @@ constexpr bool kProgrammaticLaunch = true; // sm_90+: launch the decode kernels 
 // resident). Measured (H200, 2026-11-30 08:03 and 08:07 UTC, bf16, D = 128, Hq 32 / Hk 8, cluster against
 // combine kernel, same tile): 1k caches +16-21% at B = 1-8 (B = 1: 8.2 against 9.6 us per step); 8 splits
 // of 16 tiles (B = 2, 8k) +3-7%; 2 splits +0-5% at every length; 16 splits of 8 tiles (B = 1, 8k) -4% to +4%
-// (paged -4%); 16 splits of 32+ tiles -4-12% contiguous; paged, 4-16 splits at 32k-128k, -19-29%.
+// (paged -4%); 16 splits of 32+ tiles -4-12% contiguous; paged, 4-16 splits at 32k-128k, -19-29%. Again with
+// the kernels of 15:32 UTC (15:55 UTC, best of two runs, kClusterMergeMaxTiles16 = 16 against 4): B = 1, 16
+// splits of 8 / 16 tiles (8k / 16k): contiguous -3.2% / -3.5%, paged -0.8% / +0.3%: still the combine kernel.
 constexpr bool kClusterMerge = true;
 constexpr int kMaxClusterSplits = 16;
 constexpr int64_t kClusterMergeMaxTiles = 16;      // tiles of the capacity per split, clusters of up to 8
