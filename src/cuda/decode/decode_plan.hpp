@@ -36,7 +36,7 @@ namespace flashattn::cuda::decode {
 constexpr int kMinTilesPerSplit = 2;       // a split streams >= 2 key tiles (when the sequence has them)
 constexpr int64_t kPagedFullSlotsKeys = 32768;  // paged, capacity >= this many keys: plan for every CTA slot
 // ... and from this many keys when the unsplit grid already gives about one CTA per SM (>= kOneCtaPerSm of
-// the SMs): B = 16, Hk = 8, paged, 2 splits against 1 (H200, 2026-11-30 about 15:44 UTC, us per step, two runs): 4k
+// the SMs): B = 16, Hk = 8, paged, 2 splits against 1 (H200, 2026-11-30 shortly before 15:46 UTC, us per step, two runs): 4k
 // 70.2 / 70.5, 8k 129.0-130.2 / 132.2-133.1, 16k 249.9-251.0 / 258.0-258.7 (contiguous stays faster with 1:
 // 75.8 / 77.3, 125.5 / 128.5, 243.8 / 245.9); B = 8 (half the SMs) keeps 2 splits, not every slot's 4
 // (8k 72.0 against 73.9).
@@ -58,7 +58,7 @@ constexpr bool kProgrammaticLaunch = true; // sm_90+: launch the decode kernels 
 // combine kernel, same tile): 1k caches +16-21% at B = 1-8 (B = 1: 8.2 against 9.6 us per step); 8 splits
 // of 16 tiles (B = 2, 8k) +3-7%; 2 splits +0-5% at every length; 16 splits of 8 tiles (B = 1, 8k) -4% to +4%
 // (paged -4%); 16 splits of 32+ tiles -4-12% contiguous; paged, 4-16 splits at 32k-128k, -19-29%. Again with
-// the kernels of 15:32 UTC (15:55 UTC, best of two runs, kClusterMergeMaxTiles16 = 16 against 4): B = 1, 16
+// the kernels of 15:32 UTC (15:53 UTC, best of two runs, kClusterMergeMaxTiles16 = 16 against 4): B = 1, 16
 // splits of 8 / 16 tiles (8k / 16k): contiguous -3.2% / -3.5%, paged -0.8% / +0.3%: still the combine kernel.
 constexpr bool kClusterMerge = true;
 constexpr int kMaxClusterSplits = 16;
