@@ -150,7 +150,10 @@ typedef struct fa_backward_args {
 /* Attention of new queries against a KV cache, with an optional append of new keys/values. */
 typedef struct fa_kvcache_args {
   fa_tensor q;              /* (B, Sq, Hq, D) */
-  fa_tensor k_cache;        /* contiguous (B, S_cache, Hk, D) or paged (num_blocks, block_size, Hk, D) */
+  fa_tensor k_cache;        /* contiguous (B, S_cache, Hk, D) or paged (num_blocks, block_size, Hk, D).
+                               Paged on CUDA: any strides; the fastest blocks are runs of rows (block
+                               stride = block_size x row stride, K and V), as a dense tensor of that
+                               shape has; others (e.g. heads-major blocks) take more address math. */
   fa_tensor v_cache;        /* like k_cache, last dim Dv */
   fa_tensor block_table;    /* optional int32 (B, max_blocks): present = paged cache */
   fa_tensor cache_seqlens;  /* required int32 (B): tokens already in the cache of sequence b */

@@ -242,8 +242,8 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
   EXPECT_EQ(plan.num_splits, 7);
   EXPECT_GT(plan.workspace_bytes, 0);
   // The split counts measured fastest on the H200 (decode_plan.hpp): about one CTA per SM for a contiguous
-  // cache, every CTA slot (2 per SM) for a paged cache with room for >= 32 k keys, or >= 8 k keys where the
-  // unsplit grid already has about one CTA per SM (B = 16); two tiles per split at least.
+  // cache, every CTA slot (2 per SM) for a paged cache with room for >= 32 k keys; where the unsplit grid is
+  // 0.7-1 CTA per SM (B = 12-16), no split, or 2 for paged caches of >= 8 k keys; two tiles per split at least.
   struct Case {
     int batch, cache;
     bool paged;
@@ -252,6 +252,8 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
   for (const Case& c : {Case{1, 131072, false, 16}, Case{4, 8192, false, 4}, Case{16, 8192, false, 1}, Case{1, 1024, false, 8},
                         Case{1, 131072, true, 32}, Case{4, 131072, true, 8}, Case{16, 131072, true, 2}, Case{16, 8192, true, 2},
                         Case{16, 4096, true, 1}, Case{8, 8192, true, 2}, Case{4, 8192, true, 4},
+                        Case{12, 8192, false, 1}, Case{12, 8192, true, 2}, Case{14, 16384, true, 2},
+                        Case{12, 4096, true, 1}, Case{24, 8192, false, 1}, Case{24, 131072, true, 4},
                         Case{256, 131072, true, 1}, Case{1, 1024, true, 8}}) {
     KvcacheParams q = decode_params(c.batch, 1, 32, 8, 128, c.cache);
     if (c.paged) {  // the planner only looks at whether there is a table (never read) and at the capacity

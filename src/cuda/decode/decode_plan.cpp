@@ -135,16 +135,19 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
   int splits = p.num_splits;
   if (splits <= 0) {
     const int64_t ctas = int64_t(p.batch) * p.heads_k * m_blocks;
-    // One CTA per SM, or every slot for paged caches that may hold long sequences, or medium ones whose
-    // unsplit grid already fills about one CTA per SM (decode_plan.hpp).
-    const bool every_slot =
-        p.block_table != nullptr &&
-        (p.seqlen_k >= kPagedFullSlotsKeys ||
-         (p.seqlen_k >= kPagedOneWaveSlotsKeys && double(ctas) >= kOneCtaPerSm * double(device.sm_count)));
-    const int64_t slots =
-        int64_t(device.sm_count) * (every_slot ? ctas_per_sm(kernel.smem_bytes, 32 * kernel.warps, device) : 1);
+    const bool paged = p.block_table != nullptr;
+    const int per_sm = ctas_per_sm(kernel.smem_bytes, 32 * kernel.warps, device);
     const int64_t capacity_tiles = (int64_t(p.seqlen_k) + kernel.block_n - 1) / kernel.block_n;
-    splits = choose_num_splits(ctas, slots, capacity_tiles);
+    // CTAs per SM of the unsplit grid (decode_plan.hpp): every slot for paged caches that may hold long
+    // sequences; about one wave: 1 split, or 2 for medium paged caches; else about one CTA per SM.
+    const double fill = double(ctas) / double(device.sm_count);
+    if (paged && p.seqlen_k >= kPagedFullSlotsKeys) {
+      splits = choose_num_splits(ctas, int64_t(device.sm_count) * per_sm, capacity_tiles);
+    } else if (fill >= kOneWaveFill && fill <= 1.0) {
+      splits = paged && p.seqlen_k >= kPagedOneWaveSplitKeys && per_sm >= 2 && capacity_tiles >= 2 * kMinTilesPerSplit ? 2 : 1;
+    } else {
+      splits = choose_num_splits(ctas, device.sm_count, capacity_tiles);
+    }
   }
   if (m_blocks * splits > INT_MAX)
     return FA_UNSUPPORTED("num_splits: %d splits x %lld row blocks exceed CUDA's grid limit", splits, (long long)m_blocks);

@@ -28,20 +28,30 @@ namespace flashattn::cuda::decode {
 // (8 k 3.24) against 8 (3.15); B = 16: 1 (1 k 3.13, 8 k 4.25) against 2 (2.59, 4.04). A paged cache with room
 // for long sequences is fastest with the CTA slots of 2 per SM: B = 16, 128 k: 2 splits 4.40 against 1 4.31;
 // B = 4: 8 splits 4.32 against 4 4.22 (its block-table reads add latency that more CTAs hide); up to
-// 16 k keys one CTA per SM was as fast or faster (at B = 16 no longer: see kPagedOneWaveSlotsKeys).
+// 16 k keys one CTA per SM was as fast or faster (not at B = 12-16 now: see kOneWaveFill).
 // Short caches: with the cluster merge (one kernel), two tiles per split beat one. B = 1, 1 k cache (16 tiles),
 // us per step, 8 splits against 16 (H200, 2026-11-30 10:05 UTC): contiguous 7.52 against 8.23, paged 8.00
 // against 8.73; 4 splits 8.26 / 9.15. (Before the cluster merge, with the combine kernel, one tile per split
 // was fastest.) The floor also applies on the device to a sequence much shorter than the planned capacity.
 constexpr int kMinTilesPerSplit = 2;       // a split streams >= 2 key tiles (when the sequence has them)
 constexpr int64_t kPagedFullSlotsKeys = 32768;  // paged, capacity >= this many keys: plan for every CTA slot
-// ... and from this many keys when the unsplit grid already gives about one CTA per SM (>= kOneCtaPerSm of
-// the SMs): B = 16, Hk = 8, paged, 2 splits against 1 (H200, 2026-11-30 shortly before 15:46 UTC, us per step, two runs): 4k
-// 70.2 / 70.5, 8k 129.0-130.2 / 132.2-133.1, 16k 249.9-251.0 / 258.0-258.7 (contiguous stays faster with 1:
-// 75.8 / 77.3, 125.5 / 128.5, 243.8 / 245.9); B = 8 (half the SMs) keeps 2 splits, not every slot's 4
-// (8k 72.0 against 73.9).
-constexpr int64_t kPagedOneWaveSlotsKeys = 8192;
-constexpr double kOneCtaPerSm = 0.9;
+// One wave: where the unsplit grid gives kOneWaveFill to 1 CTA per SM, no split; but a paged cache of >=
+// kPagedOneWaveSplitKeys keys takes 2 splits (two CTAs per SM hide the block table's latency; the pair merges
+// in a cluster). The heuristic alone split these into 4 or left them at 1. H200, 2026-11-30, bf16, Hq 32 /
+// Hk 8, us per step, two runs each (shortly before 15:46 UTC; B = 12 / 14 at 15:54 UTC as the JSON prints it,
+// `bench/results/2026-11-30-1554-h200-decode-splits-b12-b14-*.json`):
+//   B = 12 (96 CTAs, 0.73 per SM), 8k: contiguous 1 split 104.2-104.6, 2: 108.5-110.2, 4 (the heuristic's):
+//     109.4-110.4; paged 1: 112.5-112.7, 2: 102.4-103.4, 4: 108.5-108.6. 16k alike (contiguous 1: 200.0,
+//     4: 203-207; paged 2: 194.6-194.8, 4: 201-203).
+//   B = 14 (112 CTAs), paged 8k: 1 split 117.5-119.1, 2: 114.7-114.9; contiguous 1: 108.8-108.9, 2: 116-117.
+//   Contiguous, longer (16:03 UTC, `...-1603-h200-decode-splits-b12-b14-long-*.json`): B = 12, 1 split against
+//     4: 16k 212.7-212.9 / 205.7-206.7 (15:54: 200.0 / 203-207), 32k 389-392 / 397-399, 128k 1533-1545 /
+//     1566-1577; B = 14: 1 split 2-7% ahead of 2 and 4 at 16k-128k.
+//   B = 16 (128 CTAs), paged: 2 splits against 1: 4k 70.2 / 70.5, 8k 129.0-130.2 / 132.2-133.1, 16k
+//     249.9-251.0 / 258.0-258.7; contiguous stays faster with 1: 75.8 / 77.3, 125.5 / 128.5, 243.8 / 245.9.
+//   B = 8 (64 CTAs, below one wave): the heuristic's 2 splits (paged 8k 72.0, every slot's 4: 73.9).
+constexpr double kOneWaveFill = 0.7;
+constexpr int64_t kPagedOneWaveSplitKeys = 8192;
 constexpr int kMaxSplits = 128;            // the heuristic's cap (an explicit num_splits may be larger)
 constexpr double kFullOccupancy = 0.8;     // at >= 80% of one wave of CTA slots without splitting: no split
 constexpr double kWaveEfficiencyKept = 0.96;  // smallest split count whose last-wave efficiency is within 96% of the best
