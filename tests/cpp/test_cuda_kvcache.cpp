@@ -976,8 +976,8 @@ TEST(CudaKvcacheFp8, NaNCodesPropagate) {
 
 // A bf16 q over an FP8 cache is stored as fp16 scaled by a power of two per CTA (from its block's largest |q|),
 // and the power comes off the softmax scale. Query heads of one K/V group (one CTA) 2^-40 .. 2^20 apart; q near
-// bf16's largest values and near its smallest normal ones, with k_scale the other way round (ordinary logits:
-// q.code alone would overflow fp32 in the first, and q would underflow fp16 unscaled in the second).
+// bf16's largest values and near its smallest normal ones, with k_scale the other way round (ordinary logits;
+// unscaled, q would overflow fp16 in the first and underflow it in the second).
 TEST(CudaKvcacheFp8, QMagnitudesWithinAndAcrossBlocks) {
   SKIP_WITHOUT_GPU();
   struct Scaling {
