@@ -8,12 +8,18 @@
 // K/V bytes of a call = B * S * Hk * (D + Dv) * 2; with --kv fp8 (a float8 e4m3 cache, k_scale = v_scale =
 // 1/256, random finite codes) 1 byte per element: B * S * Hk * (D + Dv). Each call is planned once (fa_plan_kvcache) and runs with
 // the planned workspace; the timed unit is a CUDA graph of one call per copy of the inputs, where copies
-// are added until they exceed 2x the L2 (so every call reads from HBM, as in serving); time per call =
-// graph time / copies, median over repetitions. "eager" is one call launched normally (launch overhead
-// included), for reference.
+// are added until they exceed 2x the L2 (so every call reads from HBM, as in serving), and are at least 4
+// where they fit in 4 GiB (kMinCopies); time per call = graph time / copies, median over repetitions.
+// "eager" is one call launched normally (launch overhead included), for reference.
 // Streaming read: a read-only kernel (16-byte loads, grid-stride) over 4 GiB; device copy: cudaMemcpy D2D,
 // read + write bytes counted (DESIGN.md's anchor, 4.27 TB/s on the H200).
+// Same-size read floor ("floor us", "vs floor"): per point, a read-only kernel over exactly that point's K and V
+// buffers, timed like the calls (a graph of one read per copy), best of four grid sizes. The 4 GiB rate is a
+// large-transfer asymptote; a 4 MiB read cannot reach it (launch, ramp-up, drain), and "vs floor" says how
+// close a call comes to the time those bytes need at all.
 //
+// Order: per point (B, S), every layout in turn, --rounds times (fresh inputs each time), so that paged / contiguous
+// compares measurements seconds apart; bench/compare_decode.py takes the median of the rounds.
 // Tuning sweeps (one GPU run tells the best heuristic; every knob affects speed only):
 //   --splits 0,8,16,...   split counts to time at every point (0 = the library's heuristic)
 //   --runners lib,...     "lib" = the public API; with -DFLASHATTN_BUILD_TUNING=ON (target
@@ -25,7 +31,7 @@
 //
 // Usage: flashattn_decode_bench [--json FILE] [--batches 1,4,16,64,256] [--caches 1024,...,131072]
 //                               [--heads 32:8] [--dim 128] [--page 16] [--dtype bf16|f16] [--kv 16|fp8]
-//                               [--layouts contiguous,paged,paged-seq] [--budget-gib 32] [--reps 10]
+//                               [--layouts contiguous,paged,paged-seq] [--budget-gib 32] [--reps 10] [--rounds 1]
 //                               [--splits 0,...] [--runners lib,...] [--pdl 0,1] [--min-tiles N]
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -59,6 +65,11 @@ namespace {
 constexpr int64_t kStreamBytes = int64_t(4) << 30;  // the streaming-read buffer
 constexpr int kStreamThreads = 256;
 constexpr int kMaxCopies = 64;
+// At least kMinCopies copies where they fit in kCopyBudgetBytes: the graph's own launch (a few us) is then shared
+// by 4 calls. With one copy (K/V above 2x the L2 but below 1 GiB, e.g. B = 1 at 32k-128k) it was added whole to
+// one call. bench/peers_decode.py uses the same rule.
+constexpr int64_t kMinCopies = 4;
+constexpr int64_t kCopyBudgetBytes = int64_t(4) << 30;
 
 // Reads `words` 16-byte words; the XOR of everything read is stored only if it hits a value that random data
 // practically never gives, so the loads cannot be optimised away and almost nothing is written.
@@ -67,6 +78,27 @@ __global__ void stream_read_kernel(const uint4* data, int64_t words, unsigned in
   for (int64_t w = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; w < words; w += int64_t(gridDim.x) * blockDim.x) {
     const uint4 v = __ldcs(data + w);  // streaming: do not keep in L2
     acc.x ^= v.x, acc.y ^= v.y, acc.z ^= v.z, acc.w ^= v.w;
+  }
+  if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9E3779B9u) *sink = acc.x;
+}
+
+// The same-size read floor of a point: a read-only kernel over exactly the point's K and V buffers (2 x `words`
+// 16-byte words), kReadUnroll independent loads in flight per thread. What any kernel that must read those
+// bytes once, launched the same way, cannot beat (launch, ramp-up and drain included): at small batches and
+// short caches it lies far below the 4 GiB streaming rate.
+constexpr int kReadUnroll = 4;
+__global__ void read_pair_kernel(const uint4* k, const uint4* v, int64_t words, unsigned int* sink) {
+  uint4 acc = make_uint4(0, 0, 0, 0);
+  const int64_t total = 2 * words, stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t w0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; w0 < total; w0 += kReadUnroll * stride) {
+    uint4 x[kReadUnroll];
+#pragma unroll
+    for (int u = 0; u < kReadUnroll; ++u) {  // all loads issued before any is used
+      const int64_t w = w0 + u * stride;
+      x[u] = w < total ? __ldcs(w < words ? k + w : v + (w - words)) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kReadUnroll; ++u) acc.x ^= x[u].x, acc.y ^= x[u].y, acc.z ^= x[u].z, acc.w ^= x[u].w;
   }
   if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9E3779B9u) *sink = acc.x;
 }
@@ -213,6 +245,7 @@ struct Knobs {
 
 struct Result {
   double us_graph = -1, us_eager = -1, kv_tbs = -1;
+  double us_read_floor = -1;  // the same-size read floor of the shape (time_read_floor)
   double check = -1;  // variants: relative L2 difference of out from the library's (lib: -1)
   int splits = 0, copies = 0;
   std::string kernel, error;
@@ -383,13 +416,47 @@ Result time_calls(const Shape& s, std::vector<Copy>& copies, const CallFn& call,
   return r;
 }
 
+// The same-size read floor (read_pair_kernel) over every copy's K and V, timed like time_calls (a CUDA graph of
+// one read per copy); the best of a few grid sizes. Microseconds per copy.
+double time_read_floor(const Shape& s, std::vector<Copy>& copies, int reps, cudaStream_t stream, int sms) {
+  Buffer sink(64);
+  const int64_t words = s.kv_bytes() / 2 / 16;
+  double best_us = -1;
+  for (const int blocks_per_sm : {2, 4, 8, 16}) {
+    const int64_t needed = (2 * words + kStreamThreads - 1) / kStreamThreads;
+    const int blocks = int(std::max<int64_t>(1, std::min<int64_t>(int64_t(sms) * blocks_per_sm, needed)));
+    auto launch_all = [&] {
+      for (Copy& c : copies)
+        read_pair_kernel<<<blocks, kStreamThreads, 0, stream>>>(static_cast<const uint4*>(c.k.data),
+                                                                 static_cast<const uint4*>(c.v.data), words,
+                                                                 static_cast<unsigned int*>(sink.data));
+    };
+    launch_all();
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    launch_all();
+    CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+    CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    const double ms = flashattn::bench::median_event_ms(stream, 1, reps, [&] { CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    const double us = 1000 * ms / double(copies.size());
+    if (best_us < 0 || us < best_us) best_us = us;
+  }
+  return best_us;
+}
+
 // Every knob combination on one shape: the inputs are made once (copies until they exceed 2x the L2).
 std::vector<std::pair<Knobs, Result>> run_shape(const Shape& s, const std::vector<Knobs>& configs, int reps, int64_t l2_bytes,
                                                 cudaStream_t stream, const cudaDeviceProp& prop) {
   std::vector<std::pair<Knobs, Result>> results;
   g_arena.used = 0;  // the previous point's buffers are gone: every point starts at the arena's base
   std::mt19937_64 rng(uint64_t(s.batch * 1315423911u + s.cache));
-  const int n_copies = int(std::min<int64_t>(kMaxCopies, std::max<int64_t>(1, (2 * l2_bytes) / s.kv_bytes() + 1)));
+  const int64_t l2_copies = (2 * l2_bytes) / s.kv_bytes() + 1;
+  const int64_t launch_copies = std::min<int64_t>(kMinCopies, kCopyBudgetBytes / s.kv_bytes());
+  const int n_copies = int(std::min<int64_t>(kMaxCopies, std::max<int64_t>({int64_t(1), l2_copies, launch_copies})));
   std::vector<Copy> copies;
   for (int c = 0; c < n_copies; ++c) copies.push_back(make_copy(s, uint32_t(1000 * c + 7), rng));
   const int64_t out_elems = s.batch * s.heads_q * s.dim;
@@ -482,6 +549,8 @@ std::vector<std::pair<Knobs, Result>> run_shape(const Shape& s, const std::vecto
     }
     results.emplace_back(k, r);
   }
+  const double floor_us = time_read_floor(s, copies, reps, stream, prop.multiProcessorCount);
+  for (auto& kr : results) kr.second.us_read_floor = floor_us;
   return results;
 }
 
@@ -491,7 +560,7 @@ int main(int argc, char** argv) {
   std::string json_path, batches_arg = "1,4,16,64,256", caches_arg = "1024,4096,16384,65536,131072", heads_arg = "32:8",
                          dtype_arg = "bf16", layouts_arg = "contiguous,paged", splits_arg = "0", runners_arg = "lib",
                          pdl_arg = "-1", kv_arg = "16";
-  int dim = 128, page = 16, reps = 10, min_tiles = -1;
+  int dim = 128, page = 16, reps = 10, min_tiles = -1, rounds = 1;
   double budget_gib = 32;
   for (int a = 1; a < argc; ++a) {
     const std::string arg = argv[a];
@@ -512,6 +581,7 @@ int main(int argc, char** argv) {
     else if (arg == "--layouts") layouts_arg = next();
     else if (arg == "--budget-gib") budget_gib = std::stod(next());
     else if (arg == "--reps") reps = std::stoi(next());
+    else if (arg == "--rounds") rounds = std::max(1, std::stoi(next()));
     else if (arg == "--splits") splits_arg = next();
     else if (arg == "--runners") runners_arg = next();
     else if (arg == "--pdl") pdl_arg = next();
@@ -600,12 +670,13 @@ int main(int argc, char** argv) {
   std::printf("streaming read %.2f TB/s; device copy (read + write) %.2f TB/s\n", stream_tbs, copy_tbs);
   std::printf("%s, K/V cache %s, D=%d, Hq=%d, Hk=%d, 1 query per sequence, page %d\n", dtype_arg.c_str(),
               fp8_cache ? "float8_e4m3 (1 byte per element)" : dtype_arg.c_str(), dim, heads_q, heads_k, page);
-  std::printf("%-10s %4s %6s | %-11s %2s | %6s %9s %9s %8s %7s %8s | %s\n", "layout", "B", "S", "runner", "pd",
-              "splits", "us/call", "us eager", "K/V TB/s", "vs read", "check", "kernel");
+  std::printf("vs read = K/V TB/s / streaming read; floor = the same bytes read by a read-only kernel, launched alike\n");
+  std::printf("%-10s %4s %6s | %-11s %2s | %6s %9s %9s %8s %7s %9s %8s %8s | %s\n", "layout", "B", "S", "runner", "pd",
+              "splits", "us/call", "us eager", "K/V TB/s", "vs read", "floor us", "vs floor", "check", "kernel");
 
   std::string json = "{\n \"tool\": \"flashattn_decode_bench\",\n \"date\": \"" + std::string(date) + "\",\n \"gpu\": \"" +
                      prop.name + "\",\n";
-  char line[768];
+  char line[1024];
   std::snprintf(line, sizeof(line),
                 " \"stream_read_tbs\": %.4f,\n \"device_copy_tbs\": %.4f,\n \"config\": {\"dtype\": \"%s\", \"kv_cache\": \"%s\", "
                 "\"dim\": %d, \"heads_q\": %d, \"heads_k\": %d, \"page\": %d, \"seqlen_q\": 1},\n \"points\": [\n",
@@ -621,13 +692,17 @@ int main(int argc, char** argv) {
     std::string item;
     while (std::getline(ss, item, ',')) layouts.push_back(item);
   }
-  for (const std::string& layout : layouts) {
+  for (const std::string& layout : layouts)
     if (layout != "contiguous" && layout != "paged" && layout != "paged-seq") {
       std::fprintf(stderr, "unknown layout %s (contiguous, paged, paged-seq)\n", layout.c_str());
       return 2;
     }
-    for (const int64_t batch : batches)
-      for (const int64_t cache : caches) {
+  // Per point, the layouts (and --rounds repetitions) run back to back, so that a ratio between layouts compares
+  // measurements seconds apart, not a whole sweep apart.
+  for (const int64_t batch : batches)
+    for (const int64_t cache : caches)
+      for (int round = 0; round < rounds; ++round)
+      for (const std::string& layout : layouts) {
         const Shape s{batch, cache, heads_q, heads_k, dim, page, layout != "contiguous", layout == "paged-seq", dtype, fp8_cache};
         std::vector<std::pair<Knobs, Result>> results;
         if (double(s.kv_bytes()) > budget_gib * double(int64_t(1) << 30)) {
@@ -638,23 +713,26 @@ int main(int argc, char** argv) {
           results = run_shape(s, configs, reps, prop.l2CacheSize, stream, prop);
         }
         for (const auto& [k, r] : results) {
-          std::printf("%-10s %4lld %6lld | %-11s %2d | %6d %9.2f %9.2f %8.3f %6.1f%% %8.1e | %s%s\n", layout.c_str(),
-                      (long long)batch, (long long)cache, k.runner.c_str(), k.pdl, r.splits, r.us_graph,
-                      r.us_eager, r.kv_tbs, 100 * r.kv_tbs / stream_tbs, r.check, r.kernel.c_str(), r.error.c_str());
+          const double vs_floor = r.us_graph > 0 && r.us_read_floor > 0 ? r.us_read_floor / r.us_graph : -1;
+          std::printf("%-10s %4lld %6lld | %-11s %2d | %6d %9.2f %9.2f %8.3f %6.1f%% %9.2f %7.1f%% %8.1e | %s%s\n",
+                      layout.c_str(), (long long)batch, (long long)cache, k.runner.c_str(), k.pdl, r.splits, r.us_graph,
+                      r.us_eager, r.kv_tbs, 100 * r.kv_tbs / stream_tbs, r.us_read_floor, 100 * vs_floor, r.check,
+                      r.kernel.c_str(), r.error.c_str());
           std::fflush(stdout);
           std::snprintf(line, sizeof(line),
                         "  %s{\"layout\": \"%s\", \"batch\": %lld, \"cache\": %lld, \"kv_bytes\": %lld, \"runner\": \"%s\", "
                         "\"splits_asked\": %d, \"pdl\": %d, \"min_tiles\": %d, \"splits\": %d, \"copies\": %d, "
                         "\"us_per_call\": %.3f, \"us_eager\": %.3f, \"kv_tbs\": %.4f, \"fraction_of_stream_read\": %.4f, "
+                        "\"us_read_floor\": %.3f, \"fraction_of_read_floor\": %.4f, \"round\": %d, "
                         "\"check_rel_l2\": %.3g, \"kernel\": \"%s\", \"error\": \"%s\"}",
                         first ? "" : ",", layout.c_str(), (long long)batch, (long long)cache, (long long)s.kv_bytes(),
                         k.runner.c_str(), k.splits, k.pdl, k.min_tiles, r.splits, r.copies, r.us_graph, r.us_eager,
-                        r.kv_tbs, r.kv_tbs / stream_tbs, r.check, r.kernel.c_str(), json_safe(r.error).c_str());
+                        r.kv_tbs, r.kv_tbs / stream_tbs, r.us_read_floor, vs_floor, round, r.check, r.kernel.c_str(),
+                        json_safe(r.error).c_str());
           json += std::string(first ? "" : "\n") + line;
           first = false;
         }
       }
-  }
   json += "\n ]\n}\n";
   if (!json_path.empty()) {
     FILE* f = std::fopen(json_path.c_str(), "w");

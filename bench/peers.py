@@ -4,6 +4,7 @@ torch SDPA backends (flash = FlashAttention-2, cuDNN, memory-efficient), forward
 and a bf16 GEMM 8192^3 (the matrix ceiling of the same run). Writes JSON.
 
   python3 bench/peers.py --json peers.json [--dtypes bf16] [--dims 64,128,256] [--seqlens 512,...]
+                        [--causal 0,1] [--backends flash,cudnn,efficient] [--no-backward]
   python3 bench/peers.py --memory --json memory.json
     peak device memory (torch.cuda.max_memory_allocated, inputs and gradients included) of forward +
     backward against S = 1k..128k (B = 1, H = 16, D = 128, bf16) for the math path (materialised scores)
@@ -91,6 +92,7 @@ def main():
     parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     parser.add_argument("--causal", default="0,1")
     parser.add_argument("--no-backward", action="store_true")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="SDPA backends to time (flash, cudnn, efficient)")
     parser.add_argument("--memory", action="store_true", help="the peak-memory sweep instead of timing")
     args = parser.parse_args()
     if args.memory:
@@ -113,7 +115,8 @@ def main():
                     dout = torch.randn(b, h, s, d, device="cuda", dtype=dtype)
                     flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
                     point = {"dtype": dtype_name, "D": d, "S": s, "B": b, "H": h, "causal": bool(causal)}
-                    for name, backend in BACKENDS.items():
+                    for name in args.backends.split(","):
+                        backend = BACKENDS[name]
                         try:
                             with sdpa_kernel(backend):
                                 fwd = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
