@@ -295,6 +295,12 @@ const Variant kVariants[] = {
     // tile (H200, 15:25 UTC, bf16, B 1-256 x 1k-32k): 0.75-0.97x at 1k caches of B <= 64, about equal at 8k-32k,
     // +2-7% at B = 256 contiguous, -1-4% paged; not taken.
     DECODE_VARIANT(16, 128, 8, 3),
+    // One CTA per SM (B <= 16 at one wave of splits): a deeper ring, or 32 keys per warp (two S chains per warp).
+    // H200, 17:28 UTC: within +-3% of the library's tile at B = 1 / 8k-128k and B = 4 / 8k-32k, +11% only at
+    // B = 16 / 1k contiguous (m16n128w4s3), -3% to -10% at B = 64 / 1k; not taken (docs/PERFORMANCE.md).
+    DECODE_VARIANT(16, 64, 4, 4),   // 132 KiB [1]
+    DECODE_VARIANT(16, 128, 4, 2),  // 132 KiB [1], 32 keys per warp
+    DECODE_VARIANT(16, 128, 4, 3),  // 196 KiB [1], 32 keys per warp
     // FP8 cache (--kv fp8): smem = 16 * 256 + 2 stages N * 128 bytes
     DECODE_VARIANT_FP8(16, 64, 4, 4),   //  68 KiB
     DECODE_VARIANT_FP8(16, 64, 4, 3),   //  52 KiB
@@ -706,6 +712,7 @@ int main(int argc, char** argv) {
         const Shape s{batch, cache, heads_q, heads_k, dim, page, layout != "contiguous", layout == "paged-seq", dtype, fp8_cache};
         std::vector<std::pair<Knobs, Result>> results;
         if (double(s.kv_bytes()) > budget_gib * double(int64_t(1) << 30)) {
+          if (round > 0) continue;  // listed once
           Result r;
           r.error = "skipped: K/V " + std::to_string(s.kv_bytes() >> 30) + " GiB > --budget-gib";
           for (const Knobs& k : configs) results.emplace_back(k, r);

@@ -23,7 +23,10 @@
 #   FA_SANITIZE_TESTS  gtest filter run under compute-sanitizer memcheck
 #   FA_RACECHECK_TESTS gtest filter run under compute-sanitizer racecheck
 #   FA_MEMORY=1        the peak-memory sweep (ours: flashattn_cuda_bench --memory; torch: peers.py --memory)
-#   FA_DECODE=1        the decode benchmark (flashattn_decode_bench; FA_DECODE_ARGS) beside torch's decode
+#   FA_DECODE=1        the decode benchmark (flashattn_decode_bench; FA_DECODE_ARGS) beside torch's decode;
+#                      FA_DECODE_ROUNDS=N (default 3): per point, the layouts N times back to back (medians)
+#   FA_ROUNDS=N        ours against FlashAttention-2 in N alternating rounds (bench/rounds.py: medians and
+#                      ranges of the ratios; FA_ROUNDS_ARGS, default D = 128 / 256 in bf16 and fp16)
 #   FA_TUNING=1        the tile-tuning harnesses when BUILD_DIR has them (-DFLASHATTN_BUILD_TUNING=ON):
 #                      bench/flashattn_forward_tiles, bench/flashattn_backward_tiles (FA_TUNING_ARGS)
 #   FA_PYTHON=1        build the Python package here (pip, no network: CUDA for sm_90a, OpenBLAS from
@@ -123,12 +126,19 @@ if [[ "${FA_DECODE:-0}" == "1" ]]; then
   # K/V bytes read per second beside a streaming read of the same run, and torch SDPA decode (cuDNN, FA2).
   decode_args=(${FA_DECODE_ARGS:---batches 1,16,256 --caches 4096,32768,131072})
   note "== decode (${decode_args[*]})"
-  timeout 200 "$build/bench/flashattn_decode_bench" --json "$work/decode_ours.json" "${decode_args[@]}" \
-      > "$work/decode_bench.log" 2>&1
-  tail -25 "$work/decode_bench.log" | tee -a "$summary"
+  timeout 400 "$build/bench/flashattn_decode_bench" --json "$work/decode_ours.json" "${decode_args[@]}" \
+      --rounds "${FA_DECODE_ROUNDS:-3}" > "$work/decode_bench.log" 2>&1
+  head -5 "$work/decode_bench.log" | tee -a "$summary"  # the table below has the points (medians of the rounds)
   PYTHONUNBUFFERED=1 timeout 150 python3 "$here/bench/peers_decode.py" --json "$work/decode_peers.json" "${decode_args[@]}" \
       > "$work/decode_peers.log" 2>&1 || tail -5 "$work/decode_peers.log"
   python3 "$here/bench/compare_decode.py" "$work/decode_ours.json" "$work/decode_peers.json" 2>&1 | tee -a "$summary"
+fi
+if [[ -n "${FA_ROUNDS:-}" ]]; then
+  note "== ours / FlashAttention-2 in $FA_ROUNDS alternating rounds"
+  mkdir -p "$work/rounds"
+  PYTHONUNBUFFERED=1 timeout 500 python3 "$here/bench/rounds.py" --bench "$build/bench/flashattn_cuda_bench" \
+      --out "$work/rounds" --rounds "$FA_ROUNDS" ${FA_ROUNDS_ARGS:---dtypes bf16,f16 --dims 128,256} 2>&1 \
+      | grep -v "^round " | tee -a "$summary"
 fi
 if [[ "${FA_TUNING:-0}" == "1" ]]; then
   for harness in forward_tiles backward_tiles; do
