@@ -77,102 +77,81 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
 }
 
 // ---- combine: one CTA per (m-block, K/V head, sequence) ----
-// Latency-bound at small batch (a few rows, a few dozen splits): the work is arranged so that every memory
-// access is in as few dependent rounds as possible. Phase 1, one warp per row: the lanes read the split
-// LSEs (one round), reduce their max and weight sum. Phase 2, one thread per (row, 4 columns): the partials of
-// kCombineUnroll splits are loaded at once (independent loads; the LSEs again, now from L1) and summed in
-// split order, so the result is the same on every run.
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-constexpr int kCombineUnroll = 16;     // partial loads in flight per thread (affects speed and registers only)
-constexpr int kCombineMaxRows = 64;    // packed rows per m-block held in shared memory (>= every DECODE_TILES block_m)
+// Latency-bound at small batch (a few rows, a few dozen splits): every memory access is in as few dependent
+// rounds as possible. cache_seqlens is read before the wait for the attention kernel (it is an input of the
+// call, complete before that kernel let this one launch), so its latency overlaps that kernel's tail. Then one
+// round: one thread per (row, 4 columns) loads the LSEs and partials of kCombineUnroll splits at once and merges
+// them with a running maximum (the sums rescaled when a later batch of splits has a larger LSE), in split
+// order, so the result is the same on every run. (Two rounds before, 2026-11-30: the row's LSEs reduced by a
+// warp, a barrier, then the partials.)
+constexpr int kCombineUnroll = 16;  // splits loaded at once per thread (affects speed and registers only)
 
 template <typename Element>
 __global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const __grid_constant__ DecodeArgs args) {
   const KvcacheParams& p = args.p;
   const int m_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
-  // Programmatic dependent launch (sm_90): this CTA may be resident before the attention kernel ends;
-  // its partials are complete and visible only after the wait.
+  // Programmatic dependent launch (sm_90): this CTA may be resident before the attention kernel ends. That
+  // kernel let it launch only after its own wait for the call's producers (of q, the caches, cache_seqlens), so
+  // cache_seqlens is readable now; the partials are complete and visible only after the wait.
+  const int cached = p.cache_seqlens[b];
   wait_for_previous_grids();
   allow_next_grid_launch();
-  const int cached = p.cache_seqlens[b];
   if (!cache_length_ok(cached, p.seqlen_new, p.seqlen_k)) return;  // the attention kernel wrote NaN directly
   const BlockRows rows = block_rows(args, m_block, cached + p.seqlen_new);
   const int used = split_work(rows.key_begin, rows.key_end, args.block_n, args.num_splits, args.min_tiles_per_split, 0).used;
   if (used < 2) return;  // written directly by the attention kernel
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t split_stride = int64_t(p.batch) * p.heads_q * p.seqlen_q;  // partial rows per split
   const int dv = p.head_dim_v;
   Element* out = static_cast<Element*>(p.out);
-  __shared__ float lse_max_smem[kCombineMaxRows], inv_sum_smem[kCombineMaxRows];
 
-  // ---- phase 1: per row, the largest split LSE (weights exp(lse_s - max) <= 1: no overflow) and the weight
-  // sum; NaN from a split that met a bad block id; no split saw a key: out = 0, lse = -inf (never NaN) ----
-  for (int row = warp; row < rows.rows; row += kCombineWarps) {
-    const int r = rows.row_begin + row;
-    const int i = r / args.group, h = hk * args.group + r % args.group;
-    const int64_t prow = partial_row(p, b, h, i);
-    float lse_max = -INFINITY;
-    bool any_nan = false;
-    for (int s = lane; s < used; s += 32) {
-      const float lse = args.partial_lse[s * split_stride + prow];
-      any_nan = any_nan || isnan(lse);
-      lse_max = fmaxf(lse_max, lse);
-    }
-    lse_max = warp_max(lse_max);
-    any_nan = __any_sync(0xffffffffu, any_nan);
-    float weight_sum = 0.f;
-    if (lse_max != -INFINITY)
-      for (int s = lane; s < used; s += 32) weight_sum += expf(args.partial_lse[s * split_stride + prow] - lse_max);
-    weight_sum = warp_sum(weight_sum);
-    const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
-    if (lane == 0) {
-      lse_max_smem[row] = lse_max;
-      inv_sum_smem[row] = any_nan ? NAN : inv;  // NaN poisons the whole row in phase 2
-      const float lse = any_nan ? NAN : (weight_sum > 0.f ? lse_max + logf(weight_sum) : -INFINITY);
-      if (p.lse != nullptr) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] = lse;
-    }
-  }
-  __syncthreads();
-
-  // ---- phase 2: out = sum_s exp(lse_s - max) out_s / sum, 4 columns per thread ----
+  // out = sum_s exp(lse_s - max) out_s / sum_s exp(lse_s - max), lse = max + log(sum); max over the splits
+  // (weights <= 1: no overflow). NaN from a split that met a bad block id poisons the row; no split saw a
+  // key: out = 0, lse = -inf (never NaN).
   const int quads = dv / 4;  // Dv % 8 == 0
   for (int idx = threadIdx.x; idx < rows.rows * quads; idx += 32 * kCombineWarps) {
     const int row = idx / quads, col = (idx % quads) * 4;
     const int r = rows.row_begin + row;
     const int i = r / args.group, h = hk * args.group + r % args.group;
     const int64_t prow = partial_row(p, b, h, i);
-    const float lse_max = lse_max_smem[row], inv = inv_sum_smem[row];
+    float lse_max = -INFINITY, weight_sum = 0.f;
+    bool any_nan = false;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (lse_max != -INFINITY) {
-      for (int s0 = 0; s0 < used; s0 += kCombineUnroll) {
-        float weight[kCombineUnroll];
-        float4 part[kCombineUnroll];
+    for (int s0 = 0; s0 < used; s0 += kCombineUnroll) {
+      float lse[kCombineUnroll];
+      float4 part[kCombineUnroll];
 #pragma unroll
-        for (int u = 0; u < kCombineUnroll; ++u) {  // all loads first: one round of memory latency
-          const int s = s0 + u;
-          weight[u] = s < used ? args.partial_lse[s * split_stride + prow] : -INFINITY;
-          part[u] = s < used ? *reinterpret_cast<const float4*>(args.partial_out + (s * split_stride + prow) * dv + col)
-                             : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-        for (int u = 0; u < kCombineUnroll; ++u) {  // in split order; weight 0 for a split whose keys this row does not see
-          const float w = expf(weight[u] - lse_max);
-          acc.x += w * part[u].x, acc.y += w * part[u].y, acc.z += w * part[u].z, acc.w += w * part[u].w;
-        }
+      for (int u = 0; u < kCombineUnroll; ++u) {  // all loads first: one round of memory latency
+        const int s = s0 + u;
+        lse[u] = s < used ? args.partial_lse[s * split_stride + prow] : -INFINITY;
+        part[u] = s < used ? *reinterpret_cast<const float4*>(args.partial_out + (s * split_stride + prow) * dv + col)
+                           : make_float4(0.f, 0.f, 0.f, 0.f);
       }
+      float batch_max = -INFINITY;
+#pragma unroll
+      for (int u = 0; u < kCombineUnroll; ++u) {
+        any_nan = any_nan || isnan(lse[u]);
+        batch_max = fmaxf(batch_max, lse[u]);  // fmaxf skips NaN
+      }
+      const float new_max = fmaxf(lse_max, batch_max);
+      if (new_max == -INFINITY) continue;  // no split so far saw a key of this row
+      const float rescale = expf(lse_max - new_max);  // 0 when lse_max = -inf (nothing summed yet)
+      weight_sum *= rescale;
+      acc.x *= rescale, acc.y *= rescale, acc.z *= rescale, acc.w *= rescale;
+#pragma unroll
+      for (int u = 0; u < kCombineUnroll; ++u) {  // in split order; weight 0 for a split that saw no key of the row
+        const float w = expf(lse[u] - new_max);
+        weight_sum += w;
+        acc.x += w * part[u].x, acc.y += w * part[u].y, acc.z += w * part[u].z, acc.w += w * part[u].w;
+      }
+      lse_max = new_max;
     }
+    const float inv = any_nan ? NAN : (weight_sum > 0.f ? 1.f / weight_sum : 0.f);
     Element* out_row = out + b * p.out_batch_stride + int64_t(i) * p.out_row_stride + h * p.out_head_stride + col;
     const uint2 packed = make_uint2(ElementTraits<Element>::pack(acc.x * inv, acc.y * inv), ElementTraits<Element>::pack(acc.z * inv, acc.w * inv));
     *reinterpret_cast<uint2*>(out_row) = packed;  // 8-byte aligned: 16-byte aligned rows, col % 4 == 0
+    if (col == 0 && p.lse != nullptr)
+      p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] =
+          any_nan ? NAN : (weight_sum > 0.f ? lse_max + logf(weight_sum) : -INFINITY);
   }
 }
 
@@ -224,7 +203,6 @@ Status launch_append(const DecodeArgs& args, void* stream) {
 
 Status launch_combine(const DecodeArgs& args, void* stream) {
   if (args.num_splits < 2 || args.m_blocks == 0 || args.p.batch == 0) return Status();
-  if (args.block_m > kCombineMaxRows) return error(FA_ERROR_INTERNAL, "combine: block_m %d > %d", args.block_m, kCombineMaxRows);
   const auto s = static_cast<cudaStream_t>(stream);
   return args.p.dtype == FA_BFLOAT16 ? launch_combine_typed<__nv_bfloat16>(args, s) : launch_combine_typed<__half>(args, s);
 }
