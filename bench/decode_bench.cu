@@ -296,7 +296,7 @@ const Variant kVariants[] = {
     // +2-7% at B = 256 contiguous, -1-4% paged; not taken.
     DECODE_VARIANT(16, 128, 8, 3),
     // One CTA per SM (B <= 16 at one wave of splits): a deeper ring, or 32 keys per warp (two S chains per warp).
-    // H200, 17:28 UTC: within +-3% of the library's tile at B = 1 / 8k-128k and B = 4 / 8k-32k, +11% only at
+    // H200, 17:29 UTC: within +-3% of the library's tile at B = 1 / 8k-128k and B = 4 / 8k-32k, +11% only at
     // B = 16 / 1k contiguous (m16n128w4s3), -3% to -10% at B = 64 / 1k; not taken (docs/PERFORMANCE.md).
     DECODE_VARIANT(16, 64, 4, 4),   // 132 KiB [1]
     DECODE_VARIANT(16, 128, 4, 2),  // 132 KiB [1], 32 keys per warp
