@@ -206,9 +206,10 @@ TEST(CudaKvcachePlan, ClusterMergeRule) {
   // Two splits, or short splits (a few tiles of the capacity; fewer in clusters above 8) merge in clusters
   // (sm_90); long splits in big clusters, one split and more than kMaxClusterSplits splits do not.
   EXPECT_TRUE(decode::wants_cluster_merge(16, 1024, 64));    // 1 tile per split
-  EXPECT_TRUE(decode::wants_cluster_merge(16, 4096, 64));    // 4 tiles
-  EXPECT_FALSE(decode::wants_cluster_merge(16, 8192, 64));   // 8 tiles in a cluster of 16
-  EXPECT_TRUE(decode::wants_cluster_merge(8, 8192, 64));     // 16 tiles in a cluster of 8
+  EXPECT_TRUE(decode::wants_cluster_merge(16, 2048, 64));    // 2 tiles
+  EXPECT_FALSE(decode::wants_cluster_merge(16, 4096, 64));   // 4 tiles in a cluster of 16
+  EXPECT_TRUE(decode::wants_cluster_merge(8, 4096, 64));     // 8 tiles in a cluster of 8
+  EXPECT_FALSE(decode::wants_cluster_merge(8, 8192, 64));    // 16 tiles
   EXPECT_FALSE(decode::wants_cluster_merge(4, 8192, 64));    // 32 tiles
   EXPECT_FALSE(decode::wants_cluster_merge(16, 131072, 64));
   EXPECT_TRUE(decode::wants_cluster_merge(2, 131072, 64));   // two splits at any length

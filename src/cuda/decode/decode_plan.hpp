@@ -70,10 +70,15 @@ constexpr bool kProgrammaticLaunch = true; // sm_90+: launch the decode kernels 
 // (paged -4%); 16 splits of 32+ tiles -4-12% contiguous; paged, 4-16 splits at 32k-128k, -19-29%. Again with
 // the kernels of 15:32 UTC (15:53 UTC, best of two runs, kClusterMergeMaxTiles16 = 16 against 4): B = 1, 16
 // splits of 8 / 16 tiles (8k / 16k): contiguous -3.2% / -3.5%, paged -0.8% / +0.3%: still the combine kernel.
+// With the one-round combine kernel (decode_aux.cu; H200, 18:39 UTC, two runs each, both layouts, clusters against
+// no clusters at all): clusters still lead with 2 splits (+1-10%) and with splits of 2-4 tiles at 1k caches
+// (B = 1-4: +3-12%); the combine now leads at 16 splits of 4 tiles (B = 1, 4k: +9%) and 8 splits of 16 tiles
+// (B = 2, 8k: +6.4-6.8%); 8 x 8 and 4 x 16 tiles are even (-1.6% to +1.1%). Hence 8 and 2 tiles below (were 16, 4);
+// raw: bench/results/2026-11-30-1839-h200-decode-clusters-*.json.
 constexpr bool kClusterMerge = true;
 constexpr int kMaxClusterSplits = 16;
-constexpr int64_t kClusterMergeMaxTiles = 16;      // tiles of the capacity per split, clusters of up to 8
-constexpr int64_t kClusterMergeMaxTiles16 = 4;     // ... of 9 to kMaxClusterSplits CTAs
+constexpr int64_t kClusterMergeMaxTiles = 8;       // tiles of the capacity per split, clusters of up to 8
+constexpr int64_t kClusterMergeMaxTiles16 = 2;     // ... of 9 to kMaxClusterSplits CTAs
 
 // Whether the splits of a call merge inside thread-block clusters (where the device has them and they fit):
 // 2 splits at any length; up to 8 splits of at most kClusterMergeMaxTiles key tiles of the capacity; up to
