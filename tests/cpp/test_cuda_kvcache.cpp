@@ -448,6 +448,32 @@ void check_case(const std::string& what, const KvCase& c, fa_backend backend = F
   expect_matches(what, c, t, e, stats.kernel);
 }
 
+// Inputs whose scores rise along the cache: q = 0.1 in every element, and key j of every K/V head gets
+// 0.1 * 177 * j / capacity added to each element (its random part scaled by 1/4). q.k then grows by about
+// 1.28 * 177 / sqrt(128) = 20 (natural-log units, after the softmax scale) from the first key to the last, so each
+// later split's LSE is far above the earlier ones': the combine's running maximum (decode_aux.cu) must rescale
+// what it summed of the earlier batches of splits, or the result is off by orders of magnitude.
+KvTensors rising_scores_kv(const KvCase& c, std::mt19937_64& rng) {
+  KvTensors t = make_kv(c, rng);
+  for (int64_t n = 0; n < int64_t(c.batch) * c.seqlen_q * c.heads_q * c.head_dim; ++n) t.q.set(n, 0.1);
+  for (int b = 0; b < c.batch; ++b)
+    for (int j = 0; j < c.capacity; ++j)
+      for (int hk = 0; hk < c.heads_k; ++hk)
+        for (int x = 0; x < c.head_dim; ++x) {
+          const int64_t at = ((int64_t(b) * c.capacity + j) * c.heads_k + hk) * c.head_dim + x;
+          t.k_cache.set(at, 0.25 * t.k_cache.get(at) + 0.1 * 177.0 * j / c.capacity);
+        }
+  return t;
+}
+
+KvCase rising_scores_case() {
+  KvCase c;  // contiguous, 8 query heads, 2 K/V heads, D = 128
+  c.batch = 1;
+  c.capacity = 4096;
+  c.cached = {4096};
+  return c;
+}
+
 // The oracle machinery of this file, checked where no GPU is needed: it accepts the CPU flash backend's
 // results on the kinds of case the GPU tests use, and rejects a result with one row off, or a cache append
 // off by one bit.
@@ -484,6 +510,17 @@ TEST(CudaKvcacheHarness, JudgesTheCpuFlashBackend) {
   fp8_options.cache_row_pad = 32;
   fp8_options.dtype = FA_FLOAT16;
   for (const KvCase& c : {rotary, split, options, empty, fp8, fp8_options}) check_case("harness", c, FA_BACKEND_CPU_FLASH);
+  {  // the inputs and oracle of CudaKvcache.SplitMergeRescalesAcrossSplitBatches
+    KvCase c = rising_scores_case();
+    c.num_splits = 33;
+    auto rng = fa_test::make_rng("rising scores");
+    const KvTensors pristine = rising_scores_kv(c, rng);
+    const Expected e = expected_for(c, pristine);
+    EXPECT_GT(e.lse64[size_t(c.heads_q - 1)], 10.0);
+    KvTensors t = pristine;
+    ASSERT_TRUE(run_host(FA_BACKEND_CPU_FLASH, c, t).ok());
+    EXPECT_TRUE(judge("cpu_flash, rising scores, 33 splits", c, t, e));
+  }
 
   auto rng = fa_test::make_rng("harness negative");
   const KvTensors pristine = make_kv(rotary, rng);
@@ -705,6 +742,25 @@ void check_every_split_count(const KvCase& base, const std::string& tag) {
       // Only the fp32 summation order differs: the outputs agree to about one 16-bit rounding step.
       EXPECT_LE(fa_test::compare(t.out, out1).rel_l2, 8e-3) << splits << " splits vs 1";
     }
+  }
+}
+
+// 17 to 64 splits: one to four batches of the combine's 16 (16 splits of 4 tiles take the combine kernel too,
+// not a cluster: decode_plan.hpp).
+TEST(CudaKvcache, SplitMergeRescalesAcrossSplitBatches) {
+  SKIP_WITHOUT_GPU();
+  const KvCase c = rising_scores_case();
+  auto rng = fa_test::make_rng("rising scores");
+  const KvTensors pristine = rising_scores_kv(c, rng);
+  const Expected e = expected_for(c, pristine);
+  ASSERT_GT(e.lse64[size_t(c.heads_q - 1)], 10.0) << "the inputs should make the last keys dominate";
+  for (const int splits : {16, 17, 33, 64}) {
+    KvCase sc = c;
+    sc.num_splits = splits;
+    KvTensors t = pristine;
+    fa_stats stats{};
+    ASSERT_TRUE(run_gpu(sc, t, &stats).ok()) << splits;
+    expect_matches("rising scores, " + std::to_string(splits) + " splits", sc, t, e, stats.kernel);
   }
 }
 
