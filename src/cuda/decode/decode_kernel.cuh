@@ -166,10 +166,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // Split 0's first batch of block ids (see the paged block ids below) does not depend on the sequence's length:
   // its tiles start at tile 0 (unless a window moves them), so it is read beside cache_seqlens instead of one
   // dependent round trip after it. Bounded by the capacity, which the table row covers.
-  constexpr int kIdSlots = kBlockN / 16;  // 16-row slots of a tile
+  constexpr int kSlots = kBlockN / 16;  // 16-row slots of a tile (one block id each; see the paged block ids below)
   int32_t split0_ids = 0;
   if (kPaged && args.page_shift >= 4 && split == 0) {
-    const int j = (lane / kIdSlots) * kBlockN + (lane % kIdSlots) * 16;
+    const int j = (lane / kSlots) * kBlockN + (lane % kSlots) * 16;
     if (j < p.seqlen_k) split0_ids = p.block_table[b * p.block_table_batch_stride + (j >> args.page_shift)];
   }
   const int cached = p.cache_seqlens[b];
@@ -402,7 +402,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // of tile l / kSlots of the batch), read a whole batch ahead, so the table's latency (a DRAM round trip
   // under full load, ~1-2 us) never delays a tile's copies; each thread picks its slot's id with a shuffle.
   // Other block sizes look up every row's id one tile ahead (per_row_ids).
-  constexpr int kSlots = kIdSlots;
   constexpr int kTilesPerIdBatch = 32 / kSlots;
   static_assert(kBlockN % 16 == 0 && 32 % kSlots == 0, "16-row id slots, a whole number of tiles per warp register");
   const bool slot_ids = kPaged && args.page_shift >= 4;
