@@ -38,7 +38,7 @@ int main_kernel_ctas_per_sm() {
   using T = flashattn::cuda::sm80::bwd::BackwardTraits<Config>;
   int blocks = 0;
   CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &blocks, flashattn::cuda::sm80::bwd::backward_main_kernel<Config>, T::kThreads, T::kSmemBytes));
+      &blocks, flashattn::cuda::sm80::bwd::backward_main_kernel<Config, false>, T::kThreads, T::kSmemBytes));
   return blocks;
 }
 

@@ -73,7 +73,14 @@ Status backward_workspace_size(const BackwardParams& p, int64_t* bytes) {
   FA_RETURN_IF_ERROR(select(KernelKind::kBackward, p, &index));
   // O(S): fp32 dQ accumulator + row statistics (+ semaphores when deterministic); src/cuda/sm80/backward_plan.hpp.
   const KernelEntry& entry = kernel_entry(index);
-  *bytes = sm80::backward_workspace_layout(p, entry.head_dim, entry.block_m).total_bytes;
+  // + the tail split's dK / dV accumulators where it may run (their size depends on the SM count)
+  int sm_count = 0;
+  int64_t tail_capacity = 0;
+  if (sm80::backward_tail_eligible(p)) {
+    FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, p.device_id));
+    tail_capacity = sm80::backward_tail_capacity(p, entry.block_n, sm_count);
+  }
+  *bytes = sm80::backward_workspace_layout(p, entry.head_dim, entry.block_m, entry.block_n, tail_capacity).total_bytes;
   return Status();
 }
 

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/mask.hpp"
@@ -126,6 +127,87 @@ TEST(CudaBackwardPlan, WorkspaceIsLinearInSequenceLength) {
   EXPECT_EQ(w.semaphore_bytes, int64_t(2) * 8 * (8192 / 64) * 4);
   p.deterministic = false;
   EXPECT_EQ(sm80::backward_workspace_layout(p, 128, 64).semaphore_bytes, 0);
+}
+
+// The tail split (backward_plan.hpp): when it runs, and that its CTAs' equal ranges cover the tail's
+// iterations exactly once, each a whole number of iterations >= 1.
+TEST(CudaBackwardPlan, TailSplitCoversTheLastWaveExactlyOnce) {
+  flashattn::BackwardParams p{};
+  p.batch = 1;
+  p.heads_q = p.heads_k = 16;
+  p.head_dim = p.head_dim_v = 128;
+  p.seqlen_q = p.seqlen_k = 16384;
+  p.window_left = p.window_right = -1;
+  // D = 128 on 132 SMs, one CTA each: 2048 units = 15 waves + 68
+  ASSERT_TRUE(sm80::backward_tail_eligible(p));
+  const int64_t capacity = sm80::backward_tail_capacity(p, 128, 132);
+  EXPECT_EQ(capacity, 264);
+  sm80::BackwardTail t = sm80::plan_backward_tail(p, 2048, 132, capacity, 64);
+  EXPECT_EQ(t.dp_units, 1980);
+  EXPECT_EQ(t.tail_units, 68);
+  EXPECT_EQ(t.ctas, 132);
+  EXPECT_EQ(t.unit_iterations, 256);
+  // the kernel's ranges [c * pieces / ctas, (c + 1) * pieces / ctas)
+  auto check_ranges = [](const sm80::BackwardTail& tail) {
+    const int64_t pieces = tail.tail_units * tail.unit_iterations;
+    int64_t next = 0;
+    for (int64_t c = 0; c < tail.ctas; ++c) {
+      const int64_t g = c * pieces / tail.ctas, g_end = (c + 1) * pieces / tail.ctas;
+      EXPECT_EQ(g, next);
+      EXPECT_GE(g_end - g, 1) << "a tail CTA without work";
+      EXPECT_LE(g_end - g, (pieces + tail.ctas - 1) / tail.ctas);
+      next = g_end;
+    }
+    EXPECT_EQ(next, pieces);
+  };
+  check_ranges(t);
+  // GQA (8 query heads per K/V head): iterations = group x query tiles
+  p.heads_k = 2;
+  t = sm80::plan_backward_tail(p, 2048, 132, capacity, 64);
+  EXPECT_EQ(t.unit_iterations, 8 * 256);
+  p.heads_k = 16;
+  // a problem smaller than one wave: every unit in pieces
+  t = sm80::plan_backward_tail(p, 3, 132, 3, 128);
+  EXPECT_EQ(t.dp_units, 0);
+  EXPECT_EQ(t.tail_units, 3);
+  EXPECT_EQ(t.ctas, 132);
+  check_ranges(t);
+  p.seqlen_q = sm80::kTailMinUnitIterations * 64;  // the fewest iterations per unit that split
+  t = sm80::plan_backward_tail(p, 1, 132, 1, 64);
+  EXPECT_EQ(t.tail_units, 1);
+  EXPECT_EQ(t.ctas, sm80::kTailMinUnitIterations);  // never more CTAs than iterations
+  check_ranges(t);
+  p.seqlen_q -= 64;  // one query tile fewer: not split
+  EXPECT_EQ(sm80::plan_backward_tail(p, 1, 132, 1, 64).tail_units, 0);
+  p.seqlen_q = 16384;
+  // whole waves, a nearly full last wave, or a tail beyond the workspace's capacity: no split
+  EXPECT_EQ(sm80::plan_backward_tail(p, 264, 132, capacity, 64).tail_units, 0);
+  EXPECT_EQ(sm80::plan_backward_tail(p, 130, 132, capacity, 64).tail_units, 0);
+  EXPECT_EQ(sm80::plan_backward_tail(p, 1000, 600, capacity, 64).tail_units, 0);  // rem 400 > 264
+  // not eligible: deterministic, causal or windowed, dropout, varlen, seqused_k
+  const int32_t lengths[2] = {0, 16384};
+  for (int which = 0; which < 6; ++which) {
+    flashattn::BackwardParams q = p;
+    if (which == 0) q.deterministic = true;
+    if (which == 1) q.window_right = 0;
+    if (which == 2) q.window_left = 100;
+    if (which == 3) q.dropout_p = 0.1f;
+    if (which == 4) q.cu_seqlens_q = q.cu_seqlens_k = lengths;
+    if (which == 5) q.seqused_k = lengths;
+    EXPECT_FALSE(sm80::backward_tail_eligible(q)) << which;
+    EXPECT_EQ(sm80::backward_tail_capacity(q, 128, 132), 0) << which;
+    EXPECT_EQ(sm80::plan_backward_tail(q, 2048, 132, capacity, 64).tail_units, 0) << which;
+  }
+  // the workspace: dkv_accum after the other regions, aligned, capacity x (dK + dV) x block_n x D floats
+  const sm80::BackwardWorkspaceLayout plain = sm80::backward_workspace_layout(p, 128, 64);
+  const sm80::BackwardWorkspaceLayout w = sm80::backward_workspace_layout(p, 128, 64, 128, capacity);
+  EXPECT_EQ(plain.dkv_accum_bytes, 0);
+  EXPECT_EQ(w.dkv_accum_offset % sm80::kBackwardRegionAlign, 0);
+  EXPECT_GE(w.dkv_accum_offset, w.semaphore_offset + w.semaphore_bytes);
+  EXPECT_EQ(w.dkv_accum_bytes, capacity * 2 * 128 * 128 * 4);
+  EXPECT_EQ(w.total_bytes, w.dkv_accum_offset + w.dkv_accum_bytes);
+  EXPECT_EQ(w.dq_accum_offset, plain.dq_accum_offset);
+  EXPECT_EQ(w.dsum_offset, plain.dsum_offset);
 }
 
 #if defined(FLASHATTN_WITH_CUDA)
@@ -347,6 +429,60 @@ TEST(CudaBackward, OddSizes) {
       c.options.causal = causal;
       check_against_oracle("Sq=" + std::to_string(s[0]) + " Sk=" + std::to_string(s[1]) + (causal ? " causal" : ""), c);
     }
+}
+
+// Shapes whose last wave goes through the tail split on this GPU (backward_plan.hpp): whole units on most
+// CTAs, then units done in pieces by CTAs whose ranges cross unit boundaries (dK / dV summed in float32 by
+// atomics, written by the tail kernel). Partial key and query tiles, GQA. Against the oracle, and against
+// deterministic mode (whole units only) within float32 summation-order noise.
+TEST(CudaBackward, TailSplitMatchesOracleAndWholeUnits) {
+  SKIP_WITHOUT_GPU();
+#if defined(FLASHATTN_WITH_CUDA)
+  auto rng = fa_test::make_rng("cuda_backward_tail");
+  int sm_count = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  struct Shape {
+    fa_test::Problem problem;
+    int block_m, block_n, ctas_per_sm;  // of the kernel that runs it (BACKWARD_TILES)
+  };
+  // D = 128: m64 n128, 1 CTA per SM; D = 64: m64 n128, 2 per SM; D = 256 (sm_90): m64 n64, 1 per SM.
+  // Units = key tiles x B x Hk: 200 or 320, more than one wave and a partial one on 100-150 SMs. Iterations
+  // per unit = (Hq / Hk) x query tiles = kTailMinUnitIterations; few keys keep the float64 oracle cheap.
+  std::vector<Shape> shapes = {{problem(2, 2048, 16, 200, 100, 128, FA_BFLOAT16), 64, 128, 1},
+                               {problem(2, 2048, 129, 160, 80, 64, FA_FLOAT16), 64, 128, 2}};  // 2 key tiles
+  int major = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  if (major >= 9) shapes.push_back({problem(2, 4096, 8, 100, 100, 256, FA_BFLOAT16), 64, 64, 1});
+  for (Shape& shape : shapes) {
+    Case c = make_case(shape.problem, rng);
+    const fa_test::Problem& pr = shape.problem;
+    const std::string what = pr.to_string();
+    // the plan for this device: the tail split runs, with more CTAs than tail units
+    flashattn::BackwardParams bp{};
+    bp.batch = pr.batch, bp.seqlen_q = pr.seqlen_q, bp.seqlen_k = pr.seqlen_k;
+    bp.heads_q = pr.heads_q, bp.heads_k = pr.heads_k, bp.head_dim = bp.head_dim_v = pr.head_dim;
+    bp.window_left = bp.window_right = -1;
+    const int64_t units = int64_t((pr.seqlen_k + shape.block_n - 1) / shape.block_n) * pr.batch * pr.heads_k;
+    const sm80::BackwardTail tail =
+        sm80::plan_backward_tail(bp, units, int64_t(sm_count) * shape.ctas_per_sm,
+                                 sm80::backward_tail_capacity(bp, shape.block_n, sm_count), shape.block_m);
+    EXPECT_GT(tail.dp_units, 0) << what;
+    EXPECT_GT(tail.tail_units, 0) << what << ": the shape should end in a partial wave on " << sm_count << " SMs";
+    check_against_oracle("tail split " + what, c);
+    const HostTensor dq = c.t.dq, dk = c.t.dk, dv = c.t.dv;
+    RunOptions whole;
+    whole.deterministic = true;
+    ASSERT_TRUE(run_gpu_backward(c, whole).ok()) << what;
+    // Both sum the same float32 terms in different orders, then round to the 16-bit type: they differ by
+    // about one rounding step (2^-8 relative for bf16) in a few elements; a lost or doubled piece of a
+    // unit would differ by O(1).
+    for (const auto& [got, ref, name] : {std::tuple{&dq, &c.t.dq, "dq"}, std::tuple{&dk, &c.t.dk, "dk"}, std::tuple{&dv, &c.t.dv, "dv"}}) {
+      const fa_test::ErrorStats e = fa_test::compare(*got, *ref);
+      EXPECT_EQ(e.nan, 0) << what << " " << name;
+      EXPECT_LT(e.rel_l2, 1e-2) << what << " " << name << ": tail split against whole units, " << e.to_string();
+    }
+  }
+#endif
 }
 
 TEST(CudaBackward, Long4097) {

@@ -28,6 +28,11 @@
 // MMA fragment notation: lane = 4 * group + quad; an m16n8 accumulator holds rows group and
 // group + 8, columns 2 * quad and 2 * quad + 1.
 //
+// Tail split (backward_plan.hpp): where every unit (key tile, sequence, K/V head) has the same length, the
+// units of the last, partial wave are not run one per CTA: a second launch (kTail) gives every CTA slot an
+// equal range of their iterations, and those units add dK / dV into a float32 accumulator that
+// backward_tail_kernel writes out. Each piece is the loop below over a sub-range of the unit's iterations.
+//
 // Interior tiles of plain attention take a short elementwise path (scale, exp2, dropout); masks,
 // softcap and ALiBi run only on tiles that need them. Deterministic mode orders the dQ additions of
 // the key tiles of each query tile by a semaphore per (b, h, query tile): same bits run to run.
@@ -67,6 +72,9 @@ struct BackwardWorkspacePointers {
   float* dsum;
   int* semaphores;           // null unless deterministic
   int64_t padded_seqlen_q;
+  float* dkv_accum;          // tail units' dK, dV (backward_plan.hpp); null when the layout has none
+  int key_tiles;             // units are (key tile, sequence, K/V head), key tile fastest
+  BackwardTail tail;         // which units run whole and which in pieces (backward_plan.hpp)
 };
 
 // Everything the kernels derive from the manifest's KernelConfig. Tiles affect speed, registers
@@ -371,8 +379,56 @@ __global__ void backward_postprocess_kernel(const BackwardParams p, const Backwa
 }
 
 // ---------------------------------------------------------------------------------------------
-// 2. Main kernel. Grid (key tiles of the longest sequence, B, Hk).
-template <class Config>
+// 4. Tail units (after the main kernel, only with a tail split): dK = softmax_scale * dK sum, dV = dV sum
+//    from dkv_accum, in the element type. Same thread layout as the postprocess: one thread per (tail
+//    unit, 16-key block, r8, 8-column block) writes keys r8 and r8 + 8 of the block's 8 columns.
+template <typename Element>
+__global__ void backward_tail_kernel(const BackwardParams p, const BackwardWorkspacePointers ws, int head_dim_accum,
+                                     int block_n) {
+  const int col_blocks = head_dim_accum / 8;
+  const int64_t item = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int cb = int(item % col_blocks);
+  const int r8 = int((item / col_blocks) % 8);
+  const int64_t rest = item / col_blocks / 8;
+  const int row_block = int(rest % (block_n / 16));
+  const int64_t tail_unit = rest / (block_n / 16);
+  if (tail_unit >= ws.tail.tail_units || cb * 8 >= p.head_dim) return;
+  const int64_t unit = ws.tail.dp_units + tail_unit;
+  const int n_tile = int(unit % ws.key_tiles);
+  const int b = int((unit / ws.key_tiles) % p.batch), hk = int(unit / ws.key_tiles / p.batch);
+  const SequenceExtent e = sequence_extent(p, b);
+#pragma unroll
+  for (int which = 0; which < 2; ++which) {  // 0: dK, 1: dV
+    const float4* acc = reinterpret_cast<const float4*>(
+        ws.dkv_accum + (tail_unit * 2 + which) * block_n * head_dim_accum +
+        dq_accum_index(row_block * 16 + r8, cb * 8, head_dim_accum));  // lane 4 r8 of the block: 4 float4 follow
+    float4 v[4];  // v[q] = (key r8: columns 2q, 2q + 1; key r8 + 8: columns 2q, 2q + 1)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) v[q] = acc[q];
+    const float s = which == 0 ? p.softmax_scale : 1.f;
+    Element* base = static_cast<Element*>(which == 0 ? p.dk : p.dv);
+    const int64_t batch_stride = which == 0 ? p.dk_batch_stride : p.dv_batch_stride;
+    const int64_t row_stride = which == 0 ? p.dk_row_stride : p.dv_row_stride;
+    const int64_t head_stride = which == 0 ? p.dk_head_stride : p.dv_head_stride;
+    const int j = n_tile * block_n + row_block * 16 + r8;
+    if (j < e.seqlen_k)
+      *reinterpret_cast<uint4*>(base + kv_offset(p, batch_stride, row_stride, head_stride, b, e, j, hk) + cb * 8) =
+          make_uint4(pack2<Element>(v[0].x * s, v[0].y * s), pack2<Element>(v[1].x * s, v[1].y * s),
+                     pack2<Element>(v[2].x * s, v[2].y * s), pack2<Element>(v[3].x * s, v[3].y * s));
+    if (j + 8 < e.seqlen_k)
+      *reinterpret_cast<uint4*>(base + kv_offset(p, batch_stride, row_stride, head_stride, b, e, j + 8, hk) + cb * 8) =
+          make_uint4(pack2<Element>(v[0].z * s, v[0].w * s), pack2<Element>(v[1].z * s, v[1].w * s),
+                     pack2<Element>(v[2].z * s, v[2].w * s), pack2<Element>(v[3].z * s, v[3].w * s));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Main kernel. kTail = false: the whole units, grid (key tiles of the longest sequence, B, Hk), one unit
+// per CTA. kTail = true (a tail split, backward_plan.hpp; kernels without dropout only): ws.tail.ctas CTAs
+// that share the iterations of the last ws.tail.tail_units units. Two instantiations, so that the
+// tail's extra index arithmetic never costs the whole-unit kernel registers (one kernel with both paths
+// spilled 24-236 bytes more, sm_90a, 2026-11-30).
+template <class Config, bool kTail>
 __global__ void __launch_bounds__(Config::kThreads, 1)
     backward_main_kernel(const BackwardParams p, const BackwardWorkspacePointers ws) {
   using T = BackwardTraits<Config>;
@@ -392,11 +448,6 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   float* lse_smem = reinterpret_cast<float*>(smem + T::kLseOffset);    // [stage][kBlockM]
   float* dsum_smem = reinterpret_cast<float*>(smem + T::kDsumOffset);  // [stage][kBlockM]
 
-  const int n_tile = blockIdx.x, b = blockIdx.y, hk = blockIdx.z;  // grid: backward_launch.cuh
-  const SequenceExtent e = sequence_extent(p, b);
-  const int j0 = n_tile * kBlockN;  // first key of the tile (sequence-relative)
-  if (j0 >= e.seqlen_k) return;     // the grid covers the longest sequence; this one is shorter
-  const int seqlen_q = e.seqlen_q, seqlen_k = e.seqlen_k;
   const int group = p.heads_q / p.heads_k;
   const int chunks_valid = p.head_dim / 8;  // 16-byte chunks of real columns; the rest zero-filled
 
@@ -417,337 +468,389 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
   const LdsmLanes<STile::kChunksPerBlockRow> s_rows(rows_lane_row, rows_lane_chunk);   // P^T / dS^T (A)
   const LdsmLanes<STile::kChunksPerBlockRow> s_cols(cols_lane_row, cols_lane_chunk);   // dS^T transposed
 
-  // ---- K and V of this tile, once (their own cp.async group, waited for with the first Q tile) ----
-  {
-    const int rows = seqlen_k - j0 < kBlockN ? seqlen_k - j0 : kBlockN;
-    const Element* k = static_cast<const Element*>(p.k) +
-                       kv_offset(p, p.k_batch_stride, p.k_row_stride, p.k_head_stride, b, e, j0, hk);
-    const Element* v = static_cast<const Element*>(p.v) +
-                       kv_offset(p, p.v_batch_stride, p.v_row_stride, p.v_head_stride, b, e, j0, hk);
-    // Rows are p.*_row_stride apart: dense or varlen (the backward takes no paged caches).
-    load_tile_async<KTile, kThreads>(k_smem, k, p.k_row_stride, rows, chunks_valid);
-    load_tile_async<KTile, kThreads>(v_smem, v, p.v_row_stride, rows, chunks_valid);
-    cp_async_commit();
-  }
+  // Iterations [it_first, it_last) of unit `unit` (it_last < 0: all of them). tail_unit >= 0: a unit of the
+  // tail split, whose dK / dV are added into dkv_accum instead of written.
+  auto run_unit = [&](const int n_tile, const int b, const int hk, const int it_first, int it_last, const int tail_unit) {
+    const SequenceExtent e = sequence_extent(p, b);
+    const int j0 = n_tile * kBlockN;  // first key of the tile (sequence-relative)
+    if (j0 >= e.seqlen_k) return;     // the grid covers the longest sequence; this one is shorter
+    const int seqlen_q = e.seqlen_q, seqlen_k = e.seqlen_k;
+    __syncthreads();  // a tail CTA's previous unit is done with every shared-memory tile
 
-  const WindowMask mask(p.window_left, p.window_right, seqlen_q, seqlen_k);
-  const TileRange m_range = query_tiles_of_key_tile(mask, seqlen_q, seqlen_k, kBlockM, kBlockN, n_tile);
-  const int tiles_per_head = m_range.end - m_range.begin;
-  const int iterations = group * tiles_per_head;  // (head of the group, query tile), head-major
-
-  // Row 0, head 0 of this sequence in q and dout (dense or varlen: rows are *_row_stride apart).
-  const Element* q_seq = static_cast<const Element*>(p.q) + q_offset(p, p.q_batch_stride, p.q_row_stride, p.q_head_stride, b, e, 0, 0);
-  const Element* dout_seq = static_cast<const Element*>(p.dout) +
-                            q_offset(p, p.dout_batch_stride, p.dout_row_stride, p.dout_head_stride, b, e, 0, 0);
-
-  // Q, dO, lse_log2, dsum of query head h, tile m into stage `stage`.
-  auto load_query_tile = [&](int h, int m, int stage) {
-    const int i0 = m * kBlockM;
-    const int rows = seqlen_q - i0 < kBlockM ? seqlen_q - i0 : kBlockM;
-    load_tile_async<QTile, kThreads>(smem_base + T::kQOffset + stage * QTile::kBytes,
-                                     q_seq + h * p.q_head_stride + i0 * p.q_row_stride, p.q_row_stride, rows, chunks_valid);
-    load_tile_async<QTile, kThreads>(smem_base + T::kDoOffset + stage * QTile::kBytes,
-                                     dout_seq + h * p.dout_head_stride + i0 * p.dout_row_stride, p.dout_row_stride, rows,
-                                     chunks_valid);
-    // lse_log2 / dsum: padded rows exist for the whole tile (backward_plan.hpp), 4 floats per copy.
-    const int64_t row0 = (int64_t(b) * p.heads_q + h) * ws.padded_seqlen_q + i0;
-    for (int c = threadIdx.x; c < 2 * kBlockM / 4; c += kThreads) {
-      const bool is_lse = c < kBlockM / 4;
-      const int r = (is_lse ? c : c - kBlockM / 4) * 4;
-      const float* src = (is_lse ? ws.lse_log2 : ws.dsum) + row0 + r;
-      float* dst = (is_lse ? lse_smem : dsum_smem) + stage * kBlockM + r;
-      cp_async_16(smem_address(dst), src, true);
+    // ---- K and V of this tile, once (their own cp.async group, waited for with the first Q tile) ----
+    {
+      const int rows = seqlen_k - j0 < kBlockN ? seqlen_k - j0 : kBlockN;
+      const Element* k = static_cast<const Element*>(p.k) +
+                         kv_offset(p, p.k_batch_stride, p.k_row_stride, p.k_head_stride, b, e, j0, hk);
+      const Element* v = static_cast<const Element*>(p.v) +
+                         kv_offset(p, p.v_batch_stride, p.v_row_stride, p.v_head_stride, b, e, j0, hk);
+      // Rows are p.*_row_stride apart: dense or varlen (the backward takes no paged caches).
+      load_tile_async<KTile, kThreads>(k_smem, k, p.k_row_stride, rows, chunks_valid);
+      load_tile_async<KTile, kThreads>(v_smem, v, p.v_row_stride, rows, chunks_valid);
+      cp_async_commit();
     }
-  };
 
-  float dk_acc[T::kKeyFrags][T::kAccFrags][4], dv_acc[T::kKeyFrags][T::kAccFrags][4];
+    const WindowMask mask(p.window_left, p.window_right, seqlen_q, seqlen_k);
+    const TileRange m_range = query_tiles_of_key_tile(mask, seqlen_q, seqlen_k, kBlockM, kBlockN, n_tile);
+    const int tiles_per_head = m_range.end - m_range.begin;
+    const int iterations = group * tiles_per_head;  // (head of the group, query tile), head-major
+    if (it_last < 0) it_last = iterations;
+
+    // Row 0, head 0 of this sequence in q and dout (dense or varlen: rows are *_row_stride apart).
+    const Element* q_seq =
+        static_cast<const Element*>(p.q) + q_offset(p, p.q_batch_stride, p.q_row_stride, p.q_head_stride, b, e, 0, 0);
+    const Element* dout_seq = static_cast<const Element*>(p.dout) +
+                              q_offset(p, p.dout_batch_stride, p.dout_row_stride, p.dout_head_stride, b, e, 0, 0);
+
+    // Q, dO, lse_log2, dsum of query head h, tile m into stage `stage`.
+    auto load_query_tile = [&](int h, int m, int stage) {
+      const int i0 = m * kBlockM;
+      const int rows = seqlen_q - i0 < kBlockM ? seqlen_q - i0 : kBlockM;
+      load_tile_async<QTile, kThreads>(smem_base + T::kQOffset + stage * QTile::kBytes,
+                                       q_seq + h * p.q_head_stride + i0 * p.q_row_stride, p.q_row_stride, rows, chunks_valid);
+      load_tile_async<QTile, kThreads>(smem_base + T::kDoOffset + stage * QTile::kBytes,
+                                       dout_seq + h * p.dout_head_stride + i0 * p.dout_row_stride, p.dout_row_stride, rows,
+                                       chunks_valid);
+      // lse_log2 / dsum: padded rows exist for the whole tile (backward_plan.hpp), 4 floats per copy.
+      const int64_t row0 = (int64_t(b) * p.heads_q + h) * ws.padded_seqlen_q + i0;
+      for (int c = threadIdx.x; c < 2 * kBlockM / 4; c += kThreads) {
+        const bool is_lse = c < kBlockM / 4;
+        const int r = (is_lse ? c : c - kBlockM / 4) * 4;
+        const float* src = (is_lse ? ws.lse_log2 : ws.dsum) + row0 + r;
+        float* dst = (is_lse ? lse_smem : dsum_smem) + stage * kBlockM + r;
+        cp_async_16(smem_address(dst), src, true);
+      }
+    };
+
+    float dk_acc[T::kKeyFrags][T::kAccFrags][4], dv_acc[T::kKeyFrags][T::kAccFrags][4];
 #pragma unroll
-  for (int kf = 0; kf < T::kKeyFrags; ++kf)
+    for (int kf = 0; kf < T::kKeyFrags; ++kf)
 #pragma unroll
-    for (int f = 0; f < T::kAccFrags; ++f)
+      for (int f = 0; f < T::kAccFrags; ++f)
 #pragma unroll
-      for (int x = 0; x < 4; ++x) dk_acc[kf][f][x] = dv_acc[kf][f][x] = 0.f;
+        for (int x = 0; x < 4; ++x) dk_acc[kf][f][x] = dv_acc[kf][f][x] = 0.f;
 
-  const float scale_log2 = p.softmax_scale * kLog2e;
-  const bool has_softcap = p.softcap > 0.f;
-  const float softcap_inv_scale = has_softcap ? p.softmax_scale / p.softcap : 0.f;  // raw q.k -> tanh argument
-  const float softcap_log2 = p.softcap * kLog2e;
-  const uint32_t dropout_threshold = T::kDropout ? dropout_threshold_u16(p.dropout_p) : 0u;
-  const float dropout_rescale = T::kDropout ? 1.f / (1.f - p.dropout_p) : 1.f;
+    const float scale_log2 = p.softmax_scale * kLog2e;
+    const bool has_softcap = p.softcap > 0.f;
+    const float softcap_inv_scale = has_softcap ? p.softmax_scale / p.softcap : 0.f;  // raw q.k -> tanh argument
+    const float softcap_log2 = p.softcap * kLog2e;
+    const uint32_t dropout_threshold = T::kDropout ? dropout_threshold_u16(p.dropout_p) : 0u;
+    const float dropout_rescale = T::kDropout ? 1.f / (1.f - p.dropout_p) : 1.f;
 
-  if (iterations > 0) load_query_tile(hk * group, m_range.begin, 0);
-  cp_async_commit();
-
-  // Iterations run over (query head h of the group, query tile m), head-major.
-  int h = hk * group, m_tile = m_range.begin;
-  for (int it = 0; it < iterations; ++it) {
-    const int stage = it % T::kStages;
-    const int i0 = m_tile * kBlockM;
-    const bool last_tile_of_head = m_tile + 1 == m_range.end;
-    const int h_next = last_tile_of_head ? h + 1 : h;
-    const int m_next = last_tile_of_head ? m_range.begin : m_tile + 1;
-    // Wait for this stage's copies (and K / V on the first pass); the barrier also tells every warp
-    // that the previous iteration is done with the other stage and with dS^T / P^T.
-    cp_async_wait<0>();
-    __syncthreads();
-    if (it + 1 < iterations) load_query_tile(h_next, m_next, (it + 1) % T::kStages);
+    // Iterations run over (query head h of the group, query tile m), head-major.
+    int h = hk * group, m_tile = m_range.begin;
+    if (it_first > 0) h += it_first / tiles_per_head, m_tile += it_first % tiles_per_head;  // tail: tiles_per_head > 0
+    const int count = it_last - it_first;  // iterations of this piece
+    if (count > 0) load_query_tile(h, m_tile, 0);
     cp_async_commit();
 
-    const uint32_t q_smem = smem_base + T::kQOffset + stage * QTile::kBytes;
-    const uint32_t do_smem = smem_base + T::kDoOffset + stage * QTile::kBytes;
-    const float* lse_tile = lse_smem + stage * kBlockM;
-    const float* dsum_tile = dsum_smem + stage * kBlockM;
+    for (int it = 0; it < count; ++it) {
+      const int stage = it % T::kStages;
+      const int i0 = m_tile * kBlockM;
+      const bool last_tile_of_head = m_tile + 1 == m_range.end;
+      const int h_next = last_tile_of_head ? h + 1 : h;
+      const int m_next = last_tile_of_head ? m_range.begin : m_tile + 1;
+      // Wait for this stage's copies (and K / V on the first pass); the barrier also tells every warp
+      // that the previous iteration is done with the other stage and with dS^T / P^T.
+      cp_async_wait<0>();
+      __syncthreads();
+      if (it + 1 < count) load_query_tile(h_next, m_next, (it + 1) % T::kStages);
+      cp_async_commit();
 
-    const int i_end = i0 + kBlockM < seqlen_q ? i0 + kBlockM : seqlen_q;
-    const int j_end = j0 + kBlockN < seqlen_k ? j0 + kBlockN : seqlen_k;
-    // Masks only on tiles that straddle a boundary: the window, or keys past the sequence (their K
-    // rows are zero-filled, which would otherwise give exp2(0 - lse) > 0).
-    const bool need_mask = j0 + kBlockN > seqlen_k || !mask.tile_fully_visible(i0, i_end, j0, j_end);
-    const float alibi_log2 = alibi_slope(p, b, h) * kLog2e;
-    // Interior tiles of plain attention take the short elementwise path (no mask, softcap, ALiBi).
-    const bool general = need_mask || has_softcap || alibi_log2 != 0.f;
-    const uint32_t dropout_bh = uint32_t(b * p.heads_q + h);
+      const uint32_t q_smem = smem_base + T::kQOffset + stage * QTile::kBytes;
+      const uint32_t do_smem = smem_base + T::kDoOffset + stage * QTile::kBytes;
+      const float* lse_tile = lse_smem + stage * kBlockM;
+      const float* dsum_tile = dsum_smem + stage * kBlockM;
 
-    // The warp's queries in kSplit passes of kSubQueries (fewer live registers; see BackwardTraits).
+      const int i_end = i0 + kBlockM < seqlen_q ? i0 + kBlockM : seqlen_q;
+      const int j_end = j0 + kBlockN < seqlen_k ? j0 + kBlockN : seqlen_k;
+      // Masks only on tiles that straddle a boundary: the window, or keys past the sequence (their K
+      // rows are zero-filled, which would otherwise give exp2(0 - lse) > 0).
+      const bool need_mask = j0 + kBlockN > seqlen_k || !mask.tile_fully_visible(i0, i_end, j0, j_end);
+      const float alibi_log2 = alibi_slope(p, b, h) * kLog2e;
+      // Interior tiles of plain attention take the short elementwise path (no mask, softcap, ALiBi).
+      const bool general = need_mask || has_softcap || alibi_log2 != 0.f;
+      const uint32_t dropout_bh = uint32_t(b * p.heads_q + h);
+
+      // The warp's queries in kSplit passes of kSubQueries (fewer live registers; see BackwardTraits).
 #pragma unroll 1
-    for (int sub = 0; sub < T::kSplit; ++sub) {
-      const int sub_q0 = query_w0 + sub * T::kSubQueries;  // first query column of this pass
+      for (int sub = 0; sub < T::kSplit; ++sub) {
+        const int sub_q0 = query_w0 + sub * T::kSubQueries;  // first query column of this pass
 
-      // ---- S^T = K Q^T and dP^T = V dO^T: kWarpKeys keys x kSubQueries queries ----
-      float s_acc[T::kKeyFrags][T::kSubFrags][4], dp_acc[T::kKeyFrags][T::kSubFrags][4];
+        // ---- S^T = K Q^T and dP^T = V dO^T: kWarpKeys keys x kSubQueries queries ----
+        float s_acc[T::kKeyFrags][T::kSubFrags][4], dp_acc[T::kKeyFrags][T::kSubFrags][4];
 #pragma unroll
-      for (int kf = 0; kf < T::kKeyFrags; ++kf)
+        for (int kf = 0; kf < T::kKeyFrags; ++kf)
 #pragma unroll
-        for (int f = 0; f < T::kSubFrags; ++f)
+          for (int f = 0; f < T::kSubFrags; ++f)
 #pragma unroll
-          for (int x = 0; x < 4; ++x) s_acc[kf][f][x] = dp_acc[kf][f][x] = 0.f;
+            for (int x = 0; x < 4; ++x) s_acc[kf][f][x] = dp_acc[kf][f][x] = 0.f;
 #pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        // A: 16 keys x 16 head columns per key block; B: Q / dO rows (queries) x the same 16 columns,
-        // each B fragment used for every key block of the warp.
-        uint32_t k_frag[T::kKeyFrags][4], v_frag[T::kKeyFrags][4];
-#pragma unroll
-        for (int kf = 0; kf < T::kKeyFrags; ++kf) {
-          const uint32_t a_offset = qk_rows.template offset<KTile>(key_w0 + 16 * kf, kk);
-          ldmatrix_x4(k_frag[kf], k_smem + a_offset);
-          ldmatrix_x4(v_frag[kf], v_smem + a_offset);
-        }
-#pragma unroll
-        for (int f = 0; f < T::kSubFrags; f += 2) {
-          const uint32_t b_offset = qk_cols.template offset<QTile>(sub_q0 + f * 8, kk);
-          uint32_t q_frag[4], do_frag[4];
-          ldmatrix_x4(q_frag, q_smem + b_offset);
-          ldmatrix_x4(do_frag, do_smem + b_offset);
+        for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+          // A: 16 keys x 16 head columns per key block; B: Q / dO rows (queries) x the same 16 columns,
+          // each B fragment used for every key block of the warp.
+          uint32_t k_frag[T::kKeyFrags][4], v_frag[T::kKeyFrags][4];
 #pragma unroll
           for (int kf = 0; kf < T::kKeyFrags; ++kf) {
-            mma_m16n8k16<Element>(s_acc[kf][f], k_frag[kf], {q_frag[0], q_frag[1]});
-            mma_m16n8k16<Element>(s_acc[kf][f + 1], k_frag[kf], {q_frag[2], q_frag[3]});
-            mma_m16n8k16<Element>(dp_acc[kf][f], v_frag[kf], {do_frag[0], do_frag[1]});
-            mma_m16n8k16<Element>(dp_acc[kf][f + 1], v_frag[kf], {do_frag[2], do_frag[3]});
+            const uint32_t a_offset = qk_rows.template offset<KTile>(key_w0 + 16 * kf, kk);
+            ldmatrix_x4(k_frag[kf], k_smem + a_offset);
+            ldmatrix_x4(v_frag[kf], v_smem + a_offset);
           }
-        }
-      }
-
-      // ---- P, dS elementwise (in place: s_acc becomes P * Z, dp_acc becomes dS) ----
-      // kGeneral: mask, softcap and ALiBi (boundary tiles, variants); else scale, exp2 and dropout only.
-      auto elementwise = [&](auto general_tag) {
-        constexpr bool kGeneral = decltype(general_tag)::value;
 #pragma unroll
-        for (int f = 0; f < T::kSubFrags; ++f) {
-#pragma unroll
-          for (int col = 0; col < 2; ++col) {
-            const int query_local = sub_q0 + f * 8 + 2 * quad + col;
-            const int i = i0 + query_local;
-            const float lse2 = lse_tile[query_local];
-            const float dsum = dsum_tile[query_local];
+          for (int f = 0; f < T::kSubFrags; f += 2) {
+            const uint32_t b_offset = qk_cols.template offset<QTile>(sub_q0 + f * 8, kk);
+            uint32_t q_frag[4], do_frag[4];
+            ldmatrix_x4(q_frag, q_smem + b_offset);
+            ldmatrix_x4(do_frag, do_smem + b_offset);
 #pragma unroll
             for (int kf = 0; kf < T::kKeyFrags; ++kf) {
-              const int key_f0 = key_w0 + 16 * kf;  // first key (tile-relative) of this key block
-              // One Philox call covers both of this thread's keys of the block (group_row and
-              // group_row + 8: the same 32-key block and the same (j / 2) % 4, see core/philox.hpp).
-              [[maybe_unused]] Philox4x32 random{};
-              if constexpr (T::kDropout)
-                random = dropout_random_block(p.dropout_seed, p.dropout_offset, dropout_bh, uint32_t(i),
-                                              uint32_t(j0 + key_f0 + group_row));
+              mma_m16n8k16<Element>(s_acc[kf][f], k_frag[kf], {q_frag[0], q_frag[1]});
+              mma_m16n8k16<Element>(s_acc[kf][f + 1], k_frag[kf], {q_frag[2], q_frag[3]});
+              mma_m16n8k16<Element>(dp_acc[kf][f], v_frag[kf], {do_frag[0], do_frag[1]});
+              mma_m16n8k16<Element>(dp_acc[kf][f + 1], v_frag[kf], {do_frag[2], do_frag[3]});
+            }
+          }
+        }
+
+        // ---- P, dS elementwise (in place: s_acc becomes P * Z, dp_acc becomes dS) ----
+        // kGeneral: mask, softcap and ALiBi (boundary tiles, variants); else scale, exp2 and dropout only.
+        auto elementwise = [&](auto general_tag) {
+          constexpr bool kGeneral = decltype(general_tag)::value;
 #pragma unroll
-              for (int half = 0; half < 2; ++half) {
-                const int x = 2 * half + col;  // accumulator element: row group_row + 8 * half, column col
-                const int j = j0 + key_f0 + group_row + 8 * half;
-                const float raw = s_acc[kf][f][x];  // q.k, unscaled
-                float score_log2 = raw * scale_log2, dtanh = 1.f;
-                float prob;
-                if constexpr (kGeneral) {
-                  if (has_softcap) {
-                    // softcap * tanh(scale * q.k / softcap); its derivative w.r.t. scale * q.k is 1 - tanh^2.
-                    const float t = tanhf(raw * softcap_inv_scale);
-                    score_log2 = softcap_log2 * t;
-                    dtanh = 1.f - t * t;
-                  }
-                  score_log2 -= alibi_log2 * fabsf(float(i + mask.diagonal - j));
-                  prob = exp2_approx(score_log2 - lse2);
-                  if (!(j < seqlen_k && mask.visible(i, j))) prob = 0.f;
-                } else {
-                  prob = exp2_approx(score_log2 - lse2);
-                }
-                float z = 1.f;  // dropout multiplier
+          for (int f = 0; f < T::kSubFrags; ++f) {
+#pragma unroll
+            for (int col = 0; col < 2; ++col) {
+              const int query_local = sub_q0 + f * 8 + 2 * quad + col;
+              const int i = i0 + query_local;
+              const float lse2 = lse_tile[query_local];
+              const float dsum = dsum_tile[query_local];
+#pragma unroll
+              for (int kf = 0; kf < T::kKeyFrags; ++kf) {
+                const int key_f0 = key_w0 + 16 * kf;  // first key (tile-relative) of this key block
+                // One Philox call covers both of this thread's keys of the block (group_row and
+                // group_row + 8: the same 32-key block and the same (j / 2) % 4, see core/philox.hpp).
+                [[maybe_unused]] Philox4x32 random{};
                 if constexpr (T::kDropout)
-                  z = dropout_u16_select(random, uint32_t(j)) >= dropout_threshold ? dropout_rescale : 0.f;
-                dp_acc[kf][f][x] = prob * (dp_acc[kf][f][x] * z - dsum) * dtanh;  // dS (w.r.t. scale * q.k, unscaled)
-                s_acc[kf][f][x] = prob * z;                                        // P * Z, for dV
+                  random = dropout_random_block(p.dropout_seed, p.dropout_offset, dropout_bh, uint32_t(i),
+                                                uint32_t(j0 + key_f0 + group_row));
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                  const int x = 2 * half + col;  // accumulator element: row group_row + 8 * half, column col
+                  const int j = j0 + key_f0 + group_row + 8 * half;
+                  const float raw = s_acc[kf][f][x];  // q.k, unscaled
+                  float score_log2 = raw * scale_log2, dtanh = 1.f;
+                  float prob;
+                  if constexpr (kGeneral) {
+                    if (has_softcap) {
+                      // softcap * tanh(scale * q.k / softcap); its derivative w.r.t. scale * q.k is 1 - tanh^2.
+                      const float t = tanhf(raw * softcap_inv_scale);
+                      score_log2 = softcap_log2 * t;
+                      dtanh = 1.f - t * t;
+                    }
+                    score_log2 -= alibi_log2 * fabsf(float(i + mask.diagonal - j));
+                    prob = exp2_approx(score_log2 - lse2);
+                    if (!(j < seqlen_k && mask.visible(i, j))) prob = 0.f;
+                  } else {
+                    prob = exp2_approx(score_log2 - lse2);
+                  }
+                  float z = 1.f;  // dropout multiplier
+                  if constexpr (T::kDropout)
+                    z = dropout_u16_select(random, uint32_t(j)) >= dropout_threshold ? dropout_rescale : 0.f;
+                  dp_acc[kf][f][x] = prob * (dp_acc[kf][f][x] * z - dsum) * dtanh;  // dS (w.r.t. scale * q.k, unscaled)
+                  s_acc[kf][f][x] = prob * z;                                        // P * Z, for dV
+                }
+              }
+            }
+          }
+        };
+        if (general)
+          elementwise(std::true_type{});
+        else
+          elementwise(std::false_type{});
+
+        // ---- stage dS^T (always: dQ needs every warp's keys) and P^T (when split over warps) ----
+#pragma unroll
+        for (int kf = 0; kf < T::kKeyFrags; ++kf) {
+#pragma unroll
+          for (int f = 0; f < T::kSubFrags; ++f) {
+            const int chunk = (sub_q0 + f * 8) / 8;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const int row = key_w0 + 16 * kf + group_row + 8 * half;
+              const uint32_t offset = STile::chunk_offset(row, chunk) + quad * 4;  // 2 elements per quad lane
+              const uint32_t ds2 = pack2<Element>(dp_acc[kf][f][2 * half], dp_acc[kf][f][2 * half + 1]);
+              asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_smem + offset), "r"(ds2));
+              if constexpr (!T::kPInRegisters) {
+                const uint32_t p2 = pack2<Element>(s_acc[kf][f][2 * half], s_acc[kf][f][2 * half + 1]);
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(p_smem + offset), "r"(p2));
               }
             }
           }
         }
-      };
-      if (general)
-        elementwise(std::true_type{});
-      else
-        elementwise(std::false_type{});
 
-      // ---- stage dS^T (always: dQ needs every warp's keys) and P^T (when split over warps) ----
+        // ---- one warp holds all queries of its keys: dV += (P Z)^T dO, dK += dS^T Q from registers ----
+        if constexpr (T::kPInRegisters) {
 #pragma unroll
-      for (int kf = 0; kf < T::kKeyFrags; ++kf) {
+          for (int kk = 0; kk < T::kSubFrags / 2; ++kk) {
+            // The m16n8 accumulators of query blocks 2kk and 2kk+1 are exactly an m16k16 A fragment.
+            uint32_t p_frag[T::kKeyFrags][4], ds_frag[T::kKeyFrags][4];
 #pragma unroll
-        for (int f = 0; f < T::kSubFrags; ++f) {
-          const int chunk = (sub_q0 + f * 8) / 8;
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int row = key_w0 + 16 * kf + group_row + 8 * half;
-            const uint32_t offset = STile::chunk_offset(row, chunk) + quad * 4;  // 2 elements per quad lane
-            const uint32_t ds2 = pack2<Element>(dp_acc[kf][f][2 * half], dp_acc[kf][f][2 * half + 1]);
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_smem + offset), "r"(ds2));
-            if constexpr (!T::kPInRegisters) {
-              const uint32_t p2 = pack2<Element>(s_acc[kf][f][2 * half], s_acc[kf][f][2 * half + 1]);
-              asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(p_smem + offset), "r"(p2));
+            for (int kf = 0; kf < T::kKeyFrags; ++kf) {
+              p_frag[kf][0] = pack2<Element>(s_acc[kf][2 * kk][0], s_acc[kf][2 * kk][1]);
+              p_frag[kf][1] = pack2<Element>(s_acc[kf][2 * kk][2], s_acc[kf][2 * kk][3]);
+              p_frag[kf][2] = pack2<Element>(s_acc[kf][2 * kk + 1][0], s_acc[kf][2 * kk + 1][1]);
+              p_frag[kf][3] = pack2<Element>(s_acc[kf][2 * kk + 1][2], s_acc[kf][2 * kk + 1][3]);
+              ds_frag[kf][0] = pack2<Element>(dp_acc[kf][2 * kk][0], dp_acc[kf][2 * kk][1]);
+              ds_frag[kf][1] = pack2<Element>(dp_acc[kf][2 * kk][2], dp_acc[kf][2 * kk][3]);
+              ds_frag[kf][2] = pack2<Element>(dp_acc[kf][2 * kk + 1][0], dp_acc[kf][2 * kk + 1][1]);
+              ds_frag[kf][3] = pack2<Element>(dp_acc[kf][2 * kk + 1][2], dp_acc[kf][2 * kk + 1][3]);
             }
+            mma_dkdv<T>(dk_acc, dv_acc, p_frag, ds_frag, q_smem, do_smem, sub_q0 + kk * 16, d_w0, qk_rows);
           }
         }
       }
+      __syncthreads();  // dS^T (and P^T) of every warp visible
 
-      // ---- one warp holds all queries of its keys: dV += (P Z)^T dO, dK += dS^T Q from registers ----
-      if constexpr (T::kPInRegisters) {
+      // ---- split over warps: dV += (P Z)^T dO, dK += dS^T Q with A read back from shared memory ----
+      if constexpr (!T::kPInRegisters) {
 #pragma unroll
-        for (int kk = 0; kk < T::kSubFrags / 2; ++kk) {
-          // The m16n8 accumulators of query blocks 2kk and 2kk+1 are exactly an m16k16 A fragment.
+        for (int kk = 0; kk < kBlockM / 16; ++kk) {
           uint32_t p_frag[T::kKeyFrags][4], ds_frag[T::kKeyFrags][4];
 #pragma unroll
           for (int kf = 0; kf < T::kKeyFrags; ++kf) {
-            p_frag[kf][0] = pack2<Element>(s_acc[kf][2 * kk][0], s_acc[kf][2 * kk][1]);
-            p_frag[kf][1] = pack2<Element>(s_acc[kf][2 * kk][2], s_acc[kf][2 * kk][3]);
-            p_frag[kf][2] = pack2<Element>(s_acc[kf][2 * kk + 1][0], s_acc[kf][2 * kk + 1][1]);
-            p_frag[kf][3] = pack2<Element>(s_acc[kf][2 * kk + 1][2], s_acc[kf][2 * kk + 1][3]);
-            ds_frag[kf][0] = pack2<Element>(dp_acc[kf][2 * kk][0], dp_acc[kf][2 * kk][1]);
-            ds_frag[kf][1] = pack2<Element>(dp_acc[kf][2 * kk][2], dp_acc[kf][2 * kk][3]);
-            ds_frag[kf][2] = pack2<Element>(dp_acc[kf][2 * kk + 1][0], dp_acc[kf][2 * kk + 1][1]);
-            ds_frag[kf][3] = pack2<Element>(dp_acc[kf][2 * kk + 1][2], dp_acc[kf][2 * kk + 1][3]);
+            const uint32_t a_offset = s_rows.template offset<STile>(key_w0 + 16 * kf, kk);
+            ldmatrix_x4(p_frag[kf], p_smem + a_offset);
+            ldmatrix_x4(ds_frag[kf], ds_smem + a_offset);
           }
-          mma_dkdv<T>(dk_acc, dv_acc, p_frag, ds_frag, q_smem, do_smem, sub_q0 + kk * 16, d_w0, qk_rows);
+          mma_dkdv<T>(dk_acc, dv_acc, p_frag, ds_frag, q_smem, do_smem, kk * 16, d_w0, qk_rows);
         }
       }
-    }
-    __syncthreads();  // dS^T (and P^T) of every warp visible
 
-    // ---- split over warps: dV += (P Z)^T dO, dK += dS^T Q with A read back from shared memory ----
-    if constexpr (!T::kPInRegisters) {
+      // ---- dQ_tile = dS K: kWarpKeys query rows x kDqDPerWarp columns per warp, summed over the tile's keys,
+      //      in kDqSplit passes of kDqPassFrags column blocks (fewer live registers), each added to dq_accum.
+      //      Deterministic mode: the key tiles of one query tile add in index order (semaphore).
+      int* semaphore = nullptr;
+      if (p.deterministic)
+        semaphore = ws.semaphores + (int64_t(b) * p.heads_q + h) * (ws.padded_seqlen_q / kBlockM) + m_tile;
+      // Fragment order (dq_accum_index): the accumulator of an m16n8 block is 4 contiguous floats per lane.
+      // Block (row block r, column block f) of this warp is (r * kHeadDim / 8 + f) blocks of 128 floats
+      // after its first one: compile-time offsets from one pointer. Rows past the sequence add exact
+      // zeros (their dS is 0) inside the padded region: no guard needed.
+      float* dq_warp = ws.dq_accum + (int64_t(b) * p.heads_q + h) * ws.padded_seqlen_q * kHeadDim +
+                       (int64_t((i0 + dq_m0) / 16) * (kHeadDim / 8) + dq_d0 / 8) * 128 + 4 * lane;
 #pragma unroll
-      for (int kk = 0; kk < kBlockM / 16; ++kk) {
-        uint32_t p_frag[T::kKeyFrags][4], ds_frag[T::kKeyFrags][4];
-#pragma unroll
-        for (int kf = 0; kf < T::kKeyFrags; ++kf) {
-          const uint32_t a_offset = s_rows.template offset<STile>(key_w0 + 16 * kf, kk);
-          ldmatrix_x4(p_frag[kf], p_smem + a_offset);
-          ldmatrix_x4(ds_frag[kf], ds_smem + a_offset);
-        }
-        mma_dkdv<T>(dk_acc, dv_acc, p_frag, ds_frag, q_smem, do_smem, kk * 16, d_w0, qk_rows);
-      }
-    }
-
-    // ---- dQ_tile = dS K: kWarpKeys query rows x kDqDPerWarp columns per warp, summed over the tile's keys,
-    //      in kDqSplit passes of kDqPassFrags column blocks (fewer live registers), each added to dq_accum.
-    //      Deterministic mode: the key tiles of one query tile add in index order (semaphore).
-    int* semaphore = nullptr;
-    if (p.deterministic)
-      semaphore = ws.semaphores + (int64_t(b) * p.heads_q + h) * (ws.padded_seqlen_q / kBlockM) + m_tile;
-    // Fragment order (dq_accum_index): the accumulator of an m16n8 block is 4 contiguous floats per lane.
-    // Block (row block r, column block f) of this warp is (r * kHeadDim / 8 + f) blocks of 128 floats
-    // after its first one: compile-time offsets from one pointer. Rows past the sequence add exact
-    // zeros (their dS is 0) inside the padded region: no guard needed.
-    float* dq_warp = ws.dq_accum + (int64_t(b) * p.heads_q + h) * ws.padded_seqlen_q * kHeadDim +
-                     (int64_t((i0 + dq_m0) / 16) * (kHeadDim / 8) + dq_d0 / 8) * 128 + 4 * lane;
-#pragma unroll
-    for (int pass = 0; pass < T::kDqSplit; ++pass) {
-      const int f0 = pass * T::kDqPassFrags;  // first column block (n8) of this pass
-      float dq_acc[T::kDqRowFrags][T::kDqPassFrags][4];
-#pragma unroll
-      for (int r = 0; r < T::kDqRowFrags; ++r)
-#pragma unroll
-        for (int f = 0; f < T::kDqPassFrags; ++f)
-#pragma unroll
-          for (int x = 0; x < 4; ++x) dq_acc[r][f][x] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        // A = dS (queries x keys) read transposed from dS^T [key][query]: keys kk*16.., queries dq_m0..
-        uint32_t ds_frag[T::kDqRowFrags][4];
+      for (int pass = 0; pass < T::kDqSplit; ++pass) {
+        const int f0 = pass * T::kDqPassFrags;  // first column block (n8) of this pass
+        float dq_acc[T::kDqRowFrags][T::kDqPassFrags][4];
 #pragma unroll
         for (int r = 0; r < T::kDqRowFrags; ++r)
-          ldmatrix_x4_trans(ds_frag[r], ds_smem + s_cols.template offset<STile>(kk * 16, dq_m0 / 16 + r));
 #pragma unroll
-        for (int f = 0; f < T::kDqPassFrags; f += 2) {
-          uint32_t k_frag[4];  // B = K (keys x head columns), transposed; used for every row block
-          ldmatrix_x4_trans(k_frag, k_smem + qk_rows.template offset<KTile>(kk * 16, dq_d0 / 16 + (f0 + f) / 2));
+          for (int f = 0; f < T::kDqPassFrags; ++f)
 #pragma unroll
-          for (int r = 0; r < T::kDqRowFrags; ++r) {
-            mma_m16n8k16<Element>(dq_acc[r][f], ds_frag[r], {k_frag[0], k_frag[1]});
-            mma_m16n8k16<Element>(dq_acc[r][f + 1], ds_frag[r], {k_frag[2], k_frag[3]});
+            for (int x = 0; x < 4; ++x) dq_acc[r][f][x] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+          // A = dS (queries x keys) read transposed from dS^T [key][query]: keys kk*16.., queries dq_m0..
+          uint32_t ds_frag[T::kDqRowFrags][4];
+#pragma unroll
+          for (int r = 0; r < T::kDqRowFrags; ++r)
+            ldmatrix_x4_trans(ds_frag[r], ds_smem + s_cols.template offset<STile>(kk * 16, dq_m0 / 16 + r));
+#pragma unroll
+          for (int f = 0; f < T::kDqPassFrags; f += 2) {
+            uint32_t k_frag[4];  // B = K (keys x head columns), transposed; used for every row block
+            ldmatrix_x4_trans(k_frag, k_smem + qk_rows.template offset<KTile>(kk * 16, dq_d0 / 16 + (f0 + f) / 2));
+#pragma unroll
+            for (int r = 0; r < T::kDqRowFrags; ++r) {
+              mma_m16n8k16<Element>(dq_acc[r][f], ds_frag[r], {k_frag[0], k_frag[1]});
+              mma_m16n8k16<Element>(dq_acc[r][f + 1], ds_frag[r], {k_frag[2], k_frag[3]});
+            }
           }
         }
-      }
-      if (p.deterministic && pass == 0) {
-        const int turn = n_tile - first_key_tile_of_query_tile(mask, kBlockM, kBlockN, m_tile);
-        if (threadIdx.x == 0) {
-          // Key tiles before ours of this query tile are earlier CTAs of this (b, hk) (lower blockIdx.x,
-          // dispatched first), which never wait on later ones: no deadlock.
-          while (atomicAdd(semaphore, 0) != turn) __nanosleep(64);
-          __threadfence();  // acquire: order our adds after the previous tile's
+        if (p.deterministic && pass == 0) {
+          const int turn = n_tile - first_key_tile_of_query_tile(mask, kBlockM, kBlockN, m_tile);
+          if (threadIdx.x == 0) {
+            // Key tiles before ours of this query tile are earlier CTAs of this (b, hk) (lower blockIdx.x,
+            // dispatched first), which never wait on later ones: no deadlock.
+            while (atomicAdd(semaphore, 0) != turn) __nanosleep(64);
+            __threadfence();  // acquire: order our adds after the previous tile's
+          }
+          __syncthreads();
         }
+#pragma unroll
+        for (int r = 0; r < T::kDqRowFrags; ++r)
+#pragma unroll
+          for (int f = 0; f < T::kDqPassFrags; ++f)
+            atomic_add_float4(dq_warp + (r * (kHeadDim / 8) + f0 + f) * 128, dq_acc[r][f]);
+      }
+      if (p.deterministic) {
+        __threadfence();  // release: our adds are visible before the next key tile's turn
         __syncthreads();
+        if (threadIdx.x == 0) atomicAdd(semaphore, 1);
       }
-#pragma unroll
-      for (int r = 0; r < T::kDqRowFrags; ++r)
-#pragma unroll
-        for (int f = 0; f < T::kDqPassFrags; ++f)
-          atomic_add_float4(dq_warp + (r * (kHeadDim / 8) + f0 + f) * 128, dq_acc[r][f]);
+      h = h_next;
+      m_tile = m_next;
     }
-    if (p.deterministic) {
-      __threadfence();  // release: our adds are visible before the next key tile's turn
-      __syncthreads();
-      if (threadIdx.x == 0) atomicAdd(semaphore, 1);
-    }
-    h = h_next;
-    m_tile = m_next;
-  }
-  cp_async_wait<0>();
+    cp_async_wait<0>();
 
-  // ---- epilogue: dK = scale * dK_acc, dV = dV_acc, keys < seqlen_k and columns < head_dim only ----
-  Element* dk = static_cast<Element*>(p.dk);
-  Element* dv = static_cast<Element*>(p.dv);
+    if (tail_unit >= 0) {
+      // ---- tail unit: add dK_acc (unscaled), dV_acc into its dkv_accum block, one 16-byte reduction per
+      //      lane and m16n8 block (dq_accum_index order, keys as rows); backward_tail_kernel writes them ----
+      float* dk_sum = ws.dkv_accum + int64_t(tail_unit) * 2 * kBlockN * kHeadDim;
+      float* dv_sum = dk_sum + kBlockN * kHeadDim;
 #pragma unroll
-  for (int kf = 0; kf < T::kKeyFrags; ++kf) {
+      for (int kf = 0; kf < T::kKeyFrags; ++kf)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int j = j0 + key_w0 + 16 * kf + group_row + 8 * half;
-      if (j >= seqlen_k) continue;
-      const int64_t dk_row = kv_offset(p, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, b, e, j, hk);
-      const int64_t dv_row = kv_offset(p, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, b, e, j, hk);
+        for (int f = 0; f < T::kAccFrags; ++f) {
+          const int64_t at = (int64_t((key_w0 + 16 * kf) / 16) * (kHeadDim / 8) + (d_w0 + f * 8) / 8) * 128 + 4 * lane;
+          atomic_add_float4(dk_sum + at, dk_acc[kf][f]);
+          atomic_add_float4(dv_sum + at, dv_acc[kf][f]);
+        }
+      return;
+    }
+
+    // ---- epilogue: dK = scale * dK_acc, dV = dV_acc, keys < seqlen_k and columns < head_dim only ----
+    Element* dk = static_cast<Element*>(p.dk);
+    Element* dv = static_cast<Element*>(p.dv);
 #pragma unroll
-      for (int f = 0; f < T::kAccFrags; ++f) {
-        const int col = d_w0 + f * 8 + 2 * quad;
-        if (col >= p.head_dim) continue;
-        *reinterpret_cast<uint32_t*>(dk + dk_row + col) = pack2<Element>(dk_acc[kf][f][2 * half] * p.softmax_scale,
-                                                                         dk_acc[kf][f][2 * half + 1] * p.softmax_scale);
-        *reinterpret_cast<uint32_t*>(dv + dv_row + col) =
-            pack2<Element>(dv_acc[kf][f][2 * half], dv_acc[kf][f][2 * half + 1]);
+    for (int kf = 0; kf < T::kKeyFrags; ++kf) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int j = j0 + key_w0 + 16 * kf + group_row + 8 * half;
+        if (j >= seqlen_k) continue;
+        const int64_t dk_row = kv_offset(p, p.dk_batch_stride, p.dk_row_stride, p.dk_head_stride, b, e, j, hk);
+        const int64_t dv_row = kv_offset(p, p.dv_batch_stride, p.dv_row_stride, p.dv_head_stride, b, e, j, hk);
+#pragma unroll
+        for (int f = 0; f < T::kAccFrags; ++f) {
+          const int col = d_w0 + f * 8 + 2 * quad;
+          if (col >= p.head_dim) continue;
+          *reinterpret_cast<uint32_t*>(dk + dk_row + col) = pack2<Element>(dk_acc[kf][f][2 * half] * p.softmax_scale,
+                                                                           dk_acc[kf][f][2 * half + 1] * p.softmax_scale);
+          *reinterpret_cast<uint32_t*>(dv + dv_row + col) =
+              pack2<Element>(dv_acc[kf][f][2 * half], dv_acc[kf][f][2 * half + 1]);
+        }
       }
+    }
+  };  // run_unit
+
+  if constexpr (!kTail) {
+    // Whole units: grid (key tiles, B, Hk); the units from ws.tail.dp_units on (in this order, key tile
+    // fastest) are the tail split's, run by the kTail launch.
+    if (int(blockIdx.x) + ws.key_tiles * (int(blockIdx.y) + p.batch * int(blockIdx.z)) >= int(ws.tail.dp_units)) return;
+    run_unit(blockIdx.x, blockIdx.y, blockIdx.z, 0, -1, -1);
+  } else {
+    // Tail: CTA c walks its equal range [g, g_end) of the tail's iterations (tail unit u's iterations are
+    // u * I .. u * I + I - 1, I = ws.tail.unit_iterations), one piece per unit it touches.
+    const int64_t unit_iterations = ws.tail.unit_iterations, pieces = ws.tail.tail_units * unit_iterations;
+    int64_t g = int64_t(blockIdx.x) * pieces / ws.tail.ctas;
+    const int64_t g_end = (int64_t(blockIdx.x) + 1) * pieces / ws.tail.ctas;
+    while (g < g_end) {
+      const int tail_unit = int(g / unit_iterations);
+      const int first = int(g - tail_unit * unit_iterations);
+      const int last = int(g_end - g < unit_iterations - first ? first + (g_end - g) : unit_iterations);
+      g += last - first;
+      const int64_t unit = ws.tail.dp_units + tail_unit;
+      run_unit(int(unit % ws.key_tiles), int(unit / ws.key_tiles % p.batch), int(unit / ws.key_tiles / p.batch),
+               first, last, tail_unit);
     }
   }
 }

@@ -13,6 +13,8 @@
 //   lse_log2   float32 [B, Hq, padded_seqlen_q]
 //   dsum       float32 [B, Hq, padded_seqlen_q]
 //   semaphore  int32   [B, Hq, padded_seqlen_q / block_m]   (deterministic mode only)
+//   dkv_accum  float32 [tail capacity][2][block_n x head_dim_bucket], dK then dV of each tail unit, in
+//              dq_accum's fragment order (keys as rows); only where the tail split may run (below)
 // Varlen uses the same padded layout with padded_seqlen_q from max_seqlen_q (B * max rows: an upper
 // bound of total_q that the host can compute without reading cu_seqlens).
 #pragma once
@@ -35,32 +37,107 @@ constexpr FA_HD int ceil_div(int x, int y) { return (x + y - 1) / y; }
 // Floor division that rounds toward -infinity (the tile-range math meets negative numbers).
 constexpr FA_HD int floor_div(int64_t x, int y) { return int(x >= 0 ? x / y : -((-x + y - 1) / y)); }
 
+// ---- the tail split (speed only) ----
+// The main kernel's work units are (key tile, sequence, K/V head) in grid order. They all take the same
+// time when every key tile works on every query tile (no causal mask, no window) and every sequence has
+// the same lengths (dense, no seqused_k). With W CTA slots (SMs x CTAs per SM), units / W full waves
+// leave a last wave of rem = units % W units that runs on rem slots while the others idle: 2048 units
+// on 132 SMs (D = 128, S = 16k, 16 heads) are 15.5 waves, the last one half empty. Measured (H200,
+// 2026-11-30 19:46 UTC, `flashattn run`, bf16 / fp16, S = 16k, two runs each): 33 heads (4224 units, 32
+// whole waves) ran at 298.5-301.8 TFLOP/s against 285.4-292.6 for 16 heads, D = 256 254.0-257.7
+// against 243.3-249.1 for 8 heads.
+// The tail split runs the rem last units' iterations (query head of the group x query tile) on W
+// CTAs instead, each taking an equal contiguous range of them (the stream-K idea of GEMMs): a tail CTA
+// works through pieces of at most a few units, and every tail unit adds its dK / dV in float32 into
+// dkv_accum (atomics; zeroed before the main kernel); a small kernel then writes them in the element
+// type. Not in deterministic mode (the atomics' order varies run to run), not with dropout (its kernels
+// are at their register limit: no tail instantiation).
+constexpr int kTailMaxCtasPerSm = 2;  // dkv_accum holds up to SMs x this units; more slots: no tail split
+constexpr double kTailMaxFill = 0.95;  // no tail split when the last wave is at least this full
+// Units of fewer iterations are not split: their last wave is short, and the split's fixed costs (a second
+// launch of the main kernel, the accumulators' memset, the tail kernel) ate the gain. H200, bf16,
+// non-causal, 16k tokens, old / new binaries alternating, 2 runs each (2026-11-30 20:07 UTC): S = 1k (16
+// iterations per unit) 0.98-0.99x, S = 4k (64) 1.005-1.020x, S = 16k (256) 1.017-1.023x at D = 64 / 128 / 256.
+constexpr int kTailMinUnitIterations = 64;
+
+// Whether the tail split may run for these arguments (every unit of the same length, atomics allowed).
+FA_HD bool backward_tail_eligible(const BackwardParams& p) {
+  return !p.deterministic && p.dropout_p == 0.f && p.cu_seqlens_q == nullptr && p.cu_seqlens_k == nullptr && p.seqused_k == nullptr &&
+         p.block_table == nullptr && p.window_left < 0 && p.window_right < 0;
+}
+
+// Units whose dK / dV the workspace can accumulate (0: no tail split) on a device of `sm_count` SMs.
+FA_HD int64_t backward_tail_capacity(const BackwardParams& p, int block_n, int sm_count) {
+  if (!backward_tail_eligible(p) || block_n <= 0 || sm_count <= 0) return 0;
+  const int64_t units = int64_t(ceil_div(p.seqlen_k, block_n)) * p.batch * p.heads_k;
+  const int64_t most = int64_t(kTailMaxCtasPerSm) * sm_count;
+  return units < most ? units : most;
+}
+
 struct BackwardWorkspaceLayout {
   int64_t padded_seqlen_q;   // round_up(seqlen_q, kBackwardRowAlign)
   int head_dim_accum;        // row length of dq_accum: the kernel's head-dim bucket
   int block_m;               // query tile of the kernel (semaphore granularity)
+  int block_n;               // key tile of the kernel (dkv_accum's rows per unit)
+  int64_t tail_capacity;     // units dkv_accum holds (0: none)
   int64_t dq_accum_offset;   // byte offsets from the workspace base
   int64_t lse_log2_offset;
   int64_t dsum_offset;
-  int64_t semaphore_offset;  // == total_bytes when not deterministic (no semaphores)
+  int64_t semaphore_offset;  // == dkv_accum_offset when not deterministic (no semaphores)
   int64_t semaphore_bytes;
+  int64_t dkv_accum_offset;  // == total_bytes when tail_capacity == 0
+  int64_t dkv_accum_bytes;
   int64_t total_bytes;
 };
 
-// The layout for a kernel with head-dim bucket `head_dim_bucket` and query tile `block_m`.
-FA_HD BackwardWorkspaceLayout backward_workspace_layout(const BackwardParams& p, int head_dim_bucket, int block_m) {
+// The layout for a kernel with head-dim bucket `head_dim_bucket` and query tile `block_m`; with key tile
+// `block_n` and `tail_capacity` (backward_tail_capacity) units of tail-split accumulators.
+FA_HD BackwardWorkspaceLayout backward_workspace_layout(const BackwardParams& p, int head_dim_bucket, int block_m,
+                                                        int block_n = 0, int64_t tail_capacity = 0) {
   BackwardWorkspaceLayout w;
   w.padded_seqlen_q = round_up(p.seqlen_q, kBackwardRowAlign);
   w.head_dim_accum = head_dim_bucket;
   w.block_m = block_m;
+  w.block_n = block_n;
+  w.tail_capacity = block_n > 0 ? tail_capacity : 0;
   const int64_t rows = int64_t(p.batch) * p.heads_q * w.padded_seqlen_q;
   w.dq_accum_offset = 0;
   w.lse_log2_offset = round_up(w.dq_accum_offset + rows * head_dim_bucket * 4, kBackwardRegionAlign);
   w.dsum_offset = round_up(w.lse_log2_offset + rows * 4, kBackwardRegionAlign);
   w.semaphore_offset = round_up(w.dsum_offset + rows * 4, kBackwardRegionAlign);
   w.semaphore_bytes = p.deterministic ? int64_t(p.batch) * p.heads_q * (w.padded_seqlen_q / block_m) * 4 : 0;
-  w.total_bytes = w.semaphore_offset + w.semaphore_bytes;
+  w.dkv_accum_offset = round_up(w.semaphore_offset + w.semaphore_bytes, kBackwardRegionAlign);
+  w.dkv_accum_bytes = w.tail_capacity * 2 * block_n * head_dim_bucket * 4;
+  w.total_bytes = w.tail_capacity > 0 ? w.dkv_accum_offset + w.dkv_accum_bytes : w.semaphore_offset + w.semaphore_bytes;
   return w;
+}
+
+// The tail split of one launch: CTAs [0, dp_units) take one whole unit each (unit = blockIdx.x), CTAs
+// [dp_units, dp_units + ctas) share the iterations of units [dp_units, dp_units + tail_units).
+struct BackwardTail {
+  int64_t dp_units = 0;    // units run whole, one per CTA
+  int64_t tail_units = 0;  // units run in pieces (0: no tail split)
+  int ctas = 0;            // CTAs of the tail
+  int unit_iterations = 0; // iterations of every unit: (query heads of a group) x (query tiles)
+};
+
+// units: all units of the launch; slots: CTAs resident at once; capacity: layout.tail_capacity.
+FA_HD BackwardTail plan_backward_tail(const BackwardParams& p, int64_t units, int64_t slots, int64_t capacity,
+                                      int block_m) {
+  BackwardTail t;
+  t.dp_units = units;
+  if (capacity <= 0 || slots <= 0 || units <= 0 || !backward_tail_eligible(p)) return t;
+  const int64_t rem = units % slots;
+  const int64_t iterations = int64_t(p.heads_q / p.heads_k) * ceil_div(p.seqlen_q, block_m);
+  if (rem == 0 || rem > capacity || double(rem) >= kTailMaxFill * double(slots) || iterations < kTailMinUnitIterations ||
+      iterations > (int64_t(1) << 30))
+    return t;
+  t.dp_units = units - rem;
+  t.tail_units = rem;
+  const int64_t pieces = rem * iterations;  // every tail CTA gets at least one iteration
+  t.ctas = int(pieces < slots ? pieces : slots);
+  t.unit_iterations = int(iterations);
+  return t;
 }
 
 // ---- dq_accum's element order ----
