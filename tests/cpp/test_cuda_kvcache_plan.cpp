@@ -210,6 +210,8 @@ TEST(CudaKvcachePlan, ClusterMergeRule) {
   EXPECT_FALSE(decode::wants_cluster_merge(16, 4096, 64));   // 4 tiles in a cluster of 16
   EXPECT_TRUE(decode::wants_cluster_merge(8, 4096, 64));     // 8 tiles in a cluster of 8
   EXPECT_FALSE(decode::wants_cluster_merge(8, 8192, 64));    // 16 tiles
+  EXPECT_TRUE(decode::wants_cluster_merge(4, 4096, 64));     // 16 tiles in a cluster of 4
+  EXPECT_FALSE(decode::wants_cluster_merge(5, 8192, 64));    // 26 tiles in a cluster of 5
   EXPECT_FALSE(decode::wants_cluster_merge(4, 8192, 64));    // 32 tiles
   EXPECT_FALSE(decode::wants_cluster_merge(16, 131072, 64));
   EXPECT_TRUE(decode::wants_cluster_merge(2, 131072, 64));   // two splits at any length

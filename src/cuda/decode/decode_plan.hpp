@@ -77,17 +77,23 @@ constexpr bool kProgrammaticLaunch = true; // sm_90+: launch the decode kernels 
 // raw: bench/results/2026-11-30-1839-h200-decode-clusters-*.json.
 constexpr bool kClusterMerge = true;
 constexpr int kMaxClusterSplits = 16;
-constexpr int64_t kClusterMergeMaxTiles = 8;       // tiles of the capacity per split, clusters of up to 8
+// The rule with 8 tiles for 3-8 splits ran against the rule before it (16 tiles; 19:43 UTC, two binaries
+// alternating, two runs each, B = 1-4 x 1k-8k, bench/results/2026-11-30-1943-h200-decode-cluster-rule-ab.json):
+// B = 1 / 4k +2.9% contiguous, +5.2% paged; B = 2 / 8k +3.2% / +5.1%; but 4 splits of 16 tiles (B = 4 / 4k) -0.8%
+// / -2.0%: clusters of 3-4 splits keep 16 tiles (kClusterMergeMaxTiles4).
+constexpr int64_t kClusterMergeMaxTiles4 = 16;     // tiles of the capacity per split, clusters of 3-4
+constexpr int64_t kClusterMergeMaxTiles = 8;       // ... of 5-8
 constexpr int64_t kClusterMergeMaxTiles16 = 2;     // ... of 9 to kMaxClusterSplits CTAs
 
 // Whether the splits of a call merge inside thread-block clusters (where the device has them and they fit):
-// 2 splits at any length; up to 8 splits of at most kClusterMergeMaxTiles key tiles of the capacity; up to
-// kMaxClusterSplits splits of at most kClusterMergeMaxTiles16.
+// 2 splits at any length; up to 4 splits of at most kClusterMergeMaxTiles4 key tiles of the capacity, up to 8
+// of at most kClusterMergeMaxTiles; up to kMaxClusterSplits splits of at most kClusterMergeMaxTiles16.
 inline bool wants_cluster_merge(int num_splits, int64_t capacity_keys, int block_n) {
   if (!kClusterMerge || num_splits < 2 || num_splits > kMaxClusterSplits || block_n <= 0) return false;
   const int64_t capacity_tiles = (capacity_keys + block_n - 1) / block_n;
   const int64_t tiles_per_split = (capacity_tiles + num_splits - 1) / num_splits;
-  return num_splits == 2 || tiles_per_split <= (num_splits <= 8 ? kClusterMergeMaxTiles : kClusterMergeMaxTiles16);
+  const int64_t most = num_splits <= 4 ? kClusterMergeMaxTiles4 : num_splits <= 8 ? kClusterMergeMaxTiles : kClusterMergeMaxTiles16;
+  return num_splits == 2 || tiles_per_split <= most;
 }
 
 // What planning needs to know about the device.
