@@ -21,7 +21,9 @@
 #   FA_GPU_TESTS       gtest filter of the GPU tests (default 'Cuda*')
 #   FA_SKIP_TESTS=1    no tests;  FA_SKIP_BENCH=1  no benchmarks;  FA_SKIP_PEERS=1  no peer timings
 #   FA_SANITIZE_TESTS  gtest filter run under compute-sanitizer memcheck
-#   FA_RACECHECK_TESTS gtest filter run under compute-sanitizer racecheck
+#   FA_RACECHECK_TESTS gtest filter run under compute-sanitizer racecheck; FA_RACECHECK_ARGS: more
+#                      compute-sanitizer options, e.g. '--kernel-name kns=backward_main_kernel' to check one
+#                      kernel family of a long test (the others then run unchecked, at full speed)
 #   FA_MEMORY=1        the peak-memory sweep (ours: flashattn_cuda_bench --memory; torch: peers.py --memory)
 #   FA_DECODE=1        the decode benchmark (flashattn_decode_bench; FA_DECODE_ARGS) beside torch's decode;
 #                      FA_DECODE_ROUNDS=N (default 3): per point, the layouts N times back to back (medians)
@@ -97,9 +99,10 @@ if [[ -n "${FA_SANITIZE_TESTS:-}" ]]; then
 fi
 if [[ -n "${FA_RACECHECK_TESTS:-}" ]]; then
   # Shared-memory hazards between threads of a block (slower still: one or two small tests).
-  timeout 200 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 20 \
+  # shellcheck disable=SC2086  # FA_RACECHECK_ARGS: options, split on spaces
+  timeout 200 compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 20 ${FA_RACECHECK_ARGS:-} \
       "$build/tests/cpp/flashattn_tests" --gtest_filter="$FA_RACECHECK_TESTS" > "$work/racecheck.log" 2>&1
-  note "== compute-sanitizer racecheck (exit $?): $FA_RACECHECK_TESTS"
+  note "== compute-sanitizer racecheck (exit $?): $FA_RACECHECK_TESTS ${FA_RACECHECK_ARGS:-}"
   grep -E "RACECHECK SUMMARY|ERROR SUMMARY|hazard|^\[  PASSED|^\[  FAILED" "$work/racecheck.log" | head -20 | tee -a "$summary"
 fi
 
