@@ -84,7 +84,8 @@ Status launch_backward_sm80(const BackwardParams& params, cudaStream_t stream) {
     // The preprocess also zeroes dq_accum (no memset).
     if (ws.semaphores != nullptr) check(cudaMemsetAsync(ws.semaphores, 0, size_t(layout.semaphore_bytes), stream));
     if (ws.tail.tail_units > 0)
-      check(cudaMemsetAsync(ws.dkv_accum, 0, size_t(ws.tail.tail_units) * 2 * T::kBlockN * T::kHeadDim * 4, stream));
+      check(cudaMemsetAsync(ws.dkv_accum, 0, size_t(sm80::backward_tail_accum_bytes(ws.tail.tail_units, T::kBlockN, T::kHeadDim)),
+                            stream));
     const int64_t threads = padded_rows * sm80::bwd::kPreThreadsPerRow;
     const dim3 grid(unsigned((threads + kPrePostThreads - 1) / kPrePostThreads), unsigned(p.batch));
     if (status == cudaSuccess)

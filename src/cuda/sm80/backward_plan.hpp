@@ -74,11 +74,15 @@ FA_HD int64_t backward_tail_capacity(const BackwardParams& p, int block_n, int s
   return units < most ? units : most;
 }
 
+// Bytes of dkv_accum for `units` tail units (dK and dV, block_n x head_dim_bucket floats each).
+constexpr FA_HD int64_t backward_tail_accum_bytes(int64_t units, int block_n, int head_dim_bucket) {
+  return units * 2 * block_n * head_dim_bucket * 4;
+}
+
 struct BackwardWorkspaceLayout {
   int64_t padded_seqlen_q;   // round_up(seqlen_q, kBackwardRowAlign)
   int head_dim_accum;        // row length of dq_accum: the kernel's head-dim bucket
   int block_m;               // query tile of the kernel (semaphore granularity)
-  int block_n;               // key tile of the kernel (dkv_accum's rows per unit)
   int64_t tail_capacity;     // units dkv_accum holds (0: none)
   int64_t dq_accum_offset;   // byte offsets from the workspace base
   int64_t lse_log2_offset;
@@ -98,7 +102,6 @@ FA_HD BackwardWorkspaceLayout backward_workspace_layout(const BackwardParams& p,
   w.padded_seqlen_q = round_up(p.seqlen_q, kBackwardRowAlign);
   w.head_dim_accum = head_dim_bucket;
   w.block_m = block_m;
-  w.block_n = block_n;
   w.tail_capacity = block_n > 0 ? tail_capacity : 0;
   const int64_t rows = int64_t(p.batch) * p.heads_q * w.padded_seqlen_q;
   w.dq_accum_offset = 0;
@@ -107,13 +110,13 @@ FA_HD BackwardWorkspaceLayout backward_workspace_layout(const BackwardParams& p,
   w.semaphore_offset = round_up(w.dsum_offset + rows * 4, kBackwardRegionAlign);
   w.semaphore_bytes = p.deterministic ? int64_t(p.batch) * p.heads_q * (w.padded_seqlen_q / block_m) * 4 : 0;
   w.dkv_accum_offset = round_up(w.semaphore_offset + w.semaphore_bytes, kBackwardRegionAlign);
-  w.dkv_accum_bytes = w.tail_capacity * 2 * block_n * head_dim_bucket * 4;
+  w.dkv_accum_bytes = backward_tail_accum_bytes(w.tail_capacity, block_n, head_dim_bucket);
   w.total_bytes = w.tail_capacity > 0 ? w.dkv_accum_offset + w.dkv_accum_bytes : w.semaphore_offset + w.semaphore_bytes;
   return w;
 }
 
-// The tail split of one launch: CTAs [0, dp_units) take one whole unit each (unit = blockIdx.x), CTAs
-// [dp_units, dp_units + ctas) share the iterations of units [dp_units, dp_units + tail_units).
+// The tail split of one call: the whole-unit launch runs units [0, dp_units) (in its grid order, key tile
+// fastest), one per CTA; the kTail launch's `ctas` CTAs share the iterations of [dp_units, dp_units + tail_units).
 struct BackwardTail {
   int64_t dp_units = 0;    // units run whole, one per CTA
   int64_t tail_units = 0;  // units run in pieces (0: no tail split)
