@@ -202,6 +202,28 @@ TEST(CudaKvcachePlan, SplitHeuristic) {
   }
 }
 
+TEST(CudaKvcachePlan, ManyWavesSplits) {
+  const int64_t slots = 132 * 2;
+  // Below 3.5 waves of every slot: no split (the other rules decide).
+  EXPECT_EQ(decode::many_waves_splits(64 * 8, slots, 131072), 1);
+  EXPECT_EQ(decode::many_waves_splits(int64_t(decode::kManyWavesMinWaves * slots) - 1, slots, 131072), 1);
+  // Toward 16 waves, each split >= 4k keys of the capacity.
+  EXPECT_EQ(decode::many_waves_splits(256 * 8, slots, 131072), 2);
+  EXPECT_EQ(decode::many_waves_splits(128 * 8, slots, 131072), 4);
+  EXPECT_EQ(decode::many_waves_splits(128 * 8, slots, 8192), 2);
+  EXPECT_EQ(decode::many_waves_splits(128 * 8, slots, 8191), 1);
+  EXPECT_EQ(decode::many_waves_splits(512 * 8, slots, 131072), 1);  // 15.5 waves already
+  EXPECT_EQ(decode::many_waves_splits(0, slots, 131072), 1);
+  EXPECT_EQ(decode::many_waves_splits(2048, 0, 131072), 1);
+  // The most splits whose waves stay within the target (1 where the unsplit grid already exceeds it).
+  for (int64_t ctas = 924; ctas <= 8192; ctas += 97) {
+    const int s = decode::many_waves_splits(ctas, slots, 1 << 20);
+    ASSERT_GE(s, 1);
+    if (s > 1) EXPECT_LE(double(s) * ctas / slots, double(decode::kManyWavesTarget)) << ctas;
+    EXPECT_GT(double(s + 1) * ctas / slots, double(decode::kManyWavesTarget)) << ctas;
+  }
+}
+
 TEST(CudaKvcachePlan, ClusterMergeRule) {
   // Two splits, or short splits (a few tiles of the capacity; fewer in clusters above 8) merge in clusters
   // (sm_90); long splits in big clusters, one split and more than kMaxClusterSplits splits do not.
@@ -257,7 +279,12 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
                         Case{16, 4096, true, 1}, Case{8, 8192, true, 2}, Case{4, 8192, true, 4},
                         Case{12, 8192, false, 1}, Case{12, 8192, true, 2}, Case{14, 16384, true, 2},
                         Case{12, 4096, true, 1}, Case{24, 8192, false, 1}, Case{24, 131072, true, 4},
-                        Case{256, 131072, true, 1}, Case{1, 1024, true, 8}}) {
+                        Case{256, 131072, true, 1}, Case{1, 1024, true, 8},
+                        // contiguous, many waves unsplit: long sequences split toward 16 waves (kManyWavesTarget)
+                        Case{256, 32768, false, 2}, Case{256, 8192, false, 2}, Case{256, 4096, false, 1},
+                        Case{128, 32768, false, 4}, Case{128, 8192, false, 2}, Case{128, 4096, false, 1},
+                        Case{64, 32768, false, 1}, Case{512, 131072, false, 1}, Case{256, 32768, true, 1},
+                        Case{128, 16384, true, 1}}) {
     KvcacheParams q = decode_params(c.batch, 1, 32, 8, 128, c.cache);
     if (c.paged) {  // the planner only looks at whether there is a table (never read) and at the capacity
       q.page_block_size = 16;

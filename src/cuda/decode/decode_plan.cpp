@@ -113,6 +113,13 @@ int choose_num_splits(int64_t ctas, int64_t slots, int64_t capacity_tiles) {
   return 1;
 }
 
+int many_waves_splits(int64_t ctas, int64_t slots, int64_t capacity_keys) {
+  if (ctas <= 0 || slots <= 0 || double(ctas) < kManyWavesMinWaves * double(slots)) return 1;
+  const int64_t by_waves = kManyWavesTarget * slots / ctas;
+  const int64_t by_length = capacity_keys / kManyWavesMinSplitKeys;
+  return int(std::max<int64_t>(1, std::min<int64_t>({by_waves, by_length, kMaxSplits})));
+}
+
 DecodePlan decode_layout(const KvcacheParams& p, int block_m, int block_n, int num_splits) {
   DecodePlan plan;
   plan.block_m = block_m;
@@ -141,10 +148,13 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
     // CTAs per SM of the unsplit grid (decode_plan.hpp): every slot for paged caches that may hold long
     // sequences; about one wave: 1 split, or 2 for medium paged caches; else about one CTA per SM.
     const double fill = double(ctas) / double(device.sm_count);
+    const int64_t slots = int64_t(device.sm_count) * per_sm;
     if (paged && p.seqlen_k >= kPagedFullSlotsKeys) {
-      splits = choose_num_splits(ctas, int64_t(device.sm_count) * per_sm, capacity_tiles);
+      splits = choose_num_splits(ctas, slots, capacity_tiles);
     } else if (fill >= kOneWaveFill && fill <= 1.0) {
       splits = paged && p.seqlen_k >= kPagedOneWaveSplitKeys && per_sm >= 2 && capacity_tiles >= 2 * kMinTilesPerSplit ? 2 : 1;
+    } else if (!paged && p.kv_dtype != FA_FLOAT8_E4M3 && double(ctas) >= kManyWavesMinWaves * double(slots)) {
+      splits = many_waves_splits(ctas, slots, p.seqlen_k);
     } else {
       splits = choose_num_splits(ctas, device.sm_count, capacity_tiles);
     }

@@ -52,6 +52,22 @@ constexpr int64_t kPagedFullSlotsKeys = 32768;  // paged, capacity >= this many 
 //   B = 8 (64 CTAs, below one wave): the heuristic's 2 splits (paged 8k 72.0, every slot's 4: 73.9).
 constexpr double kOneWaveFill = 0.7;
 constexpr int64_t kPagedOneWaveSplitKeys = 8192;
+// Contiguous caches at large batch: an unsplit grid of many waves still splits the long sequences, toward
+// kManyWavesTarget waves of CTA slots, each split keeping >= kManyWavesMinSplitKeys keys (16-bit caches; paged
+// caches do not gain). H200, 2026-11-30 23:58 UTC, bf16, Hq 32 / Hk 8, flashattn_decode_bench --splits 0,2,3,4,
+// 4 rounds (speed-up against 1 split, median [range]; bench/results/2026-11-30-2358-h200-decode-splits-many-waves.json):
+//   B = 256 (2048 CTAs, 7.8 waves of 264 slots), 2 splits: 4k 1.006, 8k 1.022 [1.021, 1.024], 16k 1.032, 32k
+//   1.035 [1.034, 1.039]; B = 128, 4 splits: 4k 0.984, 8k 0.996, 16k 1.012, 32k 1.023 (3 splits: 0.97-1.03;
+//   2: 1.00); B = 64 (1.9 waves): 2-4 splits 0.93-1.00 at 4k-32k. Paged, the same points: 0.95-1.01.
+// The split CTAs read the two halves of a sequence at once, and the contiguous cache then reads at 99-101% of the
+// same-size read floor (97-98% unsplit), as fast as the paged cache's shuffled blocks; why the contiguous cache's
+// address order costs ~2-3% unsplit is not known (staggering each CTA's tile order did not help, see
+// docs/PERFORMANCE.md, 18:22 UTC). The rule against the plan before it (2026-12-01 00:07 UTC, alternating, two runs
+// each; bench/results/2026-12-01-0007-h200-decode-many-waves-ab.json): B = 256 / 8k +2.3%, 32k +3.7%; B = 128 / 8k
+// (2 splits) +0.5%, 32k (4) +2.5%; every other point of B = 64-256 x 4k-32k, both layouts, unchanged (+-0.3%).
+constexpr double kManyWavesMinWaves = 3.5;      // unsplit grid of >= this many waves of every CTA slot
+constexpr int64_t kManyWavesTarget = 16;        // splits = floor(16 waves / unsplit waves)
+constexpr int64_t kManyWavesMinSplitKeys = 4096;
 constexpr int kMaxSplits = 128;            // the heuristic's cap (an explicit num_splits may be larger)
 constexpr double kFullOccupancy = 0.8;     // at >= 80% of one wave of CTA slots without splitting: no split
 constexpr double kWaveEfficiencyKept = 0.96;  // smallest split count whose last-wave efficiency is within 96% of the best
@@ -119,6 +135,10 @@ int ctas_per_sm(int64_t smem_bytes, int threads, const DecodeDevice& device);
 // fills the device; else the smallest split count whose waves are nearly as full as the best one, capped
 // by kMaxSplits and by capacity_tiles / kMinTilesPerSplit.
 int choose_num_splits(int64_t ctas, int64_t slots, int64_t capacity_tiles);
+
+// Contiguous 16-bit caches whose unsplit grid is >= kManyWavesMinWaves waves of `slots` CTAs: splits toward
+// kManyWavesTarget waves, each of >= kManyWavesMinSplitKeys keys of the capacity; 1 below that.
+int many_waves_splits(int64_t ctas, int64_t slots, int64_t capacity_keys);
 
 struct DecodePlan {
   int block_m = 0, block_n = 0;  // of the chosen kernel
