@@ -89,6 +89,13 @@ struct BackwardTraits {
   static constexpr int kThreads = Config::kThreads;
   static constexpr int kStages = Config::kStages;    // Q / dO shared-memory stages
   static constexpr bool kDropout = Config::kDropout;
+  // Lean iteration: which query tiles need the mask is found once per unit (a range), and whole Q / dO tiles load
+  // without predicates, one 64-bit add per copy. Each iteration re-derived both (64-bit tile bounds, address
+  // selects): about 100 of its 1175 instructions per warp (ncu, causal S = 16k, D = 128, 2026-12-01). Speed
+  // only. bench/backward_tiles.cu, H200, bf16, 2026-12-01 00:26 UTC, 3 runs: D = 128 +2.0-3.2% at S = 2k-16k,
+  // causal or not; D = 64 +0.8-1.9%; D = 256 -0.7-1.0% (ptxas spills 20 bytes more), so D = 64 and 128 only
+  // (the others unmeasured), and not with dropout (its kernels are at their register limit).
+  static constexpr bool kLean = (kHeadDim == 64 || kHeadDim == 128) && !kDropout;
 
   static constexpr int kWarpKeys = Config::kWarpKeys;  // keys per warp: 16 or 32 (m16 blocks of the MMA)
   static constexpr int kKeyFrags = kWarpKeys / 16;     // m16 key blocks per warp
@@ -175,6 +182,23 @@ __device__ __forceinline__ uint32_t dropout_u16_select(const Philox4x32& r, uint
   const uint32_t word = (j >> 3) & 3u;  // k >> 1 with k = 2 * ((j / 8) % 4) + j % 2
   const uint32_t bits = word == 0 ? r.x[0] : (word == 1 ? r.x[1] : (word == 2 ? r.x[2] : r.x[3]));
   return (bits >> (16u * (j & 1u))) & 0xFFFFu;
+}
+
+// cp.async of a whole [kRows][kCols] tile (every row and chunk real): no predicates, one 64-bit add per copy.
+template <class Tile, int kThreads, typename Element>
+__device__ __forceinline__ void load_whole_tile_async(uint32_t smem_base, const Element* gmem, int64_t row_stride) {
+  constexpr int kChunksPerRow = Tile::kChunksPerRow;
+  constexpr int kRows = Tile::kBytes / (kChunksPerRow * 16);
+  constexpr int kRounds = kRows * kChunksPerRow / kThreads;
+  static_assert(kThreads % kChunksPerRow == 0 && (kThreads / kChunksPerRow) % 8 == 0, "whole rows per round");
+  constexpr int kRowsPerRound = kThreads / kChunksPerRow;
+  const int row = int(threadIdx.x) / kChunksPerRow, chunk = int(threadIdx.x) % kChunksPerRow;
+  const char* src = reinterpret_cast<const char*>(gmem + row * row_stride + chunk * 8);
+  const int64_t step = int64_t(kRowsPerRound) * row_stride * int64_t(sizeof(Element));
+  const uint32_t dst = smem_base + Tile::chunk_offset(row, chunk);
+#pragma unroll
+  for (int round = 0; round < kRounds; ++round)
+    cp_async_16_full(dst + Tile::chunk_offset(round * kRowsPerRound, 0), src + round * step);
 }
 
 // cp.async of a [kRows][kCols] tile whose row r starts at gmem + r * row_stride (elements). Rows
@@ -506,11 +530,27 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     auto load_query_tile = [&](int h, int m, int stage) {
       const int i0 = m * kBlockM;
       const int rows = seqlen_q - i0 < kBlockM ? seqlen_q - i0 : kBlockM;
-      load_tile_async<QTile, kThreads>(smem_base + T::kQOffset + stage * QTile::kBytes,
-                                       q_seq + h * p.q_head_stride + i0 * p.q_row_stride, p.q_row_stride, rows, chunks_valid);
-      load_tile_async<QTile, kThreads>(smem_base + T::kDoOffset + stage * QTile::kBytes,
-                                       dout_seq + h * p.dout_head_stride + i0 * p.dout_row_stride, p.dout_row_stride, rows,
-                                       chunks_valid);
+      // Q and dO rows [i0, i0 + rows) with zero-filled rows past the sequence and columns past D.
+      auto load_predicated = [&] {
+        load_tile_async<QTile, kThreads>(smem_base + T::kQOffset + stage * QTile::kBytes,
+                                         q_seq + h * p.q_head_stride + i0 * p.q_row_stride, p.q_row_stride, rows, chunks_valid);
+        load_tile_async<QTile, kThreads>(smem_base + T::kDoOffset + stage * QTile::kBytes,
+                                         dout_seq + h * p.dout_head_stride + i0 * p.dout_row_stride, p.dout_row_stride, rows,
+                                         chunks_valid);
+      };
+      if constexpr (T::kLean) {
+        if (rows == kBlockM && chunks_valid == QTile::kChunksPerRow) {  // every row and column real: no predicates
+          load_whole_tile_async<QTile, kThreads>(smem_base + T::kQOffset + stage * QTile::kBytes,
+                                                 q_seq + h * p.q_head_stride + i0 * p.q_row_stride, p.q_row_stride);
+          load_whole_tile_async<QTile, kThreads>(smem_base + T::kDoOffset + stage * QTile::kBytes,
+                                                 dout_seq + h * p.dout_head_stride + i0 * p.dout_row_stride,
+                                                 p.dout_row_stride);
+        } else {
+          load_predicated();
+        }
+      } else {
+        load_predicated();
+      }
       // lse_log2 / dsum: padded rows exist for the whole tile (backward_plan.hpp), 4 floats per copy.
       const int64_t row0 = (int64_t(b) * p.heads_q + h) * ws.padded_seqlen_q + i0;
       for (int c = threadIdx.x; c < 2 * kBlockM / 4; c += kThreads) {
@@ -536,6 +576,26 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     const float softcap_log2 = p.softcap * kLog2e;
     const uint32_t dropout_threshold = T::kDropout ? dropout_threshold_u16(p.dropout_p) : 0u;
     const float dropout_rescale = T::kDropout ? 1.f / (1.f - p.dropout_p) : 1.f;
+
+    // kLean: the query tiles m whose tile pair with this key tile is fully visible form one range [full_begin,
+    // full_end): each of tile_fully_visible's four bounds is monotone in m, so the set is an interval. Found once
+    // per unit by walking in from both ends (the masked tiles are few: the diagonal, the window edges, or all of
+    // them when a window is narrower than a tile). Keys past the sequence: every tile masks.
+    int full_begin = m_range.end, full_end = m_range.end;
+    if constexpr (T::kLean) {
+      const int j_end_unit = j0 + kBlockN < seqlen_k ? j0 + kBlockN : seqlen_k;
+      if (j0 + kBlockN <= seqlen_k) {
+        auto fully_visible = [&](int m) {
+          const int i0 = m * kBlockM, i1 = i0 + kBlockM < seqlen_q ? i0 + kBlockM : seqlen_q;
+          return mask.tile_fully_visible(i0, i1, j0, j_end_unit);
+        };
+        int lo = m_range.begin;
+        while (lo < m_range.end && !fully_visible(lo)) ++lo;
+        int hi = m_range.end;
+        while (hi > lo && !fully_visible(hi - 1)) --hi;
+        full_begin = lo, full_end = hi;
+      }
+    }
 
     // Iterations run over (query head h of the group, query tile m), head-major.
     int h = hk * group, m_tile = m_range.begin;
@@ -566,7 +626,8 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       const int j_end = j0 + kBlockN < seqlen_k ? j0 + kBlockN : seqlen_k;
       // Masks only on tiles that straddle a boundary: the window, or keys past the sequence (their K
       // rows are zero-filled, which would otherwise give exp2(0 - lse) > 0).
-      const bool need_mask = j0 + kBlockN > seqlen_k || !mask.tile_fully_visible(i0, i_end, j0, j_end);
+      const bool need_mask = T::kLean ? (m_tile < full_begin || m_tile >= full_end)
+                                      : (j0 + kBlockN > seqlen_k || !mask.tile_fully_visible(i0, i_end, j0, j_end));
       const float alibi_log2 = alibi_slope(p, b, h) * kLog2e;
       // Interior tiles of plain attention take the short elementwise path (no mask, softcap, ALiBi).
       const bool general = need_mask || has_softcap || alibi_log2 != 0.f;
