@@ -26,6 +26,8 @@ struct KernelEntry {
   int warp_keys = 16;   // backward: keys per warp (16 or 32); 16 for the other kinds
   int group_warps = 1;  // forward: warps sharing a group of query rows (1 or 2); 1 for the other kinds
   bool fp8_cache = false;  // kvcache: reads (and appends to) a float8 e4m3 K/V cache; q / out are `dtype`
+  int causal_max_seqlen_q = 0;  // forward: > 0 = taken only for causal calls of at most this many query rows
+                                // (dispatch skips it otherwise); 0 = any call
 };
 
 // The launch functions of one row (exactly one is set, by kind). `stream` is a cudaStream_t.

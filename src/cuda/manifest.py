@@ -59,6 +59,8 @@ class Tile:
     warp_keys: int = 16  # backward only: keys per warp (16 or 32: 32 reuses each Q / dO fragment twice)
     group_warps: int = 1  # forward only: warps sharing a group of query rows (2: the pair splits the keys of
                           # S and the columns of O, halving the K / V shared-memory reads per row)
+    causal_max_seqlen: int = 0  # forward only: > 0 = this row is taken only for causal calls of at most this many
+                                # query rows (a short-causal alternative listed before the general row); speed only
 
 
 # ---- forward tuning table: affects speed, registers and shared memory only, never results ----
@@ -88,7 +90,11 @@ FORWARD_TILES = {
     # pairs vs 16-row warps (same tile): S = 512 265.7 / 190.6 vs 265.3 / 195.5; 2k 326.0 / 273.8 vs 308.9 /
     # 266.3; 8k 339.3 / 311.7 vs 322.1 / 294.4; 16k 328.3 / 344.0 vs 316.0 / 328.5. Pairs at m128 n64 w8 s2:
     # 327.9 / 330.7 at 16k; with two stages at m64 (160 KiB, one CTA per SM) 256.4 / 259.8.
-    (256, False): Tile(64, 64, 4, 1, group_warps=2),
+    # Short causal calls: the 16-row warps of the same tile beat the pairs at S <= 1k (H200, 2026-12-01 00:20 UTC,
+    # bench/forward_tiles.cu, bf16, 4 alternating runs, medians, causal TFLOP/s 16-row / pairs: S = 512 195.9 / 190.0,
+    # 768 220.9 / 219.2, 1k 238.2 / 236.4, 1.5k 252.8 / 256.2, 2k 264.9 / 271.5; non-causal 512 268.5 / 267.5, 1k
+    # 296.6 / 303.5; bench/results/2026-12-01-0020-h200-fwd-d256-short-causal.json).
+    (256, False): [Tile(64, 64, 4, 1, causal_max_seqlen=1024), Tile(64, 64, 4, 1, group_warps=2)],
     (256, True): [Tile(128, 64, 8, 2), Tile(128, 64, 8, 1)],
 }
 
@@ -221,6 +227,7 @@ def kernels():
                     assert tile.stages in (1, 2) or kind == "dec"
                     assert tile.warp_keys == 16 or kind == "bwd", f"{kind} d{head_dim}: warp_keys is a backward tile field"
                     assert tile.group_warps == 1 or kind == "fwd", f"{kind} d{head_dim}: group_warps is a forward tile field"
+                    assert tile.causal_max_seqlen == 0 or kind == "fwd", f"{kind} d{head_dim}: causal_max_seqlen is a forward tile field"
                     if fp8_cache:
                         assert head_dim % 64 == 0, f"{kind} d{head_dim} e4m3: the fp8 staging tile needs D % 64 == 0"
                     rows.append(Kernel(kind, dtype, head_dim, tile, dropout, fp8_cache))
@@ -254,14 +261,15 @@ def kernel_table_hpp(rows):
              "#pragma once", "", '#include "cuda/kernel_entry.hpp"', "",
              "namespace flashattn::cuda::generated {", "",
              "inline constexpr KernelEntry kKernelTable[] = {",
-             "    // kind, dtype, head dim, block_m, block_n, warps, stages, dropout, smem bytes, name, warp keys, group warps, fp8 cache"]
+             "    // kind, dtype, head dim, block_m, block_n, warps, stages, dropout, smem bytes, name, warp keys, group warps, fp8 cache,"
+             "    // causal max seqlen"]
     for k in rows:
         _, fa_dtype = DTYPES[k.dtype]
         kind = {"fwd": "KernelKind::kForward", "bwd": "KernelKind::kBackward", "dec": "KernelKind::kKvcache"}[k.kind]
         t = k.tile
         lines.append(f"    {{{kind}, {fa_dtype}, {k.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
                      f"{'true' if k.dropout else 'false'}, {k.smem_bytes}, \"{k.name}\", {t.warp_keys}, {t.group_warps}, "
-                     f"{'true' if k.fp8_cache else 'false'}}},")
+                     f"{'true' if k.fp8_cache else 'false'}, {t.causal_max_seqlen}}},")
     if not rows:
         lines.append("    {}")
     lines += ["};", f"inline constexpr int kKernelCount = {len(rows)};", "",

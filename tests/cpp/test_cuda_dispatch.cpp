@@ -29,6 +29,7 @@ struct Case {
   int batch = 2, sq = 100, sk = 130, hq = 4, hk = 2, d = 64, dv = -1;
   fa_dtype dtype = FA_BFLOAT16;
   float dropout = 0.f;
+  bool causal = false;
 };
 
 // Params as src/api/validate.cpp builds them for a dense call with CUDA tensors.
@@ -43,6 +44,7 @@ AttentionParams params_for(const Case& c, fa_forward_args* keep = nullptr) {
   fa_options_init(&o);
   o.backend = FA_BACKEND_CUDA;
   o.dropout_p = c.dropout;
+  o.causal = c.causal;
   if (keep) *keep = a;
   AttentionParams p;
   const Status s = flashattn::api::make_forward_params(a, o, &p);
@@ -192,6 +194,47 @@ TEST(CudaDispatch, CudaRulesNameTheArgument) {
   EXPECT_TRUE(check_forward_support(p).ok());
 }
 
+TEST(CudaDispatch, ShortCausalRowIsTakenOnlyForShortCausalCalls) {
+  KernelEntry short_causal{KernelKind::kForward, FA_BFLOAT16, 256, 64, 64, 4, 1, false, 96 * 1024, "fwd_d256_short_causal"};
+  short_causal.causal_max_seqlen_q = 1024;
+  const KernelEntry table[] = {
+      short_causal,
+      {KernelKind::kForward, FA_BFLOAT16, 256, 64, 64, 4, 1, false, 104 * 1024, "fwd_d256_general"},
+  };
+  auto pick = [&](int sq, bool causal) {
+    Case c;
+    c.d = 256;
+    c.sq = sq;
+    c.sk = sq;
+    c.causal = causal;
+    int index = -1;
+    const Status s = choose_kernel(KernelKind::kForward, params_for(c), h200(), table, 2, kArchs, &index);
+    EXPECT_TRUE(s.ok()) << s.message();
+    return s.ok() ? std::string(table[index].name) : std::string();
+  };
+  EXPECT_EQ(pick(512, true), "fwd_d256_short_causal");
+  EXPECT_EQ(pick(1024, true), "fwd_d256_short_causal");
+  EXPECT_EQ(pick(1025, true), "fwd_d256_general");
+  EXPECT_EQ(pick(512, false), "fwd_d256_general");
+  // The generated table: D = 256 causal at S <= 1k takes the 16-row-warp tile, else the warp pairs.
+  namespace gen = flashattn::cuda::generated;
+  for (fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
+    for (int sq : {1, 512, 1024, 1025, 16384})
+      for (bool causal : {false, true}) {
+        Case c;
+        c.d = 256;
+        c.sq = c.sk = sq;
+        c.dtype = dtype;
+        c.causal = causal;
+        int index = -1;
+        ASSERT_TRUE(choose_kernel(KernelKind::kForward, params_for(c), h200(), gen::kKernelTable, gen::kKernelCount,
+                                  "80-real 90a-real", &index)
+                        .ok());
+        const KernelEntry& e = gen::kKernelTable[index];
+        EXPECT_EQ(e.group_warps, causal && sq <= 1024 ? 1 : 2) << e.name << " S " << sq << " causal " << causal;
+      }
+}
+
 TEST(CudaDispatch, GeneratedTableIsConsistent) {
   namespace gen = flashattn::cuda::generated;
   ASSERT_GT(gen::kKernelCount, 0);
@@ -211,15 +254,22 @@ TEST(CudaDispatch, GeneratedTableIsConsistent) {
       EXPECT_EQ(e.group_warps, 1) << e.name;
       EXPECT_LE(e.smem_bytes, 227 * 1024) << e.name << " does not fit an sm_90 CTA";
     }
-    for (int s = 0; s < r; ++s) {
-      // Several rows of one (kind, dtype, D, dropout) are an order of preference by shared memory: a later
-      // row must need less, or dispatch would never pick it.
+    EXPECT_TRUE(e.causal_max_seqlen_q == 0 || e.kind == KernelKind::kForward) << e.name;
+    bool general_follows = false;  // a short-causal row needs a general row after it (any other call)
+    for (int s = 0; s < gen::kKernelCount; ++s) {
+      // Several general rows of one (kind, dtype, D, dropout) are an order of preference by shared memory: a
+      // later row must need less, or dispatch would never pick it. Short-causal rows come before them.
       const KernelEntry& o = gen::kKernelTable[s];
-      if (o.kind == e.kind && o.dtype == e.dtype && o.head_dim == e.head_dim && o.dropout == e.dropout &&
-          o.fp8_cache == e.fp8_cache) {
+      if (s == r || o.kind != e.kind || o.dtype != e.dtype || o.head_dim != e.head_dim || o.dropout != e.dropout ||
+          o.fp8_cache != e.fp8_cache)
+        continue;
+      if (s > r && o.causal_max_seqlen_q == 0) general_follows = true;
+      if (s < r && o.causal_max_seqlen_q == 0 && e.causal_max_seqlen_q == 0)
         EXPECT_LT(e.smem_bytes, o.smem_bytes) << e.name << " comes after " << o.name << ": dispatch would never pick it";
-      }
+      if (s < r && o.causal_max_seqlen_q == 0 && e.causal_max_seqlen_q > 0)
+        ADD_FAILURE() << e.name << " (short causal) comes after the general row " << o.name << ": never picked";
     }
+    if (e.causal_max_seqlen_q > 0) EXPECT_TRUE(general_follows) << e.name << ": no general row after it";
   }
   // Every head dim of the issue runs (in a bucket), for both dtypes, with and without dropout, on an H200.
   for (fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})

@@ -14,6 +14,7 @@ Status fwd_sm80_f16_d128_m128n64w4s2(const AttentionParams& params, void* stream
 Status fwd_sm80_f16_d128_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d192_m128n64w8s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d192_m128n64w8s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_f16_d256_m64n64w4s1(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d256_m64n64w4s1g2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d256_m128n64w8s2_dropout(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d256_m128n64w8s1_dropout(const AttentionParams& params, void* stream);
@@ -27,6 +28,7 @@ Status fwd_sm80_bf16_d128_m128n64w4s2(const AttentionParams& params, void* strea
 Status fwd_sm80_bf16_d128_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d192_m128n64w8s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d192_m128n64w8s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_bf16_d256_m64n64w4s1(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d256_m64n64w4s1g2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d256_m128n64w8s2_dropout(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d256_m128n64w8s1_dropout(const AttentionParams& params, void* stream);
@@ -88,6 +90,7 @@ const KernelLaunch kKernelLaunch[] = {
     {&fwd_sm80_f16_d128_m128n64w4s2_dropout, nullptr, nullptr},
     {&fwd_sm80_f16_d192_m128n64w8s2, nullptr, nullptr},
     {&fwd_sm80_f16_d192_m128n64w8s2_dropout, nullptr, nullptr},
+    {&fwd_sm80_f16_d256_m64n64w4s1, nullptr, nullptr},
     {&fwd_sm80_f16_d256_m64n64w4s1g2, nullptr, nullptr},
     {&fwd_sm80_f16_d256_m128n64w8s2_dropout, nullptr, nullptr},
     {&fwd_sm80_f16_d256_m128n64w8s1_dropout, nullptr, nullptr},
@@ -101,6 +104,7 @@ const KernelLaunch kKernelLaunch[] = {
     {&fwd_sm80_bf16_d128_m128n64w4s2_dropout, nullptr, nullptr},
     {&fwd_sm80_bf16_d192_m128n64w8s2, nullptr, nullptr},
     {&fwd_sm80_bf16_d192_m128n64w8s2_dropout, nullptr, nullptr},
+    {&fwd_sm80_bf16_d256_m64n64w4s1, nullptr, nullptr},
     {&fwd_sm80_bf16_d256_m64n64w4s1g2, nullptr, nullptr},
     {&fwd_sm80_bf16_d256_m128n64w8s2_dropout, nullptr, nullptr},
     {&fwd_sm80_bf16_d256_m128n64w8s1_dropout, nullptr, nullptr},

@@ -10,6 +10,7 @@ set(FLASHATTN_CUDA_GENERATED_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m128n64w4s2_dropout.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d192_m128n64w8s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d192_m128n64w8s2_dropout.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d256_m64n64w4s1.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d256_m64n64w4s1g2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d256_m128n64w8s2_dropout.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d256_m128n64w8s1_dropout.cu
@@ -23,6 +24,7 @@ set(FLASHATTN_CUDA_GENERATED_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m128n64w4s2_dropout.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d192_m128n64w8s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d192_m128n64w8s2_dropout.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d256_m64n64w4s1.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d256_m64n64w4s1g2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d256_m128n64w8s2_dropout.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d256_m128n64w8s1_dropout.cu
