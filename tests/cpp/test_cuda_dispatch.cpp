@@ -264,12 +264,16 @@ TEST(CudaDispatch, GeneratedTableIsConsistent) {
           o.fp8_cache != e.fp8_cache)
         continue;
       if (s > r && o.causal_max_seqlen_q == 0) general_follows = true;
-      if (s < r && o.causal_max_seqlen_q == 0 && e.causal_max_seqlen_q == 0)
+      if (s < r && o.causal_max_seqlen_q == 0 && e.causal_max_seqlen_q == 0) {
         EXPECT_LT(e.smem_bytes, o.smem_bytes) << e.name << " comes after " << o.name << ": dispatch would never pick it";
-      if (s < r && o.causal_max_seqlen_q == 0 && e.causal_max_seqlen_q > 0)
+      }
+      if (s < r && o.causal_max_seqlen_q == 0 && e.causal_max_seqlen_q > 0) {
         ADD_FAILURE() << e.name << " (short causal) comes after the general row " << o.name << ": never picked";
+      }
     }
-    if (e.causal_max_seqlen_q > 0) EXPECT_TRUE(general_follows) << e.name << ": no general row after it";
+    if (e.causal_max_seqlen_q > 0) {
+      EXPECT_TRUE(general_follows) << e.name << ": no general row after it";
+    }
   }
   // Every head dim of the issue runs (in a bucket), for both dtypes, with and without dropout, on an H200.
   for (fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
