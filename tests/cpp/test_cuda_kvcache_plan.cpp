@@ -219,7 +219,9 @@ TEST(CudaKvcachePlan, ManyWavesSplits) {
   for (int64_t ctas = 924; ctas <= 8192; ctas += 97) {
     const int s = decode::many_waves_splits(ctas, slots, 1 << 20);
     ASSERT_GE(s, 1);
-    if (s > 1) EXPECT_LE(double(s) * ctas / slots, double(decode::kManyWavesTarget)) << ctas;
+    if (s > 1) {
+      EXPECT_LE(double(s) * ctas / slots, double(decode::kManyWavesTarget)) << ctas;
+    }
     EXPECT_GT(double(s + 1) * ctas / slots, double(decode::kManyWavesTarget)) << ctas;
   }
 }
