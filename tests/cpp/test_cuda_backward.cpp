@@ -57,6 +57,15 @@ TEST(CudaBackwardPlan, TileRangesMatchBruteForce) {
       ASSERT_GE(r.begin, 0);
       ASSERT_LE(r.end, tiles_m);
       for (int m = r.begin; m < r.end; ++m) works[m][n] = 1;
+      // The lean iteration's mask range: exactly the tiles of r whose every (i, j) is visible and inside the sequence.
+      const sm80::TileRange u = sm80::unmasked_query_tiles(mask, sq, sk, block_m, block_n, n, r);
+      for (int m = r.begin; m < r.end; ++m) {
+        bool whole = (n + 1) * block_n <= sk;
+        for (int i = m * block_m; whole && i < std::min((m + 1) * block_m, sq); ++i)
+          for (int j = n * block_n; whole && j < (n + 1) * block_n; ++j) whole = mask.visible(i, j);
+        EXPECT_EQ(m >= u.begin && m < u.end, whole) << "m=" << m << " n=" << n << " sq=" << sq << " sk=" << sk
+                                                    << " window=(" << left << ", " << right << ")";
+      }
     }
     for (int i = 0; i < sq; ++i)
       for (int j = 0; j < sk; ++j)

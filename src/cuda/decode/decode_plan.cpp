@@ -153,10 +153,11 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
       splits = choose_num_splits(ctas, slots, capacity_tiles);
     } else if (fill >= kOneWaveFill && fill <= 1.0) {
       splits = paged && p.seqlen_k >= kPagedOneWaveSplitKeys && per_sm >= 2 && capacity_tiles >= 2 * kMinTilesPerSplit ? 2 : 1;
-    } else if (!paged && p.kv_dtype != FA_FLOAT8_E4M3 && double(ctas) >= kManyWavesMinWaves * double(slots)) {
-      splits = many_waves_splits(ctas, slots, p.seqlen_k);
     } else {
-      splits = choose_num_splits(ctas, device.sm_count, capacity_tiles);
+      // Many waves of a contiguous 16-bit cache may still split (many_waves_splits); else the heuristic (which
+      // leaves a grid of many waves unsplit).
+      splits = !paged && p.kv_dtype != FA_FLOAT8_E4M3 ? many_waves_splits(ctas, slots, p.seqlen_k) : 1;
+      if (splits == 1) splits = choose_num_splits(ctas, device.sm_count, capacity_tiles);
     }
   }
   if (m_blocks * splits > INT_MAX)

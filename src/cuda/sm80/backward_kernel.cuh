@@ -577,25 +577,9 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
     const uint32_t dropout_threshold = T::kDropout ? dropout_threshold_u16(p.dropout_p) : 0u;
     const float dropout_rescale = T::kDropout ? 1.f / (1.f - p.dropout_p) : 1.f;
 
-    // kLean: the query tiles m whose tile pair with this key tile is fully visible form one range [full_begin,
-    // full_end): each of tile_fully_visible's four bounds is monotone in m, so the set is an interval. Found once
-    // per unit by walking in from both ends (the masked tiles are few: the diagonal, the window edges, or all of
-    // them when a window is narrower than a tile). Keys past the sequence: every tile masks.
-    int full_begin = m_range.end, full_end = m_range.end;
-    if constexpr (T::kLean) {
-      const int j_end_unit = j0 + kBlockN < seqlen_k ? j0 + kBlockN : seqlen_k;
-      if (j0 + kBlockN <= seqlen_k) {
-        auto fully_visible = [&](int m) {
-          const int i0 = m * kBlockM, i1 = i0 + kBlockM < seqlen_q ? i0 + kBlockM : seqlen_q;
-          return mask.tile_fully_visible(i0, i1, j0, j_end_unit);
-        };
-        int lo = m_range.begin;
-        while (lo < m_range.end && !fully_visible(lo)) ++lo;
-        int hi = m_range.end;
-        while (hi > lo && !fully_visible(hi - 1)) --hi;
-        full_begin = lo, full_end = hi;
-      }
-    }
+    // kLean: the query tiles that need no mask, found once per unit (backward_plan.hpp).
+    TileRange unmasked{m_range.end, m_range.end};
+    if constexpr (T::kLean) unmasked = unmasked_query_tiles(mask, seqlen_q, seqlen_k, kBlockM, kBlockN, n_tile, m_range);
 
     // Iterations run over (query head h of the group, query tile m), head-major.
     int h = hk * group, m_tile = m_range.begin;
@@ -626,7 +610,7 @@ __global__ void __launch_bounds__(Config::kThreads, 1)
       const int j_end = j0 + kBlockN < seqlen_k ? j0 + kBlockN : seqlen_k;
       // Masks only on tiles that straddle a boundary: the window, or keys past the sequence (their K
       // rows are zero-filled, which would otherwise give exp2(0 - lse) > 0).
-      const bool need_mask = T::kLean ? (m_tile < full_begin || m_tile >= full_end)
+      const bool need_mask = T::kLean ? (m_tile < unmasked.begin || m_tile >= unmasked.end)
                                       : (j0 + kBlockN > seqlen_k || !mask.tile_fully_visible(i0, i_end, j0, j_end));
       const float alibi_log2 = alibi_slope(p, b, h) * kLog2e;
       // Interior tiles of plain attention take the short elementwise path (no mask, softcap, ALiBi).

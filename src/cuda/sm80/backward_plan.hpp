@@ -187,6 +187,29 @@ FA_HD TileRange query_tiles_of_key_tile(const WindowMask& mask, int seqlen_q, in
   return r;
 }
 
+// Query tiles of `m_range` (query_tiles_of_key_tile of key tile n) whose pair with key tile n needs no mask: every
+// (i, j) visible and every key inside the sequence. Each of tile_fully_visible's four bounds is monotone in m, so
+// these tiles form one range; it is found by walking in from both ends (the masked tiles are few: the diagonal, the
+// window edges, or all of them when a window is narrower than a tile). Empty (at m_range.end) when the key tile
+// runs past the sequence.
+FA_HD TileRange unmasked_query_tiles(const WindowMask& mask, int seqlen_q, int seqlen_k, int block_m, int block_n, int n,
+                                     TileRange m_range) {
+  TileRange r{m_range.end, m_range.end};
+  const int j0 = n * block_n;
+  const int j1 = j0 + block_n < seqlen_k ? j0 + block_n : seqlen_k;
+  if (j0 + block_n > seqlen_k) return r;
+  auto fully_visible = [&](int m) {
+    const int i0 = m * block_m, i1 = i0 + block_m < seqlen_q ? i0 + block_m : seqlen_q;
+    return mask.tile_fully_visible(i0, i1, j0, j1);
+  };
+  int lo = m_range.begin;
+  while (lo < m_range.end && !fully_visible(lo)) ++lo;
+  int hi = m_range.end;
+  while (hi > lo && !fully_visible(hi - 1)) --hi;
+  r.begin = lo, r.end = hi;
+  return r;
+}
+
 // The first key tile that works on query tile m (the semaphore of m counts key tiles from it).
 FA_HD int first_key_tile_of_query_tile(const WindowMask& mask, int block_m, int block_n, int m) {
   if (mask.window_left < 0) return 0;
