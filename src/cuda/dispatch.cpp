@@ -148,13 +148,15 @@ Status choose_kernel(KernelKind kind, const AttentionParams& p, const DeviceLimi
                  p.head_dim, kind_name(kind), dtype_name(p.dtype), dropout ? ", dropout" : "",
                  fp8_cache ? ", float8_e4m3 cache" : "", join_ints(compiled).c_str(), fp8_cache ? 16 : 8);
   // Rows of the bucket come in the manifest's order of preference: the first whose shared memory fits, among
-  // those whose call condition holds (a short-causal row: causal and at most causal_max_seqlen_q query rows).
+  // those whose call condition holds (a short-causal row: causal and at most causal_max_seqlen_q query rows; a
+  // short-call row: at most max_seqlen_q query rows).
   int smallest = -1;
   for (int r = 0; r < count; ++r) {
     const KernelEntry& e = table[r];
     if (e.kind != kind || e.dtype != p.dtype || e.dropout != dropout || e.fp8_cache != fp8_cache || e.head_dim != bucket)
       continue;
     if (e.causal_max_seqlen_q > 0 && !(p.causal && p.seqlen_q <= e.causal_max_seqlen_q)) continue;
+    if (e.max_seqlen_q > 0 && p.seqlen_q > e.max_seqlen_q) continue;
     if (e.smem_bytes <= device.smem_per_block_optin) {
       *index = r;
       return Status();

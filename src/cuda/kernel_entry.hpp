@@ -28,6 +28,7 @@ struct KernelEntry {
   bool fp8_cache = false;  // kvcache: reads (and appends to) a float8 e4m3 K/V cache; q / out are `dtype`
   int causal_max_seqlen_q = 0;  // forward: > 0 = taken only for causal calls of at most this many query rows
                                 // (dispatch skips it otherwise); 0 = any call
+  int max_seqlen_q = 0;  // forward: > 0 = taken only for calls (any mask) of at most this many query rows; 0 = any
 };
 
 // The launch functions of one row (exactly one is set, by kind). `stream` is a cudaStream_t.

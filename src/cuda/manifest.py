@@ -61,6 +61,10 @@ class Tile:
                           # S and the columns of O, halving the K / V shared-memory reads per row)
     causal_max_seqlen: int = 0  # forward only: > 0 = this row is taken only for causal calls of at most this many
                                 # query rows (a short-causal alternative listed before the general row); speed only
+    max_seqlen: int = 0  # forward only: > 0 = this row is taken only for calls (any mask) of at most this many
+                         # query rows (a short-call alternative listed before the general row); speed only
+    compact_epilogue: bool = False  # forward only: the epilogue's stores in a rolled loop from one base
+                                    # (forward_kernel.cuh, kCompactEpilogue: short calls gain); speed only
 
 
 # ---- forward tuning table: affects speed, registers and shared memory only, never results ----
@@ -77,8 +81,12 @@ FORWARD_TILES = {
     (64, True): Tile(128, 64, 4, 2),     # 48 KiB; S fragments halve to leave registers for Philox
     (96, False): Tile(128, 64, 4, 2),    # 72 KiB
     (96, True): Tile(128, 64, 4, 2),
-    (128, False): Tile(128, 64, 4, 2),   # 96 KiB: two CTAs (8 warps) per SM; 372.4 TFLOP/s at S = 16k (s1: 370.2,
-                                         # m64 w4: 297.9, m128 n128 w8: 321.3; H200, 2026-11-30)
+    # D = 128, 96 KiB: two CTAs (8 warps) per SM; 372.4 TFLOP/s at S = 16k (s1: 370.2, m64 w4: 297.9, m128 n128 w8:
+    # 321.3; H200, 2026-11-30). Calls of at most 1k query rows take the same tile with the compact epilogue
+    # (forward_kernel.cuh): bf16 / fp16, S = 512 non-causal +1.8% / +2.5%, causal +3.7% / +4.7%; 1k +0.3% to +1.0%;
+    # 2k -1.2% to +0.4%, 16k -1.3% to -1.9% (H200, 2026-12-01 03:38 UTC, bench/flashattn_cuda_bench, 5 alternating
+    # runs, medians; bench/results/2026-12-01-0338-h200-fwd-compact-epilogue-ab.json).
+    (128, False): [Tile(128, 64, 4, 2, max_seqlen=1024, compact_epilogue=True), Tile(128, 64, 4, 2)],
     (128, True): Tile(128, 64, 4, 2),
     (192, False): Tile(128, 64, 8, 2),   # 144 KiB; 16 rows per warp keep O at 96 registers
     (192, True): Tile(128, 64, 8, 2),
@@ -175,6 +183,7 @@ class Kernel:
         keys = f"k{t.warp_keys}" if t.warp_keys != 16 else ""
         keys = f"k{t.warp_keys}" if t.warp_keys != 16 else ""
         groups = f"g{t.group_warps}" if t.group_warps != 1 else ""
+        groups += "ce" if t.compact_epilogue else ""
         cache = "_e4m3" if self.fp8_cache else ""
         return (f"{self.kind}_sm80_{self.dtype}{cache}_d{self.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}"
                 f"s{t.stages}{keys}{groups}{flags}")
@@ -228,6 +237,9 @@ def kernels():
                     assert tile.warp_keys == 16 or kind == "bwd", f"{kind} d{head_dim}: warp_keys is a backward tile field"
                     assert tile.group_warps == 1 or kind == "fwd", f"{kind} d{head_dim}: group_warps is a forward tile field"
                     assert tile.causal_max_seqlen == 0 or kind == "fwd", f"{kind} d{head_dim}: causal_max_seqlen is a forward tile field"
+                    assert (tile.max_seqlen == 0 and not tile.compact_epilogue) or kind == "fwd", \
+                        f"{kind} d{head_dim}: max_seqlen and compact_epilogue are forward tile fields"
+                    assert tile.max_seqlen == 0 or tile.causal_max_seqlen == 0, f"{kind} d{head_dim}: one call condition per row"
                     if fp8_cache:
                         assert head_dim % 64 == 0, f"{kind} d{head_dim} e4m3: the fp8 staging tile needs D % 64 == 0"
                     rows.append(Kernel(kind, dtype, head_dim, tile, dropout, fp8_cache))
@@ -244,6 +256,8 @@ def kernel_cu(k):
         extra = ", true"  # DecodeConfig's kFp8Cache
     config = (f"{CONFIG_TYPES.get(k.kind, 'KernelConfig')}<{element}, {k.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
               f"{'true' if k.dropout else 'false'}{extra}>")
+    if t.compact_epilogue:
+        config = f"sm80::WithCompactEpilogue<{config}>"
     return f"""// {BANNER}
 #include "{header}"
 
@@ -262,14 +276,14 @@ def kernel_table_hpp(rows):
              "namespace flashattn::cuda::generated {", "",
              "inline constexpr KernelEntry kKernelTable[] = {",
              "    // kind, dtype, head dim, block_m, block_n, warps, stages, dropout, smem bytes, name, warp keys, group warps, fp8 cache,"
-             "    // causal max seqlen"]
+             "    // causal max seqlen, max seqlen"]
     for k in rows:
         _, fa_dtype = DTYPES[k.dtype]
         kind = {"fwd": "KernelKind::kForward", "bwd": "KernelKind::kBackward", "dec": "KernelKind::kKvcache"}[k.kind]
         t = k.tile
         lines.append(f"    {{{kind}, {fa_dtype}, {k.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
                      f"{'true' if k.dropout else 'false'}, {k.smem_bytes}, \"{k.name}\", {t.warp_keys}, {t.group_warps}, "
-                     f"{'true' if k.fp8_cache else 'false'}, {t.causal_max_seqlen}}},")
+                     f"{'true' if k.fp8_cache else 'false'}, {t.causal_max_seqlen}, {t.max_seqlen}}},")
     if not rows:
         lines.append("    {}")
     lines += ["};", f"inline constexpr int kKernelCount = {len(rows)};", "",

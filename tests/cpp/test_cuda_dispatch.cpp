@@ -235,6 +235,51 @@ TEST(CudaDispatch, ShortCausalRowIsTakenOnlyForShortCausalCalls) {
       }
 }
 
+TEST(CudaDispatch, ShortCallRowIsTakenOnlyForShortCalls) {
+  KernelEntry short_call{KernelKind::kForward, FA_BFLOAT16, 128, 128, 64, 4, 2, false, 96 * 1024, "fwd_d128_short"};
+  short_call.max_seqlen_q = 1024;
+  const KernelEntry table[] = {
+      short_call,
+      {KernelKind::kForward, FA_BFLOAT16, 128, 128, 64, 4, 2, false, 96 * 1024, "fwd_d128_general"},
+  };
+  auto pick = [&](int sq, int sk, bool causal) {
+    Case c;
+    c.d = 128;
+    c.sq = sq;
+    c.sk = sk;
+    c.causal = causal;
+    int index = -1;
+    const Status s = choose_kernel(KernelKind::kForward, params_for(c), h200(), table, 2, kArchs, &index);
+    EXPECT_TRUE(s.ok()) << s.message();
+    return s.ok() ? std::string(table[index].name) : std::string();
+  };
+  EXPECT_EQ(pick(512, 512, false), "fwd_d128_short");
+  EXPECT_EQ(pick(1024, 1024, true), "fwd_d128_short");
+  EXPECT_EQ(pick(1024, 65536, false), "fwd_d128_short");  // the query rows decide, not the keys
+  EXPECT_EQ(pick(1025, 1025, false), "fwd_d128_general");
+  EXPECT_EQ(pick(1025, 64, true), "fwd_d128_general");
+  // The generated table: D = 128 without dropout at S <= 1k takes the compact-epilogue kernel, else the general
+  // one; with dropout always the general one.
+  namespace gen = flashattn::cuda::generated;
+  for (fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
+    for (int sq : {1, 512, 1024, 1025, 16384})
+      for (float dropout : {0.f, 0.1f}) {
+        Case c;
+        c.d = 128;
+        c.sq = c.sk = sq;
+        c.dtype = dtype;
+        c.dropout = dropout;
+        int index = -1;
+        ASSERT_TRUE(choose_kernel(KernelKind::kForward, params_for(c), h200(), gen::kKernelTable, gen::kKernelCount,
+                                  "80-real 90a-real", &index)
+                        .ok());
+        const KernelEntry& e = gen::kKernelTable[index];
+        const bool short_row = dropout == 0.f && sq <= 1024;
+        EXPECT_EQ(e.max_seqlen_q, short_row ? 1024 : 0) << e.name << " S " << sq << " dropout " << dropout;
+        EXPECT_EQ(std::string(e.name).find("ce") != std::string::npos, short_row) << e.name;
+      }
+}
+
 TEST(CudaDispatch, GeneratedTableIsConsistent) {
   namespace gen = flashattn::cuda::generated;
   ASSERT_GT(gen::kKernelCount, 0);
@@ -254,8 +299,11 @@ TEST(CudaDispatch, GeneratedTableIsConsistent) {
       EXPECT_EQ(e.group_warps, 1) << e.name;
       EXPECT_LE(e.smem_bytes, 227 * 1024) << e.name << " does not fit an sm_90 CTA";
     }
-    EXPECT_TRUE(e.causal_max_seqlen_q == 0 || e.kind == KernelKind::kForward) << e.name;
-    bool general_follows = false;  // a short-causal row needs a general row after it (any other call)
+    EXPECT_TRUE((e.causal_max_seqlen_q == 0 && e.max_seqlen_q == 0) || e.kind == KernelKind::kForward) << e.name;
+    EXPECT_TRUE(e.causal_max_seqlen_q == 0 || e.max_seqlen_q == 0) << e.name << ": one call condition per row";
+    // A conditional row (short causal, short call) is taken only for some calls: dispatch then reads on.
+    auto conditional = [](const KernelEntry& k) { return k.causal_max_seqlen_q > 0 || k.max_seqlen_q > 0; };
+    bool general_follows = false;  // a conditional row needs a general row after it (any other call)
     for (int s = 0; s < gen::kKernelCount; ++s) {
       // Several general rows of one (kind, dtype, D, dropout) are an order of preference by shared memory: a
       // later row must need less, or dispatch would never pick it. Short-causal rows come before them.
@@ -263,15 +311,15 @@ TEST(CudaDispatch, GeneratedTableIsConsistent) {
       if (s == r || o.kind != e.kind || o.dtype != e.dtype || o.head_dim != e.head_dim || o.dropout != e.dropout ||
           o.fp8_cache != e.fp8_cache)
         continue;
-      if (s > r && o.causal_max_seqlen_q == 0) general_follows = true;
-      if (s < r && o.causal_max_seqlen_q == 0 && e.causal_max_seqlen_q == 0) {
+      if (s > r && !conditional(o)) general_follows = true;
+      if (s < r && !conditional(o) && !conditional(e)) {
         EXPECT_LT(e.smem_bytes, o.smem_bytes) << e.name << " comes after " << o.name << ": dispatch would never pick it";
       }
-      if (s < r && o.causal_max_seqlen_q == 0 && e.causal_max_seqlen_q > 0) {
-        ADD_FAILURE() << e.name << " (short causal) comes after the general row " << o.name << ": never picked";
+      if (s < r && !conditional(o) && conditional(e)) {
+        ADD_FAILURE() << e.name << " (conditional) comes after the general row " << o.name << ": never picked";
       }
     }
-    if (e.causal_max_seqlen_q > 0) {
+    if (conditional(e)) {
       EXPECT_TRUE(general_follows) << e.name << ": no general row after it";
     }
   }

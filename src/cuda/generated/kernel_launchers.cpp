@@ -10,6 +10,7 @@ Status fwd_sm80_f16_d64_m128n128w4s2(const AttentionParams& params, void* stream
 Status fwd_sm80_f16_d64_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d96_m128n64w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d96_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_f16_d128_m128n64w4s2ce(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d192_m128n64w8s2(const AttentionParams& params, void* stream);
@@ -24,6 +25,7 @@ Status fwd_sm80_bf16_d64_m128n128w4s2(const AttentionParams& params, void* strea
 Status fwd_sm80_bf16_d64_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d96_m128n64w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d96_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_bf16_d128_m128n64w4s2ce(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d192_m128n64w8s2(const AttentionParams& params, void* stream);
@@ -86,6 +88,7 @@ const KernelLaunch kKernelLaunch[] = {
     {&fwd_sm80_f16_d64_m128n64w4s2_dropout, nullptr, nullptr},
     {&fwd_sm80_f16_d96_m128n64w4s2, nullptr, nullptr},
     {&fwd_sm80_f16_d96_m128n64w4s2_dropout, nullptr, nullptr},
+    {&fwd_sm80_f16_d128_m128n64w4s2ce, nullptr, nullptr},
     {&fwd_sm80_f16_d128_m128n64w4s2, nullptr, nullptr},
     {&fwd_sm80_f16_d128_m128n64w4s2_dropout, nullptr, nullptr},
     {&fwd_sm80_f16_d192_m128n64w8s2, nullptr, nullptr},
@@ -100,6 +103,7 @@ const KernelLaunch kKernelLaunch[] = {
     {&fwd_sm80_bf16_d64_m128n64w4s2_dropout, nullptr, nullptr},
     {&fwd_sm80_bf16_d96_m128n64w4s2, nullptr, nullptr},
     {&fwd_sm80_bf16_d96_m128n64w4s2_dropout, nullptr, nullptr},
+    {&fwd_sm80_bf16_d128_m128n64w4s2ce, nullptr, nullptr},
     {&fwd_sm80_bf16_d128_m128n64w4s2, nullptr, nullptr},
     {&fwd_sm80_bf16_d128_m128n64w4s2_dropout, nullptr, nullptr},
     {&fwd_sm80_bf16_d192_m128n64w8s2, nullptr, nullptr},

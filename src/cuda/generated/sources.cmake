@@ -6,6 +6,7 @@ set(FLASHATTN_CUDA_GENERATED_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d64_m128n64w4s2_dropout.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d96_m128n64w4s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d96_m128n64w4s2_dropout.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m128n64w4s2ce.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m128n64w4s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m128n64w4s2_dropout.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d192_m128n64w8s2.cu
@@ -20,6 +21,7 @@ set(FLASHATTN_CUDA_GENERATED_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d64_m128n64w4s2_dropout.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d96_m128n64w4s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d96_m128n64w4s2_dropout.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m128n64w4s2ce.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m128n64w4s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m128n64w4s2_dropout.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d192_m128n64w8s2.cu

@@ -149,6 +149,22 @@ struct SumByMmaOf : std::false_type {};
 template <typename C>
 struct SumByMmaOf<C, std::void_t<decltype(C::kSumByMma)>> : std::bool_constant<C::kSumByMma> {};
 
+// A config may set `static constexpr bool kCompactEpilogue = true` (WithCompactEpilogue below): the output
+// stores of the epilogue address each row from one base (q_offset is linear in the row) in a rolled loop, which
+// cuts the straight-line code every CTA runs once, after its loop, by about 1000 instructions at D = 128. Short
+// calls gain: their CTAs are short, and ncu saw a third of their epilogue's warp samples waiting on
+// instruction fetch (H200, 2026-12-01 03:28 UTC, D = 128, S = 512). Long calls lose: ptxas then allocates the
+// main loop differently (fewer uniform-datapath instructions, more IMADs), 1-2% at S = 16k. Hence an option
+// of short-call rows (FORWARD_TILES, max_seqlen); affects speed only.
+template <typename C, typename = void>
+struct CompactEpilogueOf : std::false_type {};
+template <typename C>
+struct CompactEpilogueOf<C, std::void_t<decltype(C::kCompactEpilogue)>> : std::bool_constant<C::kCompactEpilogue> {};
+template <typename Base>
+struct WithCompactEpilogue : Base {
+  static constexpr bool kCompactEpilogue = true;
+};
+
 // A config may set `static constexpr int kMinBlocksPerSm` (launch bounds: ptxas then caps registers at
 // 64K / (kThreads * kMinBlocksPerSm)); default 1, i.e. up to 255 registers.
 template <typename C, typename = void>
@@ -181,6 +197,7 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
   constexpr bool kLazyRescale = LazyRescaleOf<C>::value;
   constexpr bool kFullTileLoads = FullTileLoadsOf<C>::value;
   constexpr bool kSumByMma = SumByMmaOf<C>::value;
+  constexpr bool kCompactEpilogue = CompactEpilogueOf<C>::value;
   static_assert(!(kSumByMma && C::kDropout), "the row sum is of the undropped P: with dropout it needs the FADDs");
   using QTile = SwizzledTile<kBlockM, kHeadDim>;
   using KVTile = SwizzledTile<kBlockN, kHeadDim>;
@@ -653,6 +670,8 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
 
   // ---- epilogue: normalise, LSE, O through this warp's own Q rows of shared memory to 16-byte stores ----
   const float keep_scale = C::kDropout ? 1.f / (1.f - params.dropout_p) : 1.f;
+  // Compact epilogue: the LSE and O offsets of row_begin; both are linear in the row (dense and varlen).
+  const int64_t lse_tile = kCompactEpilogue ? lse_offset(params, b, ext, row_begin, h) : 0;
   float sums[kMTiles][2];  // the row sums (of this warp's keys, then of the group's)
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
@@ -677,7 +696,7 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
       }
       const int i = query_row(mt, half);
       if (params.lse != nullptr && part == 0 && quad_col == 0 && i < ext.seqlen_q)
-        params.lse[lse_offset(params, b, ext, i, h)] =
+        params.lse[kCompactEpilogue ? lse_tile + int64_t(i - row_begin) * params.lse_row_stride : lse_offset(params, b, ext, i, h)] =
             no_visible_key ? -INFINITY : (row_max[mt][half] * score_log2_scale + log2f(sum)) * kLn2;
     }
   // Each warp group reads only its own Q rows (A operands), so after its last ldmatrix it may overwrite
@@ -698,16 +717,30 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
   Element* out_gmem = static_cast<Element*>(params.out);
   constexpr int kOutChunksPerLane = kGroupRows * kWarpChunks / 32;
   static_assert((kGroupRows * kWarpChunks) % 32 == 0, "whole 16-byte chunks per lane");
+  if constexpr (kCompactEpilogue) {
+    Element* const out_tile = out_gmem + q_offset(params, params.out_batch_stride, params.out_row_stride,
+                                                  params.out_head_stride, b, ext, row_begin, h);
+#pragma unroll 1
+    for (int k = 0; k < kOutChunksPerLane; ++k) {
+      const int id = lane + 32 * k;  // consecutive lanes store consecutive chunks of a row: coalesced
+      const int row = group * kGroupRows + id / kWarpChunks;
+      const int chunk = part * kWarpChunks + id % kWarpChunks;
+      if (row < rows_valid && chunk < d_chunks)
+        *reinterpret_cast<uint4*>(out_tile + int64_t(row) * params.out_row_stride + chunk * 8) =
+            *reinterpret_cast<const uint4*>(smem + QTile::chunk_offset(row, chunk));
+    }
+  } else {  // the same stores, unrolled, each addressed from scratch
 #pragma unroll
-  for (int k = 0; k < kOutChunksPerLane; ++k) {
-    const int id = lane + 32 * k;  // consecutive lanes store consecutive chunks of a row: coalesced
-    const int row = group * kGroupRows + id / kWarpChunks;
-    const int chunk = part * kWarpChunks + id % kWarpChunks;
-    if (row < rows_valid && chunk < d_chunks) {
-      const uint4 value = *reinterpret_cast<const uint4*>(smem + QTile::chunk_offset(row, chunk));
-      const int64_t offset = q_offset(params, params.out_batch_stride, params.out_row_stride, params.out_head_stride, b, ext,
-                                      row_begin + row, h);
-      *reinterpret_cast<uint4*>(out_gmem + offset + chunk * 8) = value;
+    for (int k = 0; k < kOutChunksPerLane; ++k) {
+      const int id = lane + 32 * k;
+      const int row = group * kGroupRows + id / kWarpChunks;
+      const int chunk = part * kWarpChunks + id % kWarpChunks;
+      if (row < rows_valid && chunk < d_chunks) {
+        const uint4 value = *reinterpret_cast<const uint4*>(smem + QTile::chunk_offset(row, chunk));
+        const int64_t offset = q_offset(params, params.out_batch_stride, params.out_row_stride, params.out_head_stride, b,
+                                        ext, row_begin + row, h);
+        *reinterpret_cast<uint4*>(out_gmem + offset + chunk * 8) = value;
+      }
     }
   }
 }
