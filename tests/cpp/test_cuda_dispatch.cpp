@@ -194,28 +194,37 @@ TEST(CudaDispatch, CudaRulesNameTheArgument) {
   EXPECT_TRUE(check_forward_support(p).ok());
 }
 
+// The forward row dispatch picks for a call of shape `c` from `table` on an H200 (nullptr, and a test failure, when
+// it refuses the call).
+const KernelEntry* pick_forward(const Case& c, const KernelEntry* table, int count, const std::string& archs) {
+  int index = -1;
+  const Status s = choose_kernel(KernelKind::kForward, params_for(c), h200(), table, count, archs, &index);
+  EXPECT_TRUE(s.ok()) << s.message();
+  return s.ok() ? &table[index] : nullptr;
+}
+
+// The name of the row picked from the two-row `table` of a conditional-row test, for head dim d.
+std::string picked_name(const KernelEntry (&table)[2], int d, int sq, int sk, bool causal) {
+  Case c;
+  c.d = d;
+  c.sq = sq;
+  c.sk = sk;
+  c.causal = causal;
+  const KernelEntry* e = pick_forward(c, table, 2, kArchs);
+  return e != nullptr ? std::string(e->name) : std::string();
+}
+
 TEST(CudaDispatch, ShortCausalRowIsTakenOnlyForShortCausalCalls) {
   KernelEntry short_causal{KernelKind::kForward, FA_BFLOAT16, 256, 64, 64, 4, 1, false, 96 * 1024, "fwd_d256_short_causal"};
   short_causal.causal_max_seqlen_q = 1024;
-  const KernelEntry table[] = {
+  const KernelEntry table[2] = {
       short_causal,
       {KernelKind::kForward, FA_BFLOAT16, 256, 64, 64, 4, 1, false, 104 * 1024, "fwd_d256_general"},
   };
-  auto pick = [&](int sq, bool causal) {
-    Case c;
-    c.d = 256;
-    c.sq = sq;
-    c.sk = sq;
-    c.causal = causal;
-    int index = -1;
-    const Status s = choose_kernel(KernelKind::kForward, params_for(c), h200(), table, 2, kArchs, &index);
-    EXPECT_TRUE(s.ok()) << s.message();
-    return s.ok() ? std::string(table[index].name) : std::string();
-  };
-  EXPECT_EQ(pick(512, true), "fwd_d256_short_causal");
-  EXPECT_EQ(pick(1024, true), "fwd_d256_short_causal");
-  EXPECT_EQ(pick(1025, true), "fwd_d256_general");
-  EXPECT_EQ(pick(512, false), "fwd_d256_general");
+  EXPECT_EQ(picked_name(table, 256, 512, 512, true), "fwd_d256_short_causal");
+  EXPECT_EQ(picked_name(table, 256, 1024, 1024, true), "fwd_d256_short_causal");
+  EXPECT_EQ(picked_name(table, 256, 1025, 1025, true), "fwd_d256_general");
+  EXPECT_EQ(picked_name(table, 256, 512, 512, false), "fwd_d256_general");
   // The generated table: D = 256 causal at S <= 1k takes the 16-row-warp tile, else the warp pairs.
   namespace gen = flashattn::cuda::generated;
   for (fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
@@ -226,38 +235,24 @@ TEST(CudaDispatch, ShortCausalRowIsTakenOnlyForShortCausalCalls) {
         c.sq = c.sk = sq;
         c.dtype = dtype;
         c.causal = causal;
-        int index = -1;
-        ASSERT_TRUE(choose_kernel(KernelKind::kForward, params_for(c), h200(), gen::kKernelTable, gen::kKernelCount,
-                                  "80-real 90a-real", &index)
-                        .ok());
-        const KernelEntry& e = gen::kKernelTable[index];
-        EXPECT_EQ(e.group_warps, causal && sq <= 1024 ? 1 : 2) << e.name << " S " << sq << " causal " << causal;
+        const KernelEntry* e = pick_forward(c, gen::kKernelTable, gen::kKernelCount, "80-real 90a-real");
+        ASSERT_NE(e, nullptr);
+        EXPECT_EQ(e->group_warps, causal && sq <= 1024 ? 1 : 2) << e->name << " S " << sq << " causal " << causal;
       }
 }
 
 TEST(CudaDispatch, ShortCallRowIsTakenOnlyForShortCalls) {
   KernelEntry short_call{KernelKind::kForward, FA_BFLOAT16, 128, 128, 64, 4, 2, false, 96 * 1024, "fwd_d128_short"};
   short_call.max_seqlen_q = 1024;
-  const KernelEntry table[] = {
+  const KernelEntry table[2] = {
       short_call,
       {KernelKind::kForward, FA_BFLOAT16, 128, 128, 64, 4, 2, false, 96 * 1024, "fwd_d128_general"},
   };
-  auto pick = [&](int sq, int sk, bool causal) {
-    Case c;
-    c.d = 128;
-    c.sq = sq;
-    c.sk = sk;
-    c.causal = causal;
-    int index = -1;
-    const Status s = choose_kernel(KernelKind::kForward, params_for(c), h200(), table, 2, kArchs, &index);
-    EXPECT_TRUE(s.ok()) << s.message();
-    return s.ok() ? std::string(table[index].name) : std::string();
-  };
-  EXPECT_EQ(pick(512, 512, false), "fwd_d128_short");
-  EXPECT_EQ(pick(1024, 1024, true), "fwd_d128_short");
-  EXPECT_EQ(pick(1024, 65536, false), "fwd_d128_short");  // the query rows decide, not the keys
-  EXPECT_EQ(pick(1025, 1025, false), "fwd_d128_general");
-  EXPECT_EQ(pick(1025, 64, true), "fwd_d128_general");
+  EXPECT_EQ(picked_name(table, 128, 512, 512, false), "fwd_d128_short");
+  EXPECT_EQ(picked_name(table, 128, 1024, 1024, true), "fwd_d128_short");
+  EXPECT_EQ(picked_name(table, 128, 1024, 65536, false), "fwd_d128_short");  // the query rows decide, not the keys
+  EXPECT_EQ(picked_name(table, 128, 1025, 1025, false), "fwd_d128_general");
+  EXPECT_EQ(picked_name(table, 128, 1025, 64, true), "fwd_d128_general");
   // The generated table: D = 128 without dropout at S <= 1k takes the compact-epilogue kernel, else the general
   // one; with dropout always the general one.
   namespace gen = flashattn::cuda::generated;
@@ -269,14 +264,11 @@ TEST(CudaDispatch, ShortCallRowIsTakenOnlyForShortCalls) {
         c.sq = c.sk = sq;
         c.dtype = dtype;
         c.dropout = dropout;
-        int index = -1;
-        ASSERT_TRUE(choose_kernel(KernelKind::kForward, params_for(c), h200(), gen::kKernelTable, gen::kKernelCount,
-                                  "80-real 90a-real", &index)
-                        .ok());
-        const KernelEntry& e = gen::kKernelTable[index];
+        const KernelEntry* e = pick_forward(c, gen::kKernelTable, gen::kKernelCount, "80-real 90a-real");
+        ASSERT_NE(e, nullptr);
         const bool short_row = dropout == 0.f && sq <= 1024;
-        EXPECT_EQ(e.max_seqlen_q, short_row ? 1024 : 0) << e.name << " S " << sq << " dropout " << dropout;
-        EXPECT_EQ(std::string(e.name).find("ce") != std::string::npos, short_row) << e.name;
+        EXPECT_EQ(e->max_seqlen_q, short_row ? 1024 : 0) << e->name << " S " << sq << " dropout " << dropout;
+        EXPECT_EQ(std::string(e->name).find("ce") != std::string::npos, short_row) << e->name;
       }
 }
 
