@@ -3,7 +3,9 @@
 # subset), our benchmark beside the peers' in the same run, the memory sweep (ours and torch's math
 # path), the decode benchmark, and optionally the Python package's GPU tests. Writes logs and JSON
 # into the folder it is given; everything is packed into OUT_DIR/results.tgz at the end (the device
-# tool returns at most 8 files), with the short summary also as OUT_DIR/summary.txt.
+# tool returns at most 8 files), with the short summary also as OUT_DIR/summary.txt. While benchmarks run,
+# nvidia-smi logs the SM clock, power, temperature and clock-event reasons every 200 ms (run/clocks.csv; the
+# summary gives min / median / max).
 #
 #   scripts/gpu/run_gpu.sh OUT_DIR [BUILD_DIR] [--quick]
 #
@@ -106,6 +108,18 @@ if [[ -n "${FA_RACECHECK_TESTS:-}" ]]; then
   grep -E "RACECHECK SUMMARY|ERROR SUMMARY|hazard|^\[  PASSED|^\[  FAILED" "$work/racecheck.log" | head -20 | tee -a "$summary"
 fi
 
+# The card's SM clock, power and throttle reasons every 200 ms while the benchmarks run (clocks.csv): a ratio that
+# moves between runs can then be read against the clock it ran at.
+clock_log=""
+if [[ "${FA_SKIP_BENCH:-0}" != "1" || "${FA_MEMORY:-0}" == "1" || "${FA_DECODE:-0}" == "1" || -n "${FA_ROUNDS:-}" ]] &&
+   command -v nvidia-smi > /dev/null; then
+  reasons=clocks_event_reasons.active  # the newer name; older drivers know clocks_throttle_reasons.active
+  nvidia-smi --query-gpu=$reasons --format=csv,noheader > /dev/null 2>&1 || reasons=clocks_throttle_reasons.active
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,$reasons \
+      --format=csv,noheader,nounits -lms 200 > "$work/clocks.csv" 2> /dev/null &
+  clock_log=$!
+fi
+
 if [[ "${FA_SKIP_BENCH:-0}" != "1" ]]; then
   # Our sweep, then the peers' on the same shapes, then the side-by-side table.
   timeout 240 "$build/bench/flashattn_cuda_bench" --json "$work/bench_ours.json" "${sweep[@]}" ${FA_BENCH_ARGS:-} \
@@ -172,6 +186,23 @@ if [[ "${FA_PYTHON:-0}" == "1" ]]; then
   grep -E "passed|failed|error" "$work/pytest.log" | tail -5 | tee -a "$summary"
   (cd "$here" && timeout 120 python3 -P python/bench_overhead.py --device cuda 2>&1 | tail -15 | tee -a "$summary")
   rm -rf "$work/site" "$work/pybuild" "$blas"
+fi
+if [[ -n "$clock_log" ]]; then
+  kill "$clock_log" 2> /dev/null
+  wait "$clock_log" 2> /dev/null
+  note "== SM clock (MHz), power (W), temperature (C) while the benchmarks ran: min / median / max ($work/clocks.csv)"
+  python3 - "$work/clocks.csv" <<'PY' 2>&1 | tee -a "$summary"
+import statistics, sys
+rows = [r.split(", ") for r in open(sys.argv[1]) if r.count(",") >= 5]
+for name, col in (("sm clock", 1), ("power", 3), ("temperature", 4)):
+    v = sorted(float(r[col]) for r in rows if r[col].replace(".", "", 1).isdigit())
+    if v:
+        print(f"{name}: {v[0]:.0f} / {statistics.median(v):.0f} / {v[-1]:.0f} ({len(v)} samples)")
+reasons = {}
+for r in rows:
+    reasons[r[5].strip()] = reasons.get(r[5].strip(), 0) + 1
+print("clock-event reasons (bit mask: samples; 0x4 = software power cap):", ", ".join(f"{k}: {n}" for k, n in sorted(reasons.items())))
+PY
 fi
 cp "$summary" "$out/summary.txt"
 tar -czf "$out/results.tgz" -C "$out" run && rm -rf "$work"
