@@ -23,6 +23,9 @@ HOW TO ADD A KERNEL
   3. Run `python3 src/cuda/manifest.py` and rebuild. Dispatch (src/cuda/dispatch.cpp) picks rows of the
      table by (kind, dtype, smallest bucket >= D, dropout); a missing row is a NOT_COMPILED error that
      lists what is compiled, never a fallback.
+  A bucket's tiles may be a list, an order of preference: dispatch takes the first whose shared memory fits
+  the device, skipping conditional rows whose call condition fails (causal_max_seqlen: causal calls of at most
+  that many query rows; max_seqlen: any call of at most that many); a general row follows them.
 Build time matters (the whole CUDA build for sm_80 + sm_90a must stay under 10 minutes on 2 cores):
 every row is one .cu compiled twice (two architectures). Template only on what changes speed a lot.
 """
@@ -275,7 +278,7 @@ def kernel_table_hpp(rows):
              "#pragma once", "", '#include "cuda/kernel_entry.hpp"', "",
              "namespace flashattn::cuda::generated {", "",
              "inline constexpr KernelEntry kKernelTable[] = {",
-             "    // kind, dtype, head dim, block_m, block_n, warps, stages, dropout, smem bytes, name, warp keys, group warps, fp8 cache,"
+             "    // kind, dtype, head dim, block_m, block_n, warps, stages, dropout, smem bytes, name, warp keys, group warps, fp8 cache,",
              "    // causal max seqlen, max seqlen"]
     for k in rows:
         _, fa_dtype = DTYPES[k.dtype]

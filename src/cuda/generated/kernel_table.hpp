@@ -7,7 +7,8 @@
 namespace flashattn::cuda::generated {
 
 inline constexpr KernelEntry kKernelTable[] = {
-    // kind, dtype, head dim, block_m, block_n, warps, stages, dropout, smem bytes, name, warp keys, group warps, fp8 cache,    // causal max seqlen, max seqlen
+    // kind, dtype, head dim, block_m, block_n, warps, stages, dropout, smem bytes, name, warp keys, group warps, fp8 cache,
+    // causal max seqlen, max seqlen
     {KernelKind::kForward, FA_FLOAT16, 32, 128, 128, 4, 2, false, 40960, "fwd_sm80_f16_d32_m128n128w4s2", 16, 1, false, 0, 0},
     {KernelKind::kForward, FA_FLOAT16, 32, 128, 64, 4, 2, true, 24576, "fwd_sm80_f16_d32_m128n64w4s2_dropout", 16, 1, false, 0, 0},
     {KernelKind::kForward, FA_FLOAT16, 64, 128, 128, 4, 2, false, 81920, "fwd_sm80_f16_d64_m128n128w4s2", 16, 1, false, 0, 0},
