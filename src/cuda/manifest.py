@@ -184,12 +184,11 @@ class Kernel:
         t = self.tile
         flags = "_dropout" if self.dropout else ""
         keys = f"k{t.warp_keys}" if t.warp_keys != 16 else ""
-        keys = f"k{t.warp_keys}" if t.warp_keys != 16 else ""
         groups = f"g{t.group_warps}" if t.group_warps != 1 else ""
-        groups += "ce" if t.compact_epilogue else ""
+        epilogue = "ce" if t.compact_epilogue else ""
         cache = "_e4m3" if self.fp8_cache else ""
         return (f"{self.kind}_sm80_{self.dtype}{cache}_d{self.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}"
-                f"s{t.stages}{keys}{groups}{flags}")
+                f"s{t.stages}{keys}{groups}{epilogue}{flags}")
 
     @property
     def smem_bytes(self):

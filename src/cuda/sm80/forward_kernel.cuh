@@ -729,7 +729,8 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
         *reinterpret_cast<uint4*>(out_tile + int64_t(row) * params.out_row_stride + chunk * 8) =
             *reinterpret_cast<const uint4*>(smem + QTile::chunk_offset(row, chunk));
     }
-  } else {  // the same stores, unrolled, each addressed from scratch
+  } else {  // the same stores, unrolled, each addressed from scratch: the long-call kernels keep the code they were
+            // measured with (see kCompactEpilogue)
 #pragma unroll
     for (int k = 0; k < kOutChunksPerLane; ++k) {
       const int id = lane + 32 * k;
