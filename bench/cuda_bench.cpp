@@ -11,8 +11,15 @@
 // ms per call (bf16, D = 64 / 128, S = 512 / 1k: 0.778 against 0.929 ms at D = 64, S = 512; H200,
 // 2026-11-30 10:17 UTC, --library-workspace; see fa_backward_args::workspace in flashattn.h).
 // Usage: flashattn_cuda_bench [--json FILE] [--dtypes bf16,f16] [--dims 64,128,256]
-//                             [--seqlens 512,...] [--causal 0,1] [--reps 10] [--no-backward]
+//                             [--seqlens 512,...] [--causal 0,1] [--reps 10] [--fwd-reps N] [--warmup-ms T] [--no-backward]
 //                             [--library-workspace]  (the backward allocates its own workspace per call)
+//   --fwd-reps: timed forward calls (default --reps); bench/clock_probe.py runs the backward for seconds with
+//   --reps large and --fwd-reps small, so that the card's clock it logs belongs to the backward.
+//   --warmup-ms T: after the 3 warm-up calls, more calls until T ms have passed (default 0). The H200 runs these
+//   shapes at its 700 W power cap, and a point timed right after seconds of heavier work runs at a clock still
+//   lowered by it (fp16 D = 128 causal 16k backward: 287-297 TFLOP/s after the D = 64 / 128 points against
+//   303-308 alone; H200, 2026-12-01 04:47 UTC, docs/PERFORMANCE.md). bench/rounds.py gives ours and the peers
+//   the same T, so each point is timed in its own steady state, independent of the points before it.
 //        flashattn_cuda_bench --memory [--json FILE]
 //   --memory: peak device memory of forward + backward against S (1k .. 128k; B = 1, H = 16, D = 128,
 //   bf16): every byte the calls touch is allocated here (q, k, v, out, lse, dout, dq, dk, dv and the
@@ -67,17 +74,24 @@ void fill_random(void* device, int64_t count, fa_dtype dtype, uint64_t seed) {
   CHECK_CUDA(cudaMemcpy(device, host.data(), host.size() * 2, cudaMemcpyHostToDevice));
 }
 
-// Median time in milliseconds of `reps` calls of `body` after `warmup` calls; -1 when a call fails.
+// Median time in milliseconds of `reps` calls of `body` after `warmup` calls and then more calls until
+// `warmup_ms` milliseconds of warm-up have passed (0: the calls only); -1 when a call fails.
 template <typename Body>
-double median_ms(int warmup, int reps, Body body, std::string* error) {
-  for (int w = 0; w < warmup; ++w) {
+double median_ms(int warmup, double warmup_ms, int reps, Body body, std::string* error) {
+  const auto warmup_start = std::chrono::steady_clock::now();
+  for (int w = 0;; ++w) {
+    if (w >= warmup) {
+      CHECK_CUDA(cudaDeviceSynchronize());
+      const double elapsed =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - warmup_start).count();
+      if (elapsed >= warmup_ms) break;
+    }
     const flashattn::Status s = body();
     if (!s.ok()) {
       *error = s.to_string();
       return -1;
     }
   }
-  CHECK_CUDA(cudaDeviceSynchronize());
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start));
   CHECK_CUDA(cudaEventCreate(&stop));
@@ -149,8 +163,8 @@ int memory_sweep(const std::string& json_path) {
     const int64_t ws_shape[1] = {workspace_bytes};
     bwd.workspace = fa_tensor_contiguous(workspace.data, 1, ws_shape, FA_UINT8, FA_DEVICE_CUDA, 0);
     std::string error;
-    const double fwd_ms = median_ms(1, 1, [&] { return flashattn::forward(fwd, options); }, &error);
-    const double bwd_ms = median_ms(1, 1, [&] { return flashattn::backward(bwd, options); }, &error);
+    const double fwd_ms = median_ms(1, 0, 1, [&] { return flashattn::forward(fwd, options); }, &error);
+    const double bwd_ms = median_ms(1, 0, 1, [&] { return flashattn::backward(bwd, options); }, &error);
     size_t free_after = 0;
     CHECK_CUDA(cudaDeviceSynchronize());
     CHECK_CUDA(cudaMemGetInfo(&free_after, &total));
@@ -183,7 +197,8 @@ int memory_sweep(const std::string& json_path) {
 int main(int argc, char** argv) {
   std::string json_path, dtypes_arg = "bf16,f16", dims_arg = "64,128,256", seqlens_arg = "512,1024,2048,4096,8192,16384",
                          causal_arg = "0,1";
-  int reps = 10, warmup = 3;
+  int reps = 10, fwd_reps = -1, warmup = 3;
+  double warmup_ms = 0;
   bool backward = true, memory = false, library_workspace = false;
   for (int a = 1; a < argc; ++a) {
     const std::string arg = argv[a];
@@ -200,15 +215,22 @@ int main(int argc, char** argv) {
     else if (arg == "--seqlens") seqlens_arg = next();
     else if (arg == "--causal") causal_arg = next();
     else if (arg == "--reps") reps = std::stoi(next());
+    else if (arg == "--fwd-reps") fwd_reps = std::stoi(next());
+    else if (arg == "--warmup-ms") warmup_ms = std::stod(next());
     else if (arg == "--no-backward") backward = false;
     else if (arg == "--memory") memory = true;
     else if (arg == "--library-workspace") library_workspace = true;
     else {
       std::fprintf(stderr, "usage: %s [--json FILE] [--dtypes bf16,f16] [--dims 64,128,256] [--seqlens 512,...] "
-                   "[--causal 0,1] [--reps N] [--no-backward] [--library-workspace]\n", argv[0]);
+                   "[--causal 0,1] [--reps N] [--fwd-reps N] [--warmup-ms T] [--no-backward] [--library-workspace]\n", argv[0]);
       return 2;
     }
   }
+  if (reps < 1 || fwd_reps == 0 || fwd_reps < -1 || !(warmup_ms >= 0)) {
+    std::fprintf(stderr, "--reps and --fwd-reps must be at least 1, --warmup-ms at least 0\n");
+    return 2;
+  }
+  if (fwd_reps < 0) fwd_reps = reps;
   if (fa_cuda_device_count() == 0) {
     std::fprintf(stderr, "flashattn_cuda_bench: no CUDA device\n");
     return 1;
@@ -228,7 +250,7 @@ int main(int argc, char** argv) {
 
   std::string json = "{\n \"env\": {\"gpu\": \"" + std::string(prop.name) + "\", \"sms\": " +
                      std::to_string(prop.multiProcessorCount) + ", \"date\": \"" + date + "\", \"flashattn\": \"" +
-                     fa_version() + "\"},\n \"points\": [\n";
+                     fa_version() + "\", \"warmup_ms\": " + std::to_string(warmup_ms) + "},\n \"points\": [\n";
   bool first = true;
   std::printf("%-5s %4s %6s %3s %3s %6s | %9s %9s | %9s %9s\n", "dtype", "D", "S", "B", "H", "causal", "fwd ms", "fwd TF/s",
               "bwd ms", "bwd TF/s");
@@ -259,7 +281,7 @@ int main(int argc, char** argv) {
           options.stats = &stats;
           const double flops = 4.0 * double(b) * double(h) * double(s) * double(s) * double(d) * (causal ? 0.5 : 1.0);
           std::string fwd_error, bwd_error;
-          const double fwd_ms = median_ms(warmup, reps, [&] { return flashattn::forward(fwd, options); }, &fwd_error);
+          const double fwd_ms = median_ms(warmup, warmup_ms, fwd_reps, [&] { return flashattn::forward(fwd, options); }, &fwd_error);
           const std::string kernel = stats.kernel;
           double bwd_ms = -1;
           // ---- backward timing (the backward engineer's kernel; same sweep, 2.5x the forward FLOPs) ----
@@ -285,7 +307,7 @@ int main(int argc, char** argv) {
               const int64_t ws_shape[1] = {workspace_bytes};
               bwd.workspace = fa_tensor_contiguous(workspace->data, 1, ws_shape, FA_UINT8, FA_DEVICE_CUDA, 0);
             }
-            bwd_ms = median_ms(warmup, reps, [&] { return flashattn::backward(bwd, options); }, &bwd_error);
+            bwd_ms = median_ms(warmup, warmup_ms, reps, [&] { return flashattn::backward(bwd, options); }, &bwd_error);
           }
           const double fwd_tflops = fwd_ms > 0 ? flops / (fwd_ms * 1e-3) / 1e12 : 0;
           const double bwd_tflops = bwd_ms > 0 ? 2.5 * flops / (bwd_ms * 1e-3) / 1e12 : 0;

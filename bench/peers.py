@@ -4,7 +4,7 @@ torch SDPA backends (flash = FlashAttention-2, cuDNN, memory-efficient), forward
 and a bf16 GEMM 8192^3 (the matrix ceiling of the same run). Writes JSON.
 
   python3 bench/peers.py --json peers.json [--dtypes bf16] [--dims 64,128,256] [--seqlens 512,...]
-                        [--causal 0,1] [--backends flash,cudnn,efficient] [--no-backward]
+                        [--causal 0,1] [--backends flash,cudnn,efficient] [--no-backward] [--warmup-ms T]
   python3 bench/peers.py --memory --json memory.json
     peak device memory (torch.cuda.max_memory_allocated, inputs and gradients included) of forward +
     backward against S = 1k..128k (B = 1, H = 16, D = 128, bf16) for the math path (materialised scores)
@@ -17,6 +17,7 @@ import argparse
 import datetime
 import json
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +29,17 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTEN
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
+WARMUP_MS = 0.0  # --warmup-ms: more warm-up calls until this many ms have passed (as flashattn_cuda_bench's)
+
+
 def median_ms(fn, warmup=3, reps=10):
+    start_wall = time.perf_counter()
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    while (time.perf_counter() - start_wall) * 1e3 < WARMUP_MS:
+        fn()
+        torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -94,7 +102,12 @@ def main():
     parser.add_argument("--no-backward", action="store_true")
     parser.add_argument("--backends", default=",".join(BACKENDS), help="SDPA backends to time (flash, cudnn, efficient)")
     parser.add_argument("--memory", action="store_true", help="the peak-memory sweep instead of timing")
+    parser.add_argument("--warmup-ms", type=float, default=0.0,
+                        help="after the 3 warm-up calls, more calls until this many ms have passed (as "
+                             "flashattn_cuda_bench --warmup-ms)")
     args = parser.parse_args()
+    global WARMUP_MS
+    WARMUP_MS = args.warmup_ms
     if args.memory:
         memory_sweep(args.json)
         return
@@ -102,7 +115,7 @@ def main():
     env = {"gpu": torch.cuda.get_device_name(0), "sms": torch.cuda.get_device_properties(0).multi_processor_count,
            "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(), "cuda": torch.version.cuda,
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "gemm_bf16_tflops": gemm_tflops(torch.bfloat16)}
+           "gemm_bf16_tflops": gemm_tflops(torch.bfloat16), "warmup_ms": WARMUP_MS}
     print(f"peers: {env}", flush=True)
     points = []
     for dtype_name in args.dtypes.split(","):

@@ -10,7 +10,14 @@ result only when its whole range stays on one side of 1.00.
 
   python3 bench/rounds.py --bench build-gpu/bench/flashattn_cuda_bench --out DIR [--rounds 3]
                           [--dtypes bf16,f16] [--dims 128,256] [--seqlens 512,...,16384] [--causal 0,1]
+                          [--warmup-ms 300]
   python3 bench/rounds.py --table DIR/rounds.json     (the table again, from a run's JSON)
+
+Each point warms up for --warmup-ms (both processes alike) before it is timed: the H200 runs these shapes at its
+700 W power cap, and a point timed right after seconds of heavier points runs at a clock those points lowered
+(fp16 D = 128 causal 16k backward: 287-297 TFLOP/s after the D = 64 / 128 points, 303-308 alone; H200,
+2026-12-01 04:47 UTC), so with 3 warm-up calls only a point's ratio depended on the points swept before it.
+--warmup-ms 0 gives the earlier method.
 
 Writes DIR/round-N-ours.json, DIR/round-N-peers.json and DIR/rounds.json (per point: every round's TFLOP/s
 and ratios, their medians); prints the table last.
@@ -39,13 +46,15 @@ def main():
     ap.add_argument("--dims", default="128,256")
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--causal", default="0,1")
+    ap.add_argument("--warmup-ms", default="300", help="warm-up per point and direction, both processes (ms)")
     args = ap.parse_args()
     if args.table:
         return reprint(args.table)
     if not args.bench or not args.out:
         ap.error("--bench and --out are needed to measure")
     os.makedirs(args.out, exist_ok=True)
-    sweep = ["--dtypes", args.dtypes, "--dims", args.dims, "--seqlens", args.seqlens, "--causal", args.causal]
+    sweep = ["--dtypes", args.dtypes, "--dims", args.dims, "--seqlens", args.seqlens, "--causal", args.causal,
+             "--warmup-ms", args.warmup_ms]
     table = {}  # key -> {"ours_fwd": [...], "fa2_fwd": [...], ...}
     dates = []
     for r in range(args.rounds):
@@ -70,7 +79,8 @@ def main():
 
     points = print_table(table, args.rounds, dates)
     with open(os.path.join(args.out, "rounds.json"), "w") as f:
-        json.dump({"rounds": args.rounds, "dates": dates, "points": points}, f, indent=1)
+        json.dump({"rounds": args.rounds, "warmup_ms": float(args.warmup_ms), "dates": dates, "points": points}, f,
+                  indent=1)
 
 
 def print_table(table, rounds, dates):

@@ -30,7 +30,10 @@
 #   FA_DECODE=1        the decode benchmark (flashattn_decode_bench; FA_DECODE_ARGS) beside torch's decode;
 #                      FA_DECODE_ROUNDS=N (default 3): per point, the layouts N times back to back (medians)
 #   FA_ROUNDS=N        ours against FlashAttention-2 in N alternating rounds (bench/rounds.py: medians and
-#                      ranges of the ratios; FA_ROUNDS_ARGS, default D = 128 / 256 in bf16 and fp16)
+#                      ranges of the ratios; FA_ROUNDS_ARGS, default D = 128 / 256 in bf16 and fp16; each point
+#                      warms up for 300 ms in both processes, rounds.py --warmup-ms)
+#   FA_WARMUP_MS=T     the sweep's warm-up per point: 3 calls, then calls until T ms have passed, ours and the peers
+#                      alike (default 0: the 3 calls; see flashattn_cuda_bench --warmup-ms)
 #   FA_TUNING=1        the tile-tuning harnesses when BUILD_DIR has them (-DFLASHATTN_BUILD_TUNING=ON):
 #                      bench/flashattn_forward_tiles, bench/flashattn_backward_tiles (FA_TUNING_ARGS)
 #   FA_PYTHON=1        build the Python package here (pip, no network: CUDA for sm_90a, OpenBLAS from
@@ -122,11 +125,12 @@ fi
 
 if [[ "${FA_SKIP_BENCH:-0}" != "1" ]]; then
   # Our sweep, then the peers' on the same shapes, then the side-by-side table.
-  timeout 240 "$build/bench/flashattn_cuda_bench" --json "$work/bench_ours.json" "${sweep[@]}" ${FA_BENCH_ARGS:-} \
-      > "$work/bench.log" 2>&1
+  warmup=(--warmup-ms "${FA_WARMUP_MS:-0}")
+  timeout 240 "$build/bench/flashattn_cuda_bench" --json "$work/bench_ours.json" "${sweep[@]}" "${warmup[@]}" \
+      ${FA_BENCH_ARGS:-} > "$work/bench.log" 2>&1
   if [[ "${FA_SKIP_PEERS:-0}" != "1" ]]; then
     PYTHONUNBUFFERED=1 timeout 300 python3 "$here/bench/peers.py" --json "$work/bench_peers.json" "${peer_sweep[@]}" \
-        ${FA_PEERS_ARGS:-} > "$work/peers.log" 2>&1 || tail -5 "$work/peers.log"
+        "${warmup[@]}" ${FA_PEERS_ARGS:-} > "$work/peers.log" 2>&1 || tail -5 "$work/peers.log"
     note "== forward / backward TFLOP/s: ours beside the peers (same run)"
     python3 "$here/bench/compare.py" "$work/bench_ours.json" "$work/bench_peers.json" 2>&1 | tee -a "$summary"
   else
