@@ -17,8 +17,8 @@
 //   --reps large and --fwd-reps small, so that the card's clock it logs belongs to the backward.
 //   --warmup-ms T: after the 3 warm-up calls, more calls until T ms have passed (default 0). The H200 runs these
 //   shapes at its 700 W power cap, and a point timed right after seconds of heavier work runs at a clock still
-//   lowered by it (fp16 D = 128 causal 16k backward: 287-297 TFLOP/s after the D = 64 / 128 points against
-//   303-308 alone; H200, 2026-12-01 04:47 UTC, docs/PERFORMANCE.md). bench/rounds.py gives ours and the peers
+//   lowered by it (fp16 D = 128 causal 16k backward: 287-298 TFLOP/s after the D = 64 / 128 points against
+//   304-309 alone; H200, 2026-12-01 04:47 UTC, docs/PERFORMANCE.md). bench/rounds.py gives ours and the peers
 //   the same T, so each point is timed in its own steady state, independent of the points before it.
 //        flashattn_cuda_bench --memory [--json FILE]
 //   --memory: peak device memory of forward + backward against S (1k .. 128k; B = 1, H = 16, D = 128,

@@ -15,7 +15,7 @@ result only when its whole range stays on one side of 1.00.
 
 Each point warms up for --warmup-ms (both processes alike) before it is timed: the H200 runs these shapes at its
 700 W power cap, and a point timed right after seconds of heavier points runs at a clock those points lowered
-(fp16 D = 128 causal 16k backward: 287-297 TFLOP/s after the D = 64 / 128 points, 303-308 alone; H200,
+(fp16 D = 128 causal 16k backward: 287-298 TFLOP/s after the D = 64 / 128 points, 304-309 alone; H200,
 2026-12-01 04:47 UTC), so with 3 warm-up calls only a point's ratio depended on the points swept before it.
 --warmup-ms 0 gives the earlier method.
 
