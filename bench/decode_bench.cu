@@ -297,7 +297,9 @@ const Variant kVariants[] = {
     DECODE_VARIANT(16, 128, 8, 3),
     // One CTA per SM (B <= 16 at one wave of splits): a deeper ring, or 32 keys per warp (two S chains per warp).
     // H200, 17:29 UTC: within +-3% of the library's tile at B = 1 / 8k-128k and B = 4 / 8k-32k, +11% only at
-    // B = 16 / 1k contiguous (m16n128w4s3), -3% to -10% at B = 64 / 1k; not taken (docs/PERFORMANCE.md).
+    // B = 16 / 1k contiguous (m16n128w4s3), -3% to -10% at B = 64 / 1k; not taken (docs/PERFORMANCE.md). Again on
+    // 2026-12-01 05:15 UTC, against the library's later kernel: m16n128w4s3 +0-3% at B = 16 x 1k-4k, 0.90-1.00x at B = 8,
+    // 32, 64.
     DECODE_VARIANT(16, 64, 4, 4),   // 132 KiB [1]
     DECODE_VARIANT(16, 128, 4, 2),  // 132 KiB [1], 32 keys per warp
     DECODE_VARIANT(16, 128, 4, 3),  // 196 KiB [1], 32 keys per warp
