@@ -214,6 +214,18 @@ std::string picked_name(const KernelEntry (&table)[2], int d, int sq, int sk, bo
   return e != nullptr ? std::string(e->name) : std::string();
 }
 
+// The generated table's pick for a self-attention call (S = sq for queries and keys) of head dim d.
+const KernelEntry* pick_generated(int d, int sq, fa_dtype dtype, bool causal, float dropout) {
+  Case c;
+  c.d = d;
+  c.sq = c.sk = sq;
+  c.dtype = dtype;
+  c.causal = causal;
+  c.dropout = dropout;
+  namespace gen = flashattn::cuda::generated;
+  return pick_forward(c, gen::kKernelTable, gen::kKernelCount, "80-real 90a-real");
+}
+
 TEST(CudaDispatch, ShortCausalRowIsTakenOnlyForShortCausalCalls) {
   KernelEntry short_causal{KernelKind::kForward, FA_BFLOAT16, 256, 64, 64, 4, 1, false, 96 * 1024, "fwd_d256_short_causal"};
   short_causal.causal_max_seqlen_q = 1024;
@@ -226,16 +238,10 @@ TEST(CudaDispatch, ShortCausalRowIsTakenOnlyForShortCausalCalls) {
   EXPECT_EQ(picked_name(table, 256, 1025, 1025, true), "fwd_d256_general");
   EXPECT_EQ(picked_name(table, 256, 512, 512, false), "fwd_d256_general");
   // The generated table: D = 256 causal at S <= 1k takes the 16-row-warp tile, else the warp pairs.
-  namespace gen = flashattn::cuda::generated;
   for (fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
     for (int sq : {1, 512, 1024, 1025, 16384})
       for (bool causal : {false, true}) {
-        Case c;
-        c.d = 256;
-        c.sq = c.sk = sq;
-        c.dtype = dtype;
-        c.causal = causal;
-        const KernelEntry* e = pick_forward(c, gen::kKernelTable, gen::kKernelCount, "80-real 90a-real");
+        const KernelEntry* e = pick_generated(256, sq, dtype, causal, 0.f);
         ASSERT_NE(e, nullptr);
         EXPECT_EQ(e->group_warps, causal && sq <= 1024 ? 1 : 2) << e->name << " S " << sq << " causal " << causal;
       }
@@ -255,16 +261,10 @@ TEST(CudaDispatch, ShortCallRowIsTakenOnlyForShortCalls) {
   EXPECT_EQ(picked_name(table, 128, 1025, 64, true), "fwd_d128_general");
   // The generated table: D = 128 without dropout at S <= 1k takes the compact-epilogue kernel, else the general
   // one; with dropout always the general one.
-  namespace gen = flashattn::cuda::generated;
   for (fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
     for (int sq : {1, 512, 1024, 1025, 16384})
       for (float dropout : {0.f, 0.1f}) {
-        Case c;
-        c.d = 128;
-        c.sq = c.sk = sq;
-        c.dtype = dtype;
-        c.dropout = dropout;
-        const KernelEntry* e = pick_forward(c, gen::kKernelTable, gen::kKernelCount, "80-real 90a-real");
+        const KernelEntry* e = pick_generated(128, sq, dtype, false, dropout);
         ASSERT_NE(e, nullptr);
         const bool short_row = dropout == 0.f && sq <= 1024;
         EXPECT_EQ(e->max_seqlen_q, short_row ? 1024 : 0) << e->name << " S " << sq << " dropout " << dropout;
