@@ -22,10 +22,12 @@
 // compares measurements seconds apart; bench/compare_decode.py takes the median of the rounds.
 // Tuning sweeps (one GPU run tells the best heuristic; every knob affects speed only):
 //   --splits 0,8,16,...   split counts to time at every point (0 = the library's heuristic)
-//   --runners lib,...     "lib" = the public API; with -DFLASHATTN_BUILD_TUNING=ON (target
-//                         flashattn_decode_tiles) also tile variants such as m16n64w4s3, and e4m3_m16n128w4s3
-//                         for --kv fp8 ("all": every one for the cache of --kv),
-//                         launched directly with the knobs below and checked against "lib"'s output
+//   --runners lib,...     "lib" = the public API (timed once per split count: the knobs below are not its);
+//                         with -DFLASHATTN_BUILD_TUNING=ON (target flashattn_decode_tiles) also tile variants
+//                         such as m16n64w4s3, and e4m3_m16n128w4s3 for --kv fp8 ("all": every one for the
+//                         cache of --kv), launched directly with the knobs below and checked against "lib"'s
+//                         output; "tl_m16n64w4s3" is the library's tile with a timeline probe: after its timing,
+//                         the phases of every CTA of one graph launch (report_timeline)
 //   --pdl 0,1             variants: programmatic dependent launch (DecodeArgs::programmatic_launch)
 //   --min-tiles N         variants: DecodeArgs::min_tiles_per_split
 //
@@ -44,9 +46,11 @@
 #include <cmath>
 #include <ctime>
 #include <functional>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -249,6 +253,7 @@ struct Result {
   double check = -1;  // variants: relative L2 difference of out from the library's (lib: -1)
   int splits = 0, copies = 0;
   std::string kernel, error;
+  std::string timeline;  // "tl_" variants: report_timeline's summary
 };
 
 // How one configuration runs a call on copy c: through the public API, or a tile variant launched directly.
@@ -279,6 +284,44 @@ struct BenchConfig : dec::DecodeConfig<__nv_bfloat16, 128, M, N, W, S, false, kF
         &cu::launch_decode_args<BenchConfig<M, N, W, S, FP8>>, &cu::prepare_decode_kernel<BenchConfig<M, N, W, S, FP8>> \
   }
 #define DECODE_VARIANT(M, N, W, S) DECODE_VARIANT_OF("m" #M "n" #N "w" #W "s" #S, false, M, N, W, S)
+
+// ---- timeline probe ("tl_" variants): the same kernel, whose C::stamp (decode_config.cuh) records %globaltimer
+// at each phase boundary into g_timeline, one record per CTA (slot taken at the CTA's start). Tuning only: the
+// records cost an atomic and a few stores per CTA. ----
+constexpr int kTimelineSlots = 1 << 16;
+struct TimelineRecord {
+  unsigned long long call;   // the call's out pointer (tells the graph's calls apart)
+  unsigned int cta, smid;    // linear block index, SM
+  unsigned long long t[8];   // DecodeConfig::Stamp events (0: not reached)
+};
+__device__ TimelineRecord g_timeline[kTimelineSlots];
+__device__ unsigned int g_timeline_next;
+template <int M, int N, int W, int S>
+struct TimelineConfig : BenchConfig<M, N, W, S> {
+  static __device__ __forceinline__ void stamp(int event, const void* call) {
+    __shared__ unsigned int slot;  // thread 0's, for the CTA's later stamps
+    if (threadIdx.x != 0) return;
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (event == 0) {
+      slot = atomicAdd(&g_timeline_next, 1u);
+      if (slot >= kTimelineSlots) return;
+      unsigned int smid;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+      TimelineRecord& r = g_timeline[slot];
+      r.call = reinterpret_cast<unsigned long long>(call);
+      r.cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+      r.smid = smid;
+      for (int e = 1; e < 8; ++e) r.t[e] = 0;
+    }
+    if (slot < kTimelineSlots) g_timeline[slot].t[event] = now;
+  }
+};
+#define DECODE_TIMELINE_VARIANT(M, N, W, S)                                                                             \
+  Variant {                                                                                                          \
+    "tl_m" #M "n" #N "w" #W "s" #S, false, M, N, W, S, cu::decode_smem_bytes<TimelineConfig<M, N, W, S>>(),          \
+        &cu::launch_decode_args<TimelineConfig<M, N, W, S>>, &cu::prepare_decode_kernel<TimelineConfig<M, N, W, S>>     \
+  }
 #define DECODE_VARIANT_FP8(M, N, W, S) DECODE_VARIANT_OF("e4m3_m" #M "n" #N "w" #W "s" #S, true, M, N, W, S)
 // bf16, D = 128 (the issue's shape). smem = (16 + 2 stages N) * 256 bytes; CTAs per H200 SM in brackets.
 // (Round of 2026-11-30 05:07, B = 1, S = 128k, heuristic splits: n64w4s2 3.92 TB/s, n64w4s3 3.80, n32w2s3 3.71,
@@ -309,6 +352,7 @@ const Variant kVariants[] = {
     DECODE_VARIANT_FP8(16, 128, 4, 3),  // 100 KiB, 32 keys per warp: the library's tile
     DECODE_VARIANT_FP8(16, 128, 4, 2),  //  68 KiB, 32 keys per warp
     DECODE_VARIANT_FP8(16, 128, 8, 3),  // 100 KiB, 256 threads
+    DECODE_TIMELINE_VARIANT(16, 64, 4, 3),  // the library's tile with the timeline probe (report_timeline)
 };
 
 const Variant* find_variant(const std::string& name) {
@@ -355,6 +399,104 @@ struct VariantCall {
   }
   Copy* copies_base = nullptr;
 };
+#endif
+
+#if defined(FLASHATTN_DECODE_TILE_VARIANTS)
+// The timeline of one graph launch of `call` over every copy (a "tl_" variant; the graph warmed up twice):
+// per call, the phases of its CTAs relative to the call's first CTA start (median and max over CTAs, us), its
+// span (first start to last end), and the gap from its last CTA's end to the next call's last "waited" stamp
+// (the combine kernel and the launch chain). Printed; the medians over the calls go to `summary`.
+void report_timeline(std::vector<Copy>& copies, const CallFn& call, cudaStream_t stream, std::string* summary) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  for (Copy& c : copies) (void)call(c);
+  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (int warm = 0; warm < 2; ++warm) CHECK_CUDA(cudaGraphLaunch(exec, stream));
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  const unsigned int zero = 0;
+  CHECK_CUDA(cudaMemcpyToSymbol(g_timeline_next, &zero, sizeof(zero)));
+  CHECK_CUDA(cudaGraphLaunch(exec, stream));
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  unsigned int used = 0;
+  CHECK_CUDA(cudaMemcpyFromSymbol(&used, g_timeline_next, sizeof(used)));
+  used = std::min<unsigned int>(used, kTimelineSlots);
+  std::vector<TimelineRecord> rec(used);
+  CHECK_CUDA(cudaMemcpyFromSymbol(rec.data(), g_timeline, sizeof(TimelineRecord) * used));
+  // Calls in the order of their first CTA start.
+  std::map<unsigned long long, std::vector<TimelineRecord>> by_call;
+  for (const TimelineRecord& r : rec) by_call[r.call].push_back(r);
+  struct CallTimes {
+    unsigned long long first_start, last_end, last_waited;
+    std::vector<TimelineRecord> ctas;
+  };
+  std::vector<CallTimes> calls;
+  for (auto& kv : by_call) {
+    CallTimes c{~0ull, 0, 0, kv.second};
+    for (const TimelineRecord& r : kv.second) {
+      c.first_start = std::min(c.first_start, r.t[0]);
+      c.last_end = std::max(c.last_end, r.t[5]);
+      c.last_waited = std::max(c.last_waited, r.t[1]);
+    }
+    calls.push_back(std::move(c));
+  }
+  std::sort(calls.begin(), calls.end(), [](const CallTimes& a, const CallTimes& b) { return a.first_start < b.first_start; });
+  auto median = [](std::vector<double> v) {
+    if (v.empty()) return -1.0;
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  auto maxof = [](const std::vector<double>& v) { return v.empty() ? -1.0 : *std::max_element(v.begin(), v.end()); };
+  // Phase columns: waited - start, planned - waited, first tile - planned, loop, the epilogue's drain (barrier after
+  // the loop), warp merge and stores, start, end (from the call's first start), all us.
+  const char* names[] = {"wait", "plan", "1st tile", "loop", "drain", "merge", "store", "start@", "end@"};
+  constexpr int kPhases = 9;
+  std::vector<std::vector<double>> call_medians(kPhases + 2), call_maxes(kPhases + 2);
+  std::printf("    timeline (us; per call: median / max over its CTAs that streamed tiles)\n");
+  std::printf("    %4s %5s |", "call", "ctas");
+  for (const char* n : names) std::printf(" %13s", n);
+  std::printf(" | %6s %6s %6s\n", "span", "gap", "SMs");
+  for (size_t ci = 0; ci < calls.size(); ++ci) {
+    const CallTimes& c = calls[ci];
+    std::vector<std::vector<double>> phase(kPhases);
+    std::set<unsigned int> sms;
+    for (const TimelineRecord& r : c.ctas) {
+      sms.insert(r.smid);
+      if (r.t[5] == 0 || r.t[3] == 0) continue;  // returned early (no tiles)
+      const double t0 = double(c.first_start);
+      phase[0].push_back((double(r.t[1]) - double(r.t[0])) * 1e-3);
+      phase[1].push_back((double(r.t[2]) - double(r.t[1])) * 1e-3);
+      phase[2].push_back((double(r.t[3]) - double(r.t[2])) * 1e-3);
+      phase[3].push_back((double(r.t[4]) - double(r.t[3])) * 1e-3);
+      phase[4].push_back((double(r.t[6]) - double(r.t[4])) * 1e-3);
+      phase[5].push_back((double(r.t[7]) - double(r.t[6])) * 1e-3);
+      phase[6].push_back((double(r.t[5]) - double(r.t[7])) * 1e-3);
+      phase[7].push_back((double(r.t[0]) - t0) * 1e-3);
+      phase[8].push_back((double(r.t[5]) - t0) * 1e-3);
+    }
+    const double span = (double(c.last_end) - double(c.first_start)) * 1e-3;
+    const double gap = ci + 1 < calls.size() ? (double(calls[ci + 1].last_waited) - double(c.last_end)) * 1e-3 : -1;
+    std::printf("    %4zu %5zu |", ci, c.ctas.size());
+    for (int k = 0; k < kPhases; ++k) {
+      std::printf(" %6.2f/%6.2f", median(phase[k]), maxof(phase[k]));
+      call_medians[k].push_back(median(phase[k]));
+      call_maxes[k].push_back(maxof(phase[k]));
+    }
+    std::printf(" | %6.2f %6.2f %6zu\n", span, gap, sms.size());
+    call_medians[kPhases].push_back(span);
+    if (gap >= 0) call_medians[kPhases + 1].push_back(gap);
+  }
+  char line[512];
+  int at = std::snprintf(line, sizeof(line), "median over %zu calls:", calls.size());
+  for (int k = 0; k < kPhases; ++k)
+    at += std::snprintf(line + at, sizeof(line) - size_t(at), " %s %.2f/%.2f", names[k], median(call_medians[k]), median(call_maxes[k]));
+  std::snprintf(line + at, sizeof(line) - size_t(at), "; span %.2f, gap %.2f", median(call_medians[kPhases]), median(call_medians[kPhases + 1]));
+  std::printf("    %s\n", line);
+  *summary = line;
+}
 #endif
 
 // Relative L2 difference of two device bf16/f16 arrays (both finite expected; NaN propagates).
@@ -544,6 +686,7 @@ std::vector<std::pair<Knobs, Result>> run_shape(const Shape& s, const std::vecto
       r = time_calls(s, copies, call, reps, stream);
       r.splits = vc->splits;
       r.kernel = std::string("variant ") + v->name;
+      if (r.error.empty() && std::string(v->name).rfind("tl_", 0) == 0) report_timeline(copies, call, stream, &r.timeline);
       if (r.error.empty() && have_reference) {
         CHECK_CUDA(cudaMemset(copies[0].out.data, 0xFF, size_t(out_elems) * 2));  // NaN: a call that writes nothing fails
         const flashattn::Status st = call(copies[0]);
@@ -631,18 +774,22 @@ int main(int argc, char** argv) {
   }
   std::vector<Knobs> configs;
   for (const std::string& runner : runners)
-    for (const int64_t splits : flashattn::bench::parse_ints<int64_t>(splits_arg))
+    for (const int64_t splits : flashattn::bench::parse_ints<int64_t>(splits_arg)) {
+      Knobs k;
+      k.runner = runner;
+      k.splits = int(splits);
+      k.min_tiles = min_tiles;
+      if (runner == "lib") {  // the knobs are not settable through the API: once, with the library's
+        configs.push_back(k);
+        continue;
+      }
       for (const int64_t pdl : flashattn::bench::parse_ints<int64_t>(pdl_arg)) {
-        if (runner == "lib" && pdl >= 0) continue;  // not settable through the API
-        Knobs k;
-        k.runner = runner;
-        k.splits = int(splits);
         k.pdl = int(pdl);
-        k.min_tiles = min_tiles;
         configs.push_back(k);
       }
+    }
   if (configs.empty()) {
-    std::fprintf(stderr, "no configuration to time (lib takes --pdl -1 only)\n");
+    std::fprintf(stderr, "no configuration to time\n");
     return 2;
   }
 
@@ -684,7 +831,7 @@ int main(int argc, char** argv) {
 
   std::string json = "{\n \"tool\": \"flashattn_decode_bench\",\n \"date\": \"" + std::string(date) + "\",\n \"gpu\": \"" +
                      prop.name + "\",\n";
-  char line[1024];
+  char line[2048];
   std::snprintf(line, sizeof(line),
                 " \"stream_read_tbs\": %.4f,\n \"device_copy_tbs\": %.4f,\n \"config\": {\"dtype\": \"%s\", \"kv_cache\": \"%s\", "
                 "\"dim\": %d, \"heads_q\": %d, \"heads_k\": %d, \"page\": %d, \"seqlen_q\": 1},\n \"points\": [\n",
@@ -733,11 +880,11 @@ int main(int argc, char** argv) {
                         "\"splits_asked\": %d, \"pdl\": %d, \"min_tiles\": %d, \"splits\": %d, \"copies\": %d, "
                         "\"us_per_call\": %.3f, \"us_eager\": %.3f, \"kv_tbs\": %.4f, \"fraction_of_stream_read\": %.4f, "
                         "\"us_read_floor\": %.3f, \"fraction_of_read_floor\": %.4f, \"round\": %d, "
-                        "\"check_rel_l2\": %.3g, \"kernel\": \"%s\", \"error\": \"%s\"}",
+                        "\"check_rel_l2\": %.3g, \"kernel\": \"%s\", \"timeline\": \"%s\", \"error\": \"%s\"}",
                         first ? "" : ",", layout.c_str(), (long long)batch, (long long)cache, (long long)s.kv_bytes(),
                         k.runner.c_str(), k.splits, k.pdl, k.min_tiles, r.splits, r.copies, r.us_graph, r.us_eager,
                         r.kv_tbs, r.kv_tbs / stream_tbs, r.us_read_floor, vs_floor, round, r.check, r.kernel.c_str(),
-                        json_safe(r.error).c_str());
+                        r.timeline.c_str(), json_safe(r.error).c_str());
           json += std::string(first ? "" : "\n") + line;
           first = false;
         }

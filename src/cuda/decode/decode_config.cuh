@@ -29,6 +29,22 @@ struct DecodeConfig {
   // ptxas -v, 2026-11-30).
   static constexpr int kMinCtasPerSm = !kFp8Cache ? 0 : (3 * (kSmemBytes + 1024) <= 228 * 1024 ? 3 : 2);
 
+  // Timeline probe (tuning only): the kernel calls C::stamp(event, out) at the phase boundaries below. Here a
+  // no-op that compiles to nothing; bench/decode_bench.cu's "tl_" variants derive a config whose stamp records
+  // %globaltimer per CTA.
+  enum Stamp : int {
+    kStampStart = 0,    // CTA start, before waiting for the previous grids
+    kStampWaited,       // previous grids done (programmatic launch)
+    kStampPlanned,      // cache_seqlens read, the split's tiles known
+    kStampFirstTile,    // the first K/V tile has landed in shared memory
+    kStampLoopDone,     // the last tile's P V is done
+    kStampEnd,          // out / partial stored
+    kStampDrained,      // epilogue: every warp is done with K/V (the barrier after the loop)
+    kStampMerged,       // epilogue: every warp's O and (max, sum) are in shared memory (the barrier after them)
+    kStampCount
+  };
+  static __device__ __forceinline__ void stamp(int, const void*) {}
+
   static_assert(!kDropout_, "the decode kernels have no dropout path (the host rejects dropout_p > 0)");
   static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "head-dim buckets are multiples of 32 up to 256");
   static_assert(kBlockM % 16 == 0, "packed rows come in m16 tiles");

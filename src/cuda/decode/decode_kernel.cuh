@@ -150,11 +150,13 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
 
   Element* out_gmem = static_cast<Element*>(p.out);
   const int d_chunks = p.head_dim / 8;  // D may be below the bucket kHeadDim: the rest is zero-filled
+  C::stamp(C::kStampStart, p.out);
   // Launched as a programmatic dependent (sm_90): everything above overlapped the previous kernel's tail;
   // from here on global memory is read and written, so the previous kernels (the append, the caller's
   // producers of q and the caches) must be complete. Then the combine may start launching.
   wait_for_previous_grids();
   allow_next_grid_launch();
+  C::stamp(C::kStampWaited, p.out);
   if constexpr (kPaged) {
     // A short cache's block-table row is a few lines: bring it into L2 while cache_seqlens (which decides the
     // split's tiles, hence which entries) is read, so the ids are not a second DRAM round trip before the
@@ -177,6 +179,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   const bool length_ok = cache_length_ok(cached, p.seqlen_new, p.seqlen_k);
   const BlockRows rows = block_rows(args, m_block, length_ok ? seqlen_k : 0);
   const SplitWork work = split_work(rows.key_begin, rows.key_end, kBlockN, args.num_splits, args.min_tiles_per_split, split);
+  C::stamp(C::kStampPlanned, p.out);
 
   // Direct result of a row without any key work: NaN (bad cache_seqlens entry) or empty (no visible key:
   // out = 0, lse = -inf). Written by split 0; the combine kernel skips these m-blocks.
@@ -622,6 +625,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     for (int it = 0; it < num_tiles; ++it) {
       cp_async_wait<kStages - 2>();  // this thread's copies of tile `it` (and Q) have landed
       __syncthreads();               // everyone's have; and every warp is done with tile it - 1, whose stage is refilled now
+      if (it == 0) C::stamp(C::kStampFirstTile, p.out);
       const int ahead = it + kStages - 1;
       if (ahead < num_tiles) issue_tile(ahead, ahead % kStages);
       cp_async_commit();
@@ -828,45 +832,26 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   if (natural_units) tile_loop(std::true_type{});
   else tile_loop(std::false_type{});
 
-  // ---- epilogue 1: merge the warps' (max, sum, O) through the (now idle) K/V stages ----
+  C::stamp(C::kStampLoopDone, p.out);
+  // ---- epilogue 1: every warp puts its (max, sum) per row and its unnormalised O into the (now idle) K/V
+  // stages; one barrier; then epilogue 2 merges the warps per output element. (One barrier: the warps' shares
+  // are not normalised before the barrier, which took a second barrier and a dependent chain of shared-memory
+  // round trips before any store.) ----
   cp_async_wait<0>();  // only empty groups can be pending here, but never reuse memory a copy may still target
-  const bool bad = __syncthreads_or(bad_block_id) != 0;  // also: every warp is done reading K/V
+  // also: every warp is done reading K/V. The result passes through an opaque move: nvcc 13.0 otherwise dropped it
+  // and re-ran the barrier reduction inside epilogue 2's loop, which only some threads enter (SASS: a second
+  // BAR.RED.OR after the loop's branch; with a cluster merge after it, the CTA deadlocked on the H200, 2026-12-01).
+  uint32_t bad_word = uint32_t(__syncthreads_or(bad_block_id) != 0);
+  asm volatile("mov.b32 %0, %0;\n" : "+r"(bad_word));
+  const bool bad = bad_word != 0;
+  C::stamp(C::kStampDrained, p.out);
   float* merge_o = reinterpret_cast<float*>(smem + QTile::kBytes);               // [warp][row][kMergeRow]
   float2* merge_stats = reinterpret_cast<float2*>(merge_o + kWarps * kBlockM * kMergeRow);  // [warp][row] (max, sum)
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float sum = quad_sum(row_sum[mt][half]);
-      const float max_scaled = row_max[mt][half] == -INFINITY ? -INFINITY : row_max[mt][half] * score_log2_scale;
-      if (quad_col == 0) merge_stats[warp * kBlockM + mt * 16 + quad_row + 8 * half] = make_float2(max_scaled, sum);
-    }
-  __syncthreads();
-  float row_lse_log2[kMTiles][2];  // log2-domain LSE of the merged row (-inf: no visible key)
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
       const int row = mt * 16 + quad_row + 8 * half;
-      float merged_max = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) merged_max = fmaxf(merged_max, merge_stats[w * kBlockM + row].x);
-      // exp2f(-inf) = 0 for warps that saw no key. When no warp has a finite max, each sum is 0, or NaN
-      // where a NaN input reached the row (its max stayed -inf under fmaxf): add the sums as they are.
-      float merged_sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float2 st = merge_stats[w * kBlockM + row];
-        merged_sum += merged_max == -INFINITY ? st.y : st.y * exp2f(st.x - merged_max);
-      }
-      // This warp's share of the normalised row: exp2(own max - merged max) / merged sum (0 for an empty row).
-      const float own_max = merge_stats[warp * kBlockM + row].x;
-      // merged_sum == 0: no visible key (O = 0, LSE = -inf); NaN: a NaN input reached the row and
-      // propagates (the NaN/Inf policy)
-      const bool no_visible_key = merged_sum == 0.f;
-      // FP8: values are codes, value = code * v_scale, so O = (P codes) * v_scale: folded in here.
-      const float factor = no_visible_key ? 0.f : exp2f(own_max - merged_max) / merged_sum * (kFp8 ? p.v_scale : 1.f);
-      row_lse_log2[mt][half] = no_visible_key ? -INFINITY : merged_max + log2f(merged_sum);
       float* merge_row = merge_o + (warp * kBlockM + row) * kMergeRow;
       if constexpr (kFp8) {  // tiles 2c, 2c + 1 hold the even and odd columns of 16c .. 16c + 15 (fp8_o_column)
 #pragma unroll
@@ -874,22 +859,48 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
 #pragma unroll
           for (int e = 0; e < 2; ++e)
             *reinterpret_cast<float2*>(merge_row + fp8_o_column(dt, quad_col, e)) =
-                make_float2(o_acc[mt][dt][2 * half + e] * factor, o_acc[mt][dt + 1][2 * half + e] * factor);
+                make_float2(o_acc[mt][dt][2 * half + e], o_acc[mt][dt + 1][2 * half + e]);
       } else {
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt)
-          *reinterpret_cast<float2*>(merge_row + dt * 8 + 2 * quad_col) =
-              make_float2(o_acc[mt][dt][2 * half] * factor, o_acc[mt][dt][2 * half + 1] * factor);
+          *reinterpret_cast<float2*>(merge_row + dt * 8 + 2 * quad_col) = make_float2(o_acc[mt][dt][2 * half], o_acc[mt][dt][2 * half + 1]);
       }
+      const float sum = quad_sum(row_sum[mt][half]);
+      const float max_scaled = row_max[mt][half] == -INFINITY ? -INFINITY : row_max[mt][half] * score_log2_scale;
+      if (quad_col == 0) merge_stats[warp * kBlockM + row] = make_float2(max_scaled, sum);
     }
   __syncthreads();
+  C::stamp(C::kStampMerged, p.out);
 
-  // ---- epilogue 2: sum the warps' shares and store (out in the dtype, or the split's fp32 partial) ----
+  // ---- epilogue 2: one thread per (row, 8 columns): O = sum_w exp2(max_w - M) O_w / sum_w exp2(max_w - M) sum_w
+  // over the warps w, M = the largest max_w, LSE = M + log2(the denominator); stored as out in the dtype (and lse), or as the split's
+  // fp32 partial. A warp that saw no key of the row has max -inf: weight 0. When no warp has a finite max,
+  // each sum is 0, or NaN where a NaN input reached the row (its max stayed -inf under fmaxf): the weights are
+  // 1, the sum is 0 (O = 0, LSE = -inf: no visible key) or NaN (propagates: the NaN/Inf policy). ----
   const int64_t partial_base = int64_t(split) * int64_t(p.batch) * p.heads_q * p.seqlen_q;  // first row of this split
+  const bool full_width_out = d_chunks == kHeadDim / 8;  // the common case: a compile-time divisor below
   for (int idx = tid; idx < rows.rows * d_chunks; idx += kThreads) {
-    const int row = idx / d_chunks, chunk = idx % d_chunks;
+    const int row = full_width_out ? idx / (kHeadDim / 8) : idx / d_chunks;
+    const int chunk = idx - row * d_chunks;
     const int r = rows.row_begin + row;
     const int i = r / group, h = hk * group + r % group;
+    float2 stats[kWarps];
+    float merged_max = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      stats[w] = merge_stats[w * kBlockM + row];
+      merged_max = fmaxf(merged_max, stats[w].x);
+    }
+    float weight[kWarps];
+    float merged_sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      weight[w] = merged_max == -INFINITY ? 1.f : exp2f(stats[w].x - merged_max);
+      merged_sum += stats[w].y * weight[w];
+    }
+    const bool no_visible_key = merged_sum == 0.f;
+    // FP8: values are codes, value = code * v_scale, so O = (P codes) * v_scale: folded in here.
+    const float scale = no_visible_key ? 0.f : (kFp8 ? p.v_scale : 1.f) / merged_sum;
     float v[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) v[e] = 0.f;
@@ -897,44 +908,36 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     for (int w = 0; w < kWarps; ++w) {
       const float4* src = reinterpret_cast<const float4*>(merge_o + (w * kBlockM + row) * kMergeRow + chunk * 8);
       const float4 lo = src[0], hi = src[1];
-      v[0] += lo.x, v[1] += lo.y, v[2] += lo.z, v[3] += lo.w, v[4] += hi.x, v[5] += hi.y, v[6] += hi.z, v[7] += hi.w;
+      const float f = weight[w] * scale;
+      v[0] = fmaf(f, lo.x, v[0]), v[1] = fmaf(f, lo.y, v[1]), v[2] = fmaf(f, lo.z, v[2]), v[3] = fmaf(f, lo.w, v[3]);
+      v[4] = fmaf(f, hi.x, v[4]), v[5] = fmaf(f, hi.y, v[5]), v[6] = fmaf(f, hi.z, v[6]), v[7] = fmaf(f, hi.w, v[7]);
     }
     if (bad)
 #pragma unroll
       for (int e = 0; e < 8; ++e) v[e] = NAN;
+    // LSE in natural log (-inf * ln2 = -inf for an empty row), by the row's first thread.
+    const float lse = bad ? NAN : (no_visible_key ? -INFINITY : (merged_max + log2f(merged_sum)) * kLn2);
     if (direct) {
       const uint4 packed = make_uint4(ElementTraits<Element>::pack(v[0], v[1]), ElementTraits<Element>::pack(v[2], v[3]),
                                       ElementTraits<Element>::pack(v[4], v[5]), ElementTraits<Element>::pack(v[6], v[7]));
       *reinterpret_cast<uint4*>(out_gmem + b * p.out_batch_stride + int64_t(i) * p.out_row_stride + h * p.out_head_stride +
                                 chunk * 8) = packed;
-    } else {
-      float4* dst = clustered ? reinterpret_cast<float4*>(cluster_out + row * kHeadDim + chunk * 8)
-                              : reinterpret_cast<float4*>(args.partial_out + (partial_base + partial_row(p, b, h, i)) * p.head_dim_v + chunk * 8);
+      if (chunk == 0 && p.lse != nullptr) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] = lse;
+    } else if (clustered) {
+      float4* dst = reinterpret_cast<float4*>(cluster_out + row * kHeadDim + chunk * 8);
       dst[0] = make_float4(v[0], v[1], v[2], v[3]);
       dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+      if (chunk == 0) cluster_lse[row] = lse;
+    } else {
+      const int64_t prow = partial_base + partial_row(p, b, h, i);
+      float4* dst = reinterpret_cast<float4*>(args.partial_out + prow * p.head_dim_v + chunk * 8);
+      dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+      dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+      if (chunk == 0) args.partial_lse[prow] = lse;
     }
   }
-  // LSE (natural log) of each row: warp 0's quad leaders hold every row's merged statistics.
-  if (warp == 0 && quad_col == 0) {
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = mt * 16 + quad_row + 8 * half;
-        if (row >= rows.rows) continue;
-        const int r = rows.row_begin + row;
-        const int i = r / group, h = hk * group + r % group;
-        const float lse = bad ? NAN : row_lse_log2[mt][half] * kLn2;  // -inf * ln2 = -inf for an empty row
-        if (direct) {
-          if (p.lse != nullptr) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] = lse;
-        } else if (clustered) {
-          cluster_lse[row] = lse;
-        } else {
-          args.partial_lse[partial_base + partial_row(p, b, h, i)] = lse;
-        }
-      }
-  }
   if (clustered && !direct) merge_cluster(work.used);
+  C::stamp(C::kStampEnd, p.out);
 }
 
 }  // namespace flashattn::cuda::decode
