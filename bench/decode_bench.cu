@@ -401,26 +401,48 @@ struct VariantCall {
 };
 #endif
 
+// A CUDA graph of what `enqueue` launches on `stream` (captured at construction; instantiate() before launch()),
+// destroyed with the object: the timed unit of every measurement below.
+class CapturedGraph {
+ public:
+  CapturedGraph(cudaStream_t stream, const std::function<void()>& enqueue) : stream_(stream) {
+    CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    enqueue();
+    CHECK_CUDA(cudaStreamEndCapture(stream, &graph_));
+  }
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  ~CapturedGraph() {
+    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+    if (graph_ != nullptr) cudaGraphDestroy(graph_);
+  }
+  void instantiate() { CHECK_CUDA(cudaGraphInstantiate(&exec_, graph_, 0)); }
+  void launch() { CHECK_CUDA(cudaGraphLaunch(exec_, stream_)); }
+
+ private:
+  cudaStream_t stream_;
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
 #if defined(FLASHATTN_DECODE_TILE_VARIANTS)
 // The timeline of one graph launch of `call` over every copy (a "tl_" variant; the graph warmed up twice):
 // per call, the phases of its CTAs relative to the call's first CTA start (median and max over CTAs, us), its
 // span (first start to last end), and the gap from its last CTA's end to the next call's last "waited" stamp
 // (the combine kernel and the launch chain). Printed; the medians over the calls go to `summary`.
 void report_timeline(std::vector<Copy>& copies, const CallFn& call, cudaStream_t stream, std::string* summary) {
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (Copy& c : copies) (void)call(c);
-  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
-  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  for (int warm = 0; warm < 2; ++warm) CHECK_CUDA(cudaGraphLaunch(exec, stream));
-  CHECK_CUDA(cudaStreamSynchronize(stream));
-  const unsigned int zero = 0;
-  CHECK_CUDA(cudaMemcpyToSymbol(g_timeline_next, &zero, sizeof(zero)));
-  CHECK_CUDA(cudaGraphLaunch(exec, stream));
-  CHECK_CUDA(cudaStreamSynchronize(stream));
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
+  {
+    CapturedGraph graph(stream, [&] {
+      for (Copy& c : copies) (void)call(c);
+    });
+    graph.instantiate();
+    for (int warm = 0; warm < 2; ++warm) graph.launch();
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    const unsigned int zero = 0;
+    CHECK_CUDA(cudaMemcpyToSymbol(g_timeline_next, &zero, sizeof(zero)));
+    graph.launch();
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+  }
   unsigned int used = 0;
   CHECK_CUDA(cudaMemcpyFromSymbol(&used, g_timeline_next, sizeof(used)));
   used = std::min<unsigned int>(used, kTimelineSlots);
@@ -543,24 +565,19 @@ Result time_calls(const Shape& s, std::vector<Copy>& copies, const CallFn& call,
     r.error = st.to_string();
     return r;
   }
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  for (Copy& c : copies) {
-    const flashattn::Status one = call(c);
-    if (!one.ok()) st = one;
-  }
-  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  CapturedGraph graph(stream, [&] {
+    for (Copy& c : copies) {
+      const flashattn::Status one = call(c);
+      if (!one.ok()) st = one;
+    }
+  });
   if (!st.ok()) {
     cudaGetLastError();
     r.error = "capture: " + st.to_string();
-    if (graph) cudaGraphDestroy(graph);
     return r;
   }
-  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  const double ms = flashattn::bench::median_event_ms(stream, 1, reps, [&] { CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
+  graph.instantiate();
+  const double ms = flashattn::bench::median_event_ms(stream, 1, reps, [&] { graph.launch(); });
   r.us_graph = 1000 * ms / r.copies;
   r.kv_tbs = double(s.kv_bytes()) / (r.us_graph * 1e-6) / 1e12;
   return r;
@@ -583,15 +600,9 @@ double time_read_floor(const Shape& s, std::vector<Copy>& copies, int reps, cuda
     };
     launch_all();
     CHECK_CUDA(cudaStreamSynchronize(stream));
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    launch_all();
-    CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
-    CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-    const double ms = flashattn::bench::median_event_ms(stream, 1, reps, [&] { CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
+    CapturedGraph graph(stream, launch_all);
+    graph.instantiate();
+    const double ms = flashattn::bench::median_event_ms(stream, 1, reps, [&] { graph.launch(); });
     const double us = 1000 * ms / double(copies.size());
     if (best_us < 0 || us < best_us) best_us = us;
   }
