@@ -30,11 +30,18 @@
 //                         the phases of every CTA of one graph launch (report_timeline)
 //   --pdl 0,1             variants: programmatic dependent launch (DecodeArgs::programmatic_launch)
 //   --min-tiles N         variants: DecodeArgs::min_tiles_per_split
+//   --cluster -1,0,1      variants: the splits merge in a thread-block cluster (1), through the combine kernel (0),
+//                         or as the library's rule says (-1, the default); 1 where splits are 2..16, else 0
+//   --cluster-policy 0,1,2 variants: cudaClusterSchedulingPolicy of the cluster launch (0 default, 1 spread, 2 load
+//                         balancing)
+//   --smem-pad 0,N        variants: N bytes of dynamic shared memory beyond the kernel's (fewer CTAs per SM)
+//   --early -1,0,1        variants: DecodeArgs::early_tiles (-1: the library's, kEarlyTiles)
 //
 // Usage: flashattn_decode_bench [--json FILE] [--batches 1,4,16,64,256] [--caches 1024,...,131072]
 //                               [--heads 32:8] [--dim 128] [--page 16] [--dtype bf16|f16] [--kv 16|fp8]
 //                               [--layouts contiguous,paged,paged-seq] [--budget-gib 32] [--reps 10] [--rounds 1]
 //                               [--splits 0,...] [--runners lib,...] [--pdl 0,1] [--min-tiles N]
+//                               [--cluster -1,0,1] [--cluster-policy 0,1,2] [--smem-pad 0,N] [--early -1,0,1]
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -245,6 +252,16 @@ struct Knobs {
   std::string runner = "lib";
   int splits = 0;  // 0: the heuristic's
   int pdl = -1, min_tiles = -1;
+  int cluster = -1, cluster_policy = 0, smem_pad = 0, early = -1;  // variants: see the header
+  // The variant knobs that differ from their defaults, for the printed rows ("" when none).
+  std::string tag() const {
+    std::string t;
+    if (cluster >= 0) t += " cl" + std::to_string(cluster);
+    if (cluster_policy != 0) t += " pol" + std::to_string(cluster_policy);
+    if (smem_pad != 0) t += " pad" + std::to_string(smem_pad);
+    if (early >= 0) t += " early" + std::to_string(early);
+    return t;
+  }
 };
 
 struct Result {
@@ -269,8 +286,9 @@ struct Variant {
   bool fp8_cache;  // compiled for a float8 e4m3 cache (--kv fp8), else for the 16-bit one
   int block_m, block_n, warps, stages;
   int64_t smem_bytes;
-  flashattn::Status (*launch)(const dec::DecodeArgs&, const dec::DecodePlan&, cudaStream_t);
+  flashattn::Status (*launch)(const dec::DecodeArgs&, const dec::DecodePlan&, cudaStream_t, const cu::DecodeLaunchTuning&);
   flashattn::Status (*prepare)(int device, bool* programmatic);
+  int (*max_active_clusters)(int cluster, int smem_pad, int policy);  // contiguous kernel; -1: the query failed
 };
 // A config type of this file's own: the library instantiates decode_kernel<DecodeConfig<...>> too, and two
 // translation units registering the same kernel (non-rdc) confuse the runtime (cudaFuncSetAttribute on
@@ -278,10 +296,37 @@ struct Variant {
 // kernels.
 template <int M, int N, int W, int S, bool kFp8 = false>
 struct BenchConfig : dec::DecodeConfig<__nv_bfloat16, 128, M, N, W, S, false, kFp8> {};
+// How many clusters of `cluster` CTAs of config C's contiguous kernel can be resident at once
+// (cudaOccupancyMaxActiveClusters), with `smem_pad` more bytes of shared memory and the scheduling policy `policy`.
+template <typename C>
+int max_active_clusters(int cluster, int smem_pad, int policy) {
+  bool programmatic = false;
+  if (!cu::prepare_decode_kernel<C>(0, &programmatic).ok()) return -1;
+  const auto kernel = &dec::decode_kernel<C, false>;
+  const int smem = cu::decode_smem_bytes<C>() + smem_pad;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return cudaGetLastError(), -1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(unsigned(cluster));
+  config.blockDim = dim3(C::kThreads);
+  config.dynamicSmemBytes = size_t(smem);
+  cudaLaunchAttribute attribute[2];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = unsigned(cluster);
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  attribute[1].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
+  attribute[1].val.clusterSchedulingPolicyPreference = static_cast<cudaClusterSchedulingPolicy>(policy);
+  config.attrs = attribute;
+  config.numAttrs = 2;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) return cudaGetLastError(), -1;
+  return clusters;
+}
 #define DECODE_VARIANT_OF(NAME, FP8, M, N, W, S)                                                                     \
   Variant {                                                                                                          \
     NAME, FP8, M, N, W, S, cu::decode_smem_bytes<BenchConfig<M, N, W, S, FP8>>(),                                    \
-        &cu::launch_decode_args<BenchConfig<M, N, W, S, FP8>>, &cu::prepare_decode_kernel<BenchConfig<M, N, W, S, FP8>> \
+        &cu::launch_decode_args<BenchConfig<M, N, W, S, FP8>>, &cu::prepare_decode_kernel<BenchConfig<M, N, W, S, FP8>>, \
+        &max_active_clusters<BenchConfig<M, N, W, S, FP8>>                                                           \
   }
 #define DECODE_VARIANT(M, N, W, S) DECODE_VARIANT_OF("m" #M "n" #N "w" #W "s" #S, false, M, N, W, S)
 
@@ -320,7 +365,8 @@ struct TimelineConfig : BenchConfig<M, N, W, S> {
 #define DECODE_TIMELINE_VARIANT(M, N, W, S)                                                                             \
   Variant {                                                                                                          \
     "tl_m" #M "n" #N "w" #W "s" #S, false, M, N, W, S, cu::decode_smem_bytes<TimelineConfig<M, N, W, S>>(),          \
-        &cu::launch_decode_args<TimelineConfig<M, N, W, S>>, &cu::prepare_decode_kernel<TimelineConfig<M, N, W, S>>     \
+        &cu::launch_decode_args<TimelineConfig<M, N, W, S>>, &cu::prepare_decode_kernel<TimelineConfig<M, N, W, S>>,    \
+        &max_active_clusters<TimelineConfig<M, N, W, S>>                                                                 \
   }
 #define DECODE_VARIANT_FP8(M, N, W, S) DECODE_VARIANT_OF("e4m3_m" #M "n" #N "w" #W "s" #S, true, M, N, W, S)
 // bf16, D = 128 (the issue's shape). smem = (16 + 2 stages N) * 256 bytes; CTAs per H200 SM in brackets.
@@ -395,7 +441,14 @@ struct VariantCall {
     dec::DecodeArgs a = dec::make_decode_args(p, plan, p.workspace);
     a.programmatic_launch = (k.pdl < 0 ? dec::kProgrammaticLaunch : k.pdl != 0) && programmatic ? 1 : 0;
     if (k.min_tiles >= 1) a.min_tiles_per_split = k.min_tiles;
-    return v->launch(a, plan, stream);
+    // The cluster merge: the library's rule (its launcher's, without the occupancy query), forced on, or off.
+    const bool cluster_ok = programmatic && plan.num_splits >= 2 && plan.num_splits <= dec::kMaxClusterSplits;
+    a.cluster_merge = cluster_ok && (k.cluster < 0 ? dec::wants_cluster_merge(plan.num_splits, p.seqlen_k, v->block_n) : k.cluster != 0) ? 1 : 0;
+    if (k.early >= 0) a.early_tiles = k.early;
+    cu::DecodeLaunchTuning tuning;
+    tuning.extra_smem_bytes = k.smem_pad;
+    tuning.cluster_policy = k.cluster_policy;
+    return v->launch(a, plan, stream, tuning);
   }
   Copy* copies_base = nullptr;
 };
@@ -721,7 +774,8 @@ std::vector<std::pair<Knobs, Result>> run_shape(const Shape& s, const std::vecto
 int main(int argc, char** argv) {
   std::string json_path, batches_arg = "1,4,16,64,256", caches_arg = "1024,4096,16384,65536,131072", heads_arg = "32:8",
                          dtype_arg = "bf16", layouts_arg = "contiguous,paged", splits_arg = "0", runners_arg = "lib",
-                         pdl_arg = "-1", kv_arg = "16";
+                         pdl_arg = "-1", kv_arg = "16", cluster_arg = "-1", policy_arg = "0", pad_arg = "0",
+                         early_arg = "-1";
   int dim = 128, page = 16, reps = 10, min_tiles = -1, rounds = 1;
   double budget_gib = 32;
   for (int a = 1; a < argc; ++a) {
@@ -748,6 +802,10 @@ int main(int argc, char** argv) {
     else if (arg == "--runners") runners_arg = next();
     else if (arg == "--pdl") pdl_arg = next();
     else if (arg == "--min-tiles") min_tiles = std::stoi(next());
+    else if (arg == "--cluster") cluster_arg = next();
+    else if (arg == "--cluster-policy") policy_arg = next();
+    else if (arg == "--smem-pad") pad_arg = next();
+    else if (arg == "--early") early_arg = next();
     else if (arg == "--kv") kv_arg = next();
     else {
       std::fprintf(stderr, "unknown argument %s (see the header of bench/decode_bench.cu)\n", arg.c_str());
@@ -794,10 +852,18 @@ int main(int argc, char** argv) {
         configs.push_back(k);
         continue;
       }
-      for (const int64_t pdl : flashattn::bench::parse_ints<int64_t>(pdl_arg)) {
-        k.pdl = int(pdl);
-        configs.push_back(k);
-      }
+      for (const int64_t pdl : flashattn::bench::parse_ints<int64_t>(pdl_arg))
+        for (const int64_t cluster : flashattn::bench::parse_ints<int64_t>(cluster_arg))
+          for (const int64_t policy : flashattn::bench::parse_ints<int64_t>(policy_arg))
+            for (const int64_t pad : flashattn::bench::parse_ints<int64_t>(pad_arg))
+              for (const int64_t early : flashattn::bench::parse_ints<int64_t>(early_arg)) {
+              k.early = int(early);
+              k.pdl = int(pdl);
+              k.cluster = int(cluster);
+              k.cluster_policy = int(policy);
+              k.smem_pad = int(pad);
+              configs.push_back(k);
+            }
     }
   if (configs.empty()) {
     std::fprintf(stderr, "no configuration to time\n");
@@ -837,6 +903,21 @@ int main(int argc, char** argv) {
   std::printf("%s, K/V cache %s, D=%d, Hq=%d, Hk=%d, 1 query per sequence, page %d\n", dtype_arg.c_str(),
               fp8_cache ? "float8_e4m3 (1 byte per element)" : dtype_arg.c_str(), dim, heads_q, heads_k, page);
   std::printf("vs read = K/V TB/s / streaming read; floor = the same bytes read by a read-only kernel, launched alike\n");
+#if defined(FLASHATTN_DECODE_TILE_VARIANTS)
+  // Cluster residency of each variant asked with --cluster 1: clusters of 2-16 CTAs resident at once
+  // (cudaOccupancyMaxActiveClusters, contiguous kernel), per --smem-pad and --cluster-policy.
+  {
+    std::set<std::string> asked;
+    for (const Knobs& k : configs) {
+      const Variant* v = k.cluster == 1 ? find_variant(k.runner) : nullptr;
+      const std::string key = k.runner + k.tag();
+      if (v == nullptr || !asked.insert(key).second) continue;
+      std::printf("resident clusters of %s%s (smem %lld + %d bytes):", v->name, k.tag().c_str(), (long long)v->smem_bytes, k.smem_pad);
+      for (const int size : {2, 4, 8, 16}) std::printf(" %d CTAs: %d", size, v->max_active_clusters(size, k.smem_pad, k.cluster_policy));
+      std::printf("\n");
+    }
+  }
+#endif
   std::printf("%-10s %4s %6s | %-11s %2s | %6s %9s %9s %8s %7s %9s %8s %8s | %s\n", "layout", "B", "S", "runner", "pd",
               "splits", "us/call", "us eager", "K/V TB/s", "vs read", "floor us", "vs floor", "check", "kernel");
 
@@ -881,19 +962,21 @@ int main(int argc, char** argv) {
         }
         for (const auto& [k, r] : results) {
           const double vs_floor = r.us_graph > 0 && r.us_read_floor > 0 ? r.us_read_floor / r.us_graph : -1;
-          std::printf("%-10s %4lld %6lld | %-11s %2d | %6d %9.2f %9.2f %8.3f %6.1f%% %9.2f %7.1f%% %8.1e | %s%s\n",
+          std::printf("%-10s %4lld %6lld | %-11s %2d | %6d %9.2f %9.2f %8.3f %6.1f%% %9.2f %7.1f%% %8.1e | %s%s%s\n",
                       layout.c_str(), (long long)batch, (long long)cache, k.runner.c_str(), k.pdl, r.splits, r.us_graph,
                       r.us_eager, r.kv_tbs, 100 * r.kv_tbs / stream_tbs, r.us_read_floor, 100 * vs_floor, r.check,
-                      r.kernel.c_str(), r.error.c_str());
+                      r.kernel.c_str(), k.tag().c_str(), r.error.c_str());
           std::fflush(stdout);
           std::snprintf(line, sizeof(line),
                         "  %s{\"layout\": \"%s\", \"batch\": %lld, \"cache\": %lld, \"kv_bytes\": %lld, \"runner\": \"%s\", "
-                        "\"splits_asked\": %d, \"pdl\": %d, \"min_tiles\": %d, \"splits\": %d, \"copies\": %d, "
+                        "\"splits_asked\": %d, \"pdl\": %d, \"min_tiles\": %d, \"cluster\": %d, \"cluster_policy\": %d, "
+                        "\"smem_pad\": %d, \"early\": %d, \"splits\": %d, \"copies\": %d, "
                         "\"us_per_call\": %.3f, \"us_eager\": %.3f, \"kv_tbs\": %.4f, \"fraction_of_stream_read\": %.4f, "
                         "\"us_read_floor\": %.3f, \"fraction_of_read_floor\": %.4f, \"round\": %d, "
                         "\"check_rel_l2\": %.3g, \"kernel\": \"%s\", \"timeline\": \"%s\", \"error\": \"%s\"}",
                         first ? "" : ",", layout.c_str(), (long long)batch, (long long)cache, (long long)s.kv_bytes(),
-                        k.runner.c_str(), k.splits, k.pdl, k.min_tiles, r.splits, r.copies, r.us_graph, r.us_eager,
+                        k.runner.c_str(), k.splits, k.pdl, k.min_tiles, k.cluster, k.cluster_policy, k.smem_pad, k.early, r.splits,
+                        r.copies, r.us_graph, r.us_eager,
                         r.kv_tbs, r.kv_tbs / stream_tbs, r.us_read_floor, vs_floor, round, r.check, r.kernel.c_str(),
                         r.timeline.c_str(), json_safe(r.error).c_str());
           json += std::string(first ? "" : "\n") + line;

@@ -792,6 +792,38 @@ TEST(CudaKvcache, EmptyAndSingleKeySequences) {
   }
 }
 
+// The early tiles (decode_kernel.cuh: split 0 of a contiguous cache copies Q and its first two 64-key tiles before
+// it reads cache_seqlens) at the lengths around them: kept from two whole tiles (128 keys) on, drained below,
+// with and without an append, one split, two, and the heuristic's. Every cache row past a sequence's keys holds
+// NaN in K and V: a copied row that reached the result would show.
+TEST(CudaKvcache, EarlyTilesAtTheirLengthBoundaries) {
+  SKIP_WITHOUT_GPU();
+  for (const int seqlen_new : {0, 1})
+    for (const int splits : {1, 2, 0}) {
+      KvCase c;
+      c.capacity = 300;
+      c.cached = {0, 1, 63, 64, 126, 127, 128, 129, 200, 300 - seqlen_new};
+      c.batch = int(c.cached.size());
+      c.seqlen_new = seqlen_new;
+      c.num_splits = splits;
+      auto rng = fa_test::make_rng("early tiles" + c.to_string());
+      KvTensors pristine = make_kv(c, rng);
+      const double nan = std::numeric_limits<double>::quiet_NaN();
+      for (int b = 0; b < c.batch; ++b)
+        for (int j = c.cached[size_t(b)] + seqlen_new; j < c.capacity; ++j)
+          for (int hk = 0; hk < c.heads_k; ++hk)
+            for (int x = 0; x < c.head_dim; ++x) {
+              pristine.k_cache.set(cache_index(c, pristine, b, j, hk, x), nan);
+              pristine.v_cache.set(cache_index(c, pristine, b, j, hk, x), nan);
+            }
+      const Expected e = expected_for(c, pristine);
+      KvTensors t = pristine;
+      fa_stats stats{};
+      ASSERT_TRUE(run_gpu(c, t, &stats).ok()) << c.to_string();
+      expect_matches("early tiles", c, t, e, stats.kernel);
+    }
+}
+
 // Read-only: a block table with repeated and out-of-order blocks (several sequences share blocks).
 TEST(CudaKvcache, RepeatedAndOutOfOrderBlocks) {
   SKIP_WITHOUT_GPU();

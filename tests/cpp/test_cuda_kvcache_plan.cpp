@@ -227,16 +227,19 @@ TEST(CudaKvcachePlan, ManyWavesSplits) {
 }
 
 TEST(CudaKvcachePlan, ClusterMergeRule) {
-  // Two splits, or short splits (a few tiles of the capacity; fewer in clusters above 8) merge in clusters
-  // (sm_90); long splits in big clusters, one split and more than kMaxClusterSplits splits do not.
-  EXPECT_TRUE(decode::wants_cluster_merge(16, 1024, 64));    // 1 tile per split
-  EXPECT_TRUE(decode::wants_cluster_merge(16, 2048, 64));    // 2 tiles
-  EXPECT_FALSE(decode::wants_cluster_merge(16, 4096, 64));   // 4 tiles in a cluster of 16
-  EXPECT_TRUE(decode::wants_cluster_merge(8, 4096, 64));     // 8 tiles in a cluster of 8
-  EXPECT_FALSE(decode::wants_cluster_merge(8, 8192, 64));    // 16 tiles
-  EXPECT_TRUE(decode::wants_cluster_merge(4, 4096, 64));     // 16 tiles in a cluster of 4
+  // Two splits at any length, or short splits (at most 8 tiles of the capacity in clusters of 3-4, 2 in clusters of
+  // 5-8) merge in clusters (sm_90); longer splits, clusters above 8, one split and more than kMaxClusterSplits
+  // splits do not.
+  EXPECT_FALSE(decode::wants_cluster_merge(16, 1024, 64));   // 1 tile per split, but a cluster of 16
+  EXPECT_FALSE(decode::wants_cluster_merge(16, 2048, 64));   // 2 tiles
+  EXPECT_TRUE(decode::wants_cluster_merge(8, 1024, 64));     // 2 tiles in a cluster of 8
+  EXPECT_TRUE(decode::wants_cluster_merge(5, 640, 64));      // 2 tiles in a cluster of 5
+  EXPECT_FALSE(decode::wants_cluster_merge(8, 2048, 64));    // 4 tiles
+  EXPECT_FALSE(decode::wants_cluster_merge(8, 4096, 64));    // 8 tiles
+  EXPECT_TRUE(decode::wants_cluster_merge(4, 2048, 64));     // 8 tiles in a cluster of 4
+  EXPECT_TRUE(decode::wants_cluster_merge(3, 1536, 64));     // 8 tiles in a cluster of 3
+  EXPECT_FALSE(decode::wants_cluster_merge(4, 4096, 64));    // 16 tiles
   EXPECT_FALSE(decode::wants_cluster_merge(5, 8192, 64));    // 26 tiles in a cluster of 5
-  EXPECT_FALSE(decode::wants_cluster_merge(4, 8192, 64));    // 32 tiles
   EXPECT_FALSE(decode::wants_cluster_merge(16, 131072, 64));
   EXPECT_TRUE(decode::wants_cluster_merge(2, 131072, 64));   // two splits at any length
   EXPECT_FALSE(decode::wants_cluster_merge(1, 1024, 64));

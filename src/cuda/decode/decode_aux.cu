@@ -178,7 +178,7 @@ Status launch_append_typed(const DecodeArgs& args, cudaStream_t stream) {
   const int64_t total = int64_t(p.batch) * p.seqlen_new * p.heads_k * (p.head_dim / 2);
   const int64_t blocks = std::min<int64_t>((total + kAppendThreads - 1) / kAppendThreads, kMaxAppendBlocks);
   FA_CUDA_RETURN_IF_ERROR(launch_decode_kernel(&append_kernel<Element, kFp8>, dim3(unsigned(blocks)), dim3(kAppendThreads), 0, stream,
-                                               args.programmatic_launch != 0, 0u, args));
+                                               args.programmatic_launch != 0, 0u, 0, args));
   return Status();
 }
 
@@ -186,7 +186,7 @@ template <typename Element>
 Status launch_combine_typed(const DecodeArgs& args, cudaStream_t stream) {
   const dim3 grid(args.m_blocks, args.p.heads_k, args.p.batch);
   FA_CUDA_RETURN_IF_ERROR(launch_decode_kernel(&combine_kernel<Element>, grid, dim3(32 * kCombineWarps), 0, stream,
-                                               args.programmatic_launch != 0, 0u, args));
+                                               args.programmatic_launch != 0, 0u, 0, args));
   return Status();
 }
 

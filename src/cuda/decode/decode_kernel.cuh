@@ -9,7 +9,8 @@
 //              common/smem_tile.cuh); paged caches (the kPaged instantiation) read the block ids of
 //              kTilesPerIdBatch tiles at once, a batch ahead, one per 16-row slot (power-of-two block sizes
 //              >= 16; else one per row, a tile ahead), so the table's latency never stalls the copies (split
-//              0 reads its first batch beside cache_seqlens); blocks that are runs of rows (the usual
+//              0 reads its first batch beside cache_seqlens; contiguous caches: split 0 copies Q and its
+//              first tiles before cache_seqlens has arrived, the "early tiles"); blocks that are runs of rows (the usual
 //              [num_blocks, block, Hk, D] layout, DecodeArgs::paged_rows) are addressed by their row in the
 //              pool, one shuffle plus a contiguous cache's address per row
 //   S = Q K^T  the kWarps warps split each tile's keys (kWarpKeys each); every warp owns all kBlockM rows
@@ -174,12 +175,99 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     const int j = (lane / kSlots) * kBlockN + (lane % kSlots) * 16;
     if (j < p.seqlen_k) split0_ids = p.block_table[b * p.block_table_batch_stride + (j >> args.page_shift)];
   }
+  // The length first: its round trip is the one the early tiles below overlap.
   const int cached = p.cache_seqlens[b];
+  const Element* q_gmem = static_cast<const Element*>(p.q);
+  const CacheElement* k_gmem = static_cast<const CacheElement*>(p.k);
+  const CacheElement* v_gmem = static_cast<const CacheElement*>(p.v);
+  // ---- K/V tile loads: thread (row_lane, chunk_lane) copies rows row_lane + pass * kRowsPerPass ----
+  // Decode streams K/V, so the instructions per copy matter: at HBM rate an SM has ~2000 cycles per 32 KiB
+  // tile and its warps share 4 issue slots per cycle with the MMAs and the softmax. Whole tiles of a
+  // full-width head with good block ids (nearly all tiles) take the plain path: one row address per pass and
+  // unpredicated copies; the last tile of a split, narrow heads (D below the bucket), bad block ids and
+  // block sizes that are not a power of two >= 16 take the checked path.
+  const int row_lane = tid / kChunksPerBlockRow;
+  const int chunk_lane = tid % kChunksPerBlockRow;
+  const uint32_t load_lane = StageTile::lane_offset(row_lane, chunk_lane);
+  // Where a key row starts: contiguous, k_rows + j * row stride (sequence and head folded in once); paged,
+  // k_rows + id * block stride + (j mod block size) * row stride (head folded in).
+  const CacheElement* k_rows = k_gmem + hk * p.k_head_stride + (kPaged ? 0 : b * p.k_batch_stride) + chunk_lane * kChunkElements;
+  const CacheElement* v_rows = v_gmem + hk * p.v_head_stride + (kPaged ? 0 : b * p.v_batch_stride) + chunk_lane * kChunkElements;
+  const int32_t* table_row = kPaged ? p.block_table + b * p.block_table_batch_stride : nullptr;
+  const int load_chunks = p.head_dim / kChunkElements;  // 16-byte chunks of a cache row (FP8: the host checked D % 16)
+  const bool full_width = load_chunks == StageTile::kChunksPerRow;
+  bool chunk_ok[kColBlocks];  // this thread's chunk of column block `block` is inside the head
+#pragma unroll
+  for (int block = 0; block < kColBlocks; ++block) chunk_ok[block] = block * kChunksPerBlockRow + chunk_lane < load_chunks;
+  bool bad_block_id = false;  // this thread met a block id outside the cache (the CTA's result becomes NaN)
+  // Byte strides of the plain path as 32-bit values, so a row address is one or two wide multiply-adds
+  // (IMAD.WIDE) on a 64-bit base; strides beyond 2^31 bytes take the checked path.
+  const int64_t k_row_stride_bytes = p.k_row_stride * kCacheElementBytes, v_row_stride_bytes = p.v_row_stride * kCacheElementBytes;
+  const int64_t k_block_stride_bytes = kPaged ? p.k_batch_stride * kCacheElementBytes : 0;
+  const int64_t v_block_stride_bytes = kPaged ? p.v_batch_stride * kCacheElementBytes : 0;
+  const bool strides_32bit = k_row_stride_bytes <= INT32_MAX && v_row_stride_bytes <= INT32_MAX &&
+                             k_block_stride_bytes <= INT32_MAX && v_block_stride_bytes <= INT32_MAX;
+  const int k_row_bytes = int(k_row_stride_bytes), v_row_bytes = int(v_row_stride_bytes);
+  const int k_block_bytes = int(k_block_stride_bytes), v_block_bytes = int(v_block_stride_bytes);
+  const char* k_bytes = reinterpret_cast<const char*>(k_rows);
+  const char* v_bytes = reinterpret_cast<const char*>(v_rows);
+
+  // ---- early tiles (args.early_tiles; a contiguous 16-bit cache, no rotary, no left window, full-width heads):
+  // split 0's key tiles start at key 0 whatever the sequence's length, so its Q and its first kStages - 1 tiles
+  // are copied before cache_seqlens is read, and the length's round trip (0.5-0.8 us on the H200: the timeline
+  // of 2026-12-01) overlaps them instead of preceding them. The rows copied are rows of the capacity, inside the
+  // cache whatever the length. They are kept when the length shows that the split streams those tiles whole
+  // (the same stages, commit groups and copies as the prologue's plain path); else they are drained and the
+  // prologue copies what it needs as usual. Affects speed only. ----
+  auto copy_q = [&](int row_begin, int block_rows_used) {  // Q's rows of the m-block, zero-filled past them
+    for (int idx = tid; idx < kBlockM * QTile::kChunksPerRow; idx += kThreads) {
+      const int row = idx / QTile::kChunksPerRow, chunk = idx % QTile::kChunksPerRow;
+      const int r = row_begin + row;
+      const bool valid = row < block_rows_used && chunk < d_chunks;
+      const int i = r / group, h = hk * group + r % group;
+      const Element* src = valid ? q_gmem + b * p.q_batch_stride + int64_t(i) * p.q_row_stride + h * p.q_head_stride + chunk * 8
+                                 : q_gmem;
+      cp_async_16(q_smem + QTile::chunk_offset(row, chunk), src, valid);
+    }
+  };
+  // The plain path's copies of one pass: this thread's chunks of one row of a tile (kColBlocks column blocks, K
+  // and V) into the stage tiles at k_tile / v_tile (this thread's lane offset included).
+  auto copy_pass = [&](uint32_t k_tile, uint32_t v_tile, int pass, const char* k_src, const char* v_src) {
+#pragma unroll
+    for (int block = 0; block < kColBlocks; ++block) {
+      const uint32_t to = StageTile::offset(0, pass * kRowsPerPass, block * kChunksPerBlockRow);
+      cp_async_16_full(k_tile + to, k_src + block * StageTile::kBlockCols * 2);
+      cp_async_16_full(v_tile + to, v_src + block * StageTile::kBlockCols * 2);
+    }
+  };
+  bool early_tiles = false;
+  if constexpr (!kPaged && !kFp8) {
+    early_tiles = args.early_tiles != 0 && split == 0 && p.rotary_dim == 0 && p.window_left < 0 && full_width &&
+                  strides_32bit && (kStages - 1) * kBlockN <= p.seqlen_k;
+    if (early_tiles) {
+      const BlockRows q_rows = block_rows(args, m_block, 0);  // the rows do not depend on the length
+      copy_q(q_rows.row_begin, q_rows.rows);
+#pragma unroll 1
+      for (int n = 0; n < kStages - 1; ++n) {
+        const uint32_t k_tile = kv_smem + uint32_t(n) * 2u * StageTile::kBytes + load_lane;
+#pragma unroll
+        for (int pass = 0; pass < kPasses; ++pass) {
+          const int j = n * kBlockN + row_lane + pass * kRowsPerPass;
+          copy_pass(k_tile, k_tile + StageTile::kBytes, pass, k_bytes + wide_product(j, k_row_bytes), v_bytes + wide_product(j, v_row_bytes));
+        }
+        cp_async_commit();
+      }
+    }
+  }
   const int seqlen_k = cached + p.seqlen_new;  // keys after the append
   const bool length_ok = cache_length_ok(cached, p.seqlen_new, p.seqlen_k);
   const BlockRows rows = block_rows(args, m_block, length_ok ? seqlen_k : 0);
   const SplitWork work = split_work(rows.key_begin, rows.key_end, kBlockN, args.num_splits, args.min_tiles_per_split, split);
   C::stamp(C::kStampPlanned, p.out);
+  // The early tiles are the prologue's when the split streams them whole; else drained (the prologue reloads).
+  const bool early_kept = early_tiles && length_ok && split < work.used && work.tile_begin == 0 &&
+                          work.tile_end - work.tile_begin >= kStages - 1 && (kStages - 1) * kBlockN <= seqlen_k;
+  if (early_tiles && !early_kept) cp_async_wait<0>();
 
   // Direct result of a row without any key work: NaN (bad cache_seqlens entry) or empty (no visible key:
   // out = 0, lse = -inf). Written by split 0; the combine kernel skips these m-blocks.
@@ -264,9 +352,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   const bool direct = work.used == 1;  // the only split: write out / lse, no partials
   const int num_tiles = work.tile_end - work.tile_begin;
 
-  const Element* q_gmem = static_cast<const Element*>(p.q);
-  const CacheElement* k_gmem = static_cast<const CacheElement*>(p.k);
-  const CacheElement* v_gmem = static_cast<const CacheElement*>(p.v);
 
   // ---- bf16 q over an FP8 cache: the power of two that brings the block's largest finite |q| just below 2^15
   // (fp16's largest is 65504); infinities and NaN stay what they are. With rotary, rotation keeps each pair's
@@ -347,15 +432,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       *reinterpret_cast<uint4*>(smem + QTile::chunk_offset(row, 2 * group16 + 1)) = make_uint4(lo.y, lo.w, hi.y, hi.w);
     }
   } else if (p.rotary_dim == 0) {
-    for (int idx = tid; idx < kBlockM * QTile::kChunksPerRow; idx += kThreads) {
-      const int row = idx / QTile::kChunksPerRow, chunk = idx % QTile::kChunksPerRow;
-      const int r = rows.row_begin + row;
-      const bool valid = row < rows.rows && chunk < d_chunks;
-      const int i = r / group, h = hk * group + r % group;
-      const Element* src = valid ? q_gmem + b * p.q_batch_stride + int64_t(i) * p.q_row_stride + h * p.q_head_stride + chunk * 8
-                                 : q_gmem;
-      cp_async_16(q_smem + QTile::chunk_offset(row, chunk), src, valid);
-    }
+    if (!early_kept) copy_q(rows.row_begin, rows.rows);  // (early_kept: copied with the early tiles)
   } else {
     // Positions: cached + i when causal or windowed (each query is a new token), else all at `cached`.
     const bool per_token_positions = p.window_left >= 0 || p.window_right >= 0;
@@ -379,26 +456,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     }
   }
 
-  // ---- K/V tile loads: thread (row_lane, chunk_lane) copies rows row_lane + pass * kRowsPerPass ----
-  // Decode streams K/V, so the instructions per copy matter: at HBM rate an SM has ~2000 cycles per 32 KiB
-  // tile and its warps share 4 issue slots per cycle with the MMAs and the softmax. Whole tiles of a
-  // full-width head with good block ids (nearly all tiles) take the plain path: one row address per pass and
-  // unpredicated copies; the last tile of a split, narrow heads (D below the bucket), bad block ids and
-  // block sizes that are not a power of two >= 16 take the checked path.
-  const int row_lane = tid / kChunksPerBlockRow;
-  const int chunk_lane = tid % kChunksPerBlockRow;
-  const uint32_t load_lane = StageTile::lane_offset(row_lane, chunk_lane);
-  // Where a key row starts: contiguous, k_rows + j * row stride (sequence and head folded in once); paged,
-  // k_rows + id * block stride + (j mod block size) * row stride (head folded in).
-  const CacheElement* k_rows = k_gmem + hk * p.k_head_stride + (kPaged ? 0 : b * p.k_batch_stride) + chunk_lane * kChunkElements;
-  const CacheElement* v_rows = v_gmem + hk * p.v_head_stride + (kPaged ? 0 : b * p.v_batch_stride) + chunk_lane * kChunkElements;
-  const int32_t* table_row = kPaged ? p.block_table + b * p.block_table_batch_stride : nullptr;
-  const int load_chunks = p.head_dim / kChunkElements;  // 16-byte chunks of a cache row (FP8: the host checked D % 16)
-  const bool full_width = load_chunks == StageTile::kChunksPerRow;
-  bool chunk_ok[kColBlocks];  // this thread's chunk of column block `block` is inside the head
-#pragma unroll
-  for (int block = 0; block < kColBlocks; ++block) chunk_ok[block] = block * kChunksPerBlockRow + chunk_lane < load_chunks;
-  bool bad_block_id = false;  // this thread met a block id outside the cache (the CTA's result becomes NaN)
 
   // Paged block ids. Power-of-two block sizes >= 16 (all common ones) take the id of each 16-row "slot" of
   // a tile (16-aligned rows: one block), kTilesPerIdBatch tiles per warp register (lane l: slot l % kSlots
@@ -446,17 +503,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     }
   }
 
-  // Byte strides of the plain path as 32-bit values, so a row address is one or two wide multiply-adds
-  // (IMAD.WIDE) on a 64-bit base; strides beyond 2^31 bytes take the checked path.
-  const int64_t k_row_stride_bytes = p.k_row_stride * kCacheElementBytes, v_row_stride_bytes = p.v_row_stride * kCacheElementBytes;
-  const int64_t k_block_stride_bytes = kPaged ? p.k_batch_stride * kCacheElementBytes : 0;
-  const int64_t v_block_stride_bytes = kPaged ? p.v_batch_stride * kCacheElementBytes : 0;
-  const bool strides_32bit = k_row_stride_bytes <= INT32_MAX && v_row_stride_bytes <= INT32_MAX &&
-                             k_block_stride_bytes <= INT32_MAX && v_block_stride_bytes <= INT32_MAX;
-  const int k_row_bytes = int(k_row_stride_bytes), v_row_bytes = int(v_row_stride_bytes);
-  const int k_block_bytes = int(k_block_stride_bytes), v_block_bytes = int(v_block_stride_bytes);
-  const char* k_bytes = reinterpret_cast<const char*>(k_rows);
-  const char* v_bytes = reinterpret_cast<const char*>(v_rows);
   // args.paged_rows: when a pass covers whole 16-row slots (kRowsPerPass a multiple of 16), a thread's row
   // within its slot is row_lane % 16 in every pass, and that row's offset is folded into the base once.
   constexpr bool kSlotRowInBase = kRowsPerPass % 16 == 0;
@@ -482,15 +528,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     }
     const bool plain =
         (n + 1) * kBlockN <= seqlen_k && full_width && strides_32bit && (!kPaged || slot_ids) && tile_bad_ids == 0;
-    // One pass's copies: this thread's chunks of row `row` of the tile (kColBlocks column blocks, K and V).
-    auto copy_pass = [&](int pass, const char* k_src, const char* v_src) {
-#pragma unroll
-      for (int block = 0; block < kColBlocks; ++block) {
-        const uint32_t to = StageTile::offset(0, pass * kRowsPerPass, block * kChunksPerBlockRow);
-        cp_async_16_full(k_tile + to, k_src + block * StageTile::kBlockCols * 2);
-        cp_async_16_full(v_tile + to, v_src + block * StageTile::kBlockCols * 2);
-      }
-    };
     if (kPaged && __builtin_expect(plain && args.paged_rows, 1)) {
       // The pool row of the slot (one shuffle) plus the thread's row in it (in the base): one wide multiply-add
       // per row of K and of V, as for a contiguous cache.
@@ -499,7 +536,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
         const int row = row_lane + pass * kRowsPerPass;
         const uint32_t pool_row = __shfl_sync(0xffffffffu, rows_now, (rel % kTilesPerIdBatch) * kSlots + row / 16) +
                                   (kSlotRowInBase ? 0u : uint32_t(row & 15));
-        copy_pass(pass, reinterpret_cast<const char*>(k_slot_row_base + wide_product(pool_row, k_row_bytes)),
+        copy_pass(k_tile, v_tile, pass, reinterpret_cast<const char*>(k_slot_row_base + wide_product(pool_row, k_row_bytes)),
                   reinterpret_cast<const char*>(v_slot_row_base + wide_product(pool_row, v_row_bytes)));
       }
     } else if (__builtin_expect(plain, 1)) {
@@ -518,7 +555,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
           k_src = k_bytes + wide_product(j, k_row_bytes);
           v_src = v_bytes + wide_product(j, v_row_bytes);
         }
-        copy_pass(pass, k_src, v_src);
+        copy_pass(k_tile, v_tile, pass, k_src, v_src);
       }
     } else {
       // Rolled (affects speed only; the plain path's copies are unrolled): a smaller loop body. The paged FP8
@@ -560,7 +597,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // that "wait until kStages - 2 groups are pending" always means "tile it has landed"). Rolled: one copy of
   // issue_tile's code instead of kStages - 1 (code size; affects speed only) ----
 #pragma unroll 1
-  for (int s = 0; s < kStages - 1; ++s) {
+  for (int s = 0; s < kStages - 1 && !early_kept; ++s) {  // (early_kept: these were issued before cache_seqlens)
     if (s < num_tiles) issue_tile(s, s);
     cp_async_commit();
   }

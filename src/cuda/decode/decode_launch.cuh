@@ -96,10 +96,18 @@ bool cluster_merge_fits(int device, int splits) {
   return ok;
 }
 
+// How the attention kernel of a call is placed on the SMs; changes no value (tuning: bench/decode_bench.cu's
+// variants sweep these; the library's launcher passes its own).
+struct DecodeLaunchTuning {
+  int extra_smem_bytes = 0;  // dynamic shared memory beyond the kernel's own, so that fewer CTAs share an SM
+  int cluster_policy = 0;    // cluster launches: a cudaClusterSchedulingPolicy (0: the default)
+};
+
 // The kernels of one call from its resolved arguments (the launcher below, and bench/decode_bench.cu's
 // tuning variants, which set the knobs of `args` themselves).
 template <typename C>
-Status launch_decode_args(const decode::DecodeArgs& args, const decode::DecodePlan& plan, cudaStream_t stream) {
+Status launch_decode_args(const decode::DecodeArgs& args, const decode::DecodePlan& plan, cudaStream_t stream,
+                          const DecodeLaunchTuning& tuning = DecodeLaunchTuning{}) {
   const KvcacheParams& p = args.p;
   if (plan.workspace_bytes > 0 && (args.partial_lse == nullptr || p.workspace_bytes < plan.workspace_bytes))
     return error(FA_ERROR_INTERNAL, "kvcache launcher: %d splits need a workspace of %lld bytes", plan.num_splits,
@@ -108,9 +116,12 @@ Status launch_decode_args(const decode::DecodeArgs& args, const decode::DecodePl
   const dim3 grid(unsigned(plan.m_blocks) * unsigned(plan.num_splits), p.heads_k, p.batch);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return Status();
   const auto kernel = p.block_table != nullptr ? &decode::decode_kernel<C, true> : &decode::decode_kernel<C, false>;
-  FA_CUDA_RETURN_IF_ERROR(decode::launch_decode_kernel(kernel, grid, dim3(C::kThreads), decode_smem_bytes<C>(), stream,
+  const int smem = decode_smem_bytes<C>() + tuning.extra_smem_bytes;
+  if (tuning.extra_smem_bytes > 0) FA_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  FA_CUDA_RETURN_IF_ERROR(decode::launch_decode_kernel(kernel, grid, dim3(C::kThreads), size_t(smem), stream,
                                                        args.programmatic_launch != 0,
-                                                       args.cluster_merge != 0 ? unsigned(args.num_splits) : 0u, args));
+                                                       args.cluster_merge != 0 ? unsigned(args.num_splits) : 0u,
+                                                       args.cluster_merge != 0 ? tuning.cluster_policy : 0, args));
   if (args.cluster_merge != 0) return Status();  // the clusters merged their splits
   return decode::launch_combine(args, stream);
 }

@@ -180,6 +180,7 @@ DecodeArgs make_decode_args(const KvcacheParams& p, const DecodePlan& plan, void
   a.page_shift = -1;
   a.programmatic_launch = 0;  // the launcher turns these on where the device supports them
   a.cluster_merge = 0;
+  a.early_tiles = kEarlyTiles ? 1 : 0;
   if (p.block_table != nullptr && (p.page_block_size & (p.page_block_size - 1)) == 0) {
     a.page_shift = 0;
     while ((1 << a.page_shift) < p.page_block_size) ++a.page_shift;

@@ -74,6 +74,13 @@ constexpr double kWaveEfficiencyKept = 0.96;  // smallest split count whose last
                                               // (B = 1: 32 of 264 slots; 0.97 would jump B = 4 from 8 to 33 splits)
 constexpr int kMaxCtasPerSm = 4;           // occupancy estimate cap (the kernels use <= 255 registers x 128 threads)
 constexpr int64_t kWorkspaceAlignment = 256;  // the partial buffers start 256-byte aligned in any caller workspace
+// Split 0 of a contiguous cache copies Q and its first tiles before it knows the sequence's length
+// (DecodeArgs::early_tiles, decode_kernel.cuh). Affects speed only. H200, 2026-12-01 08:21 UTC, bf16, Hq 32 / Hk 8,
+// contiguous, the library's tile with the knob off / on, 3 rounds alternating, median us per call
+// (bench/results/2026-12-01-0821-h200-decode-early-tiles.txt): B = 16 / 1k 19.58 -> 19.03 (+2.9%), B = 1 / 1k 7.21 ->
+// 7.02 (+2.7%), B = 64 / 1k 65.02 -> 63.93 (+1.7%), B = 1 / 32k +0.7%, B = 16 / 8k +0.2%; 8k-32k at B = 16-64 within
+// +-0.3% (the length's round trip is a smaller part of a longer call).
+constexpr bool kEarlyTiles = true;
 constexpr bool kProgrammaticLaunch = true; // sm_90+: launch the decode kernels as programmatic dependents
 // sm_90+: the splits of an m-block form a thread-block cluster and merge their partials through distributed
 // shared memory, instead of a combine kernel after the attention kernel (up to kMaxClusterSplits splits;
@@ -91,19 +98,38 @@ constexpr bool kProgrammaticLaunch = true; // sm_90+: launch the decode kernels 
 // (B = 1-4: +3-12%); the combine now leads at 16 splits of 4 tiles (B = 1, 4k: +9%) and 8 splits of 16 tiles
 // (B = 2, 8k: +6.4-6.8%); 8 x 8 and 4 x 16 tiles are even (-1.6% to +1.1%). Hence 8 and 2 tiles below (were 16, 4);
 // raw: bench/results/2026-11-30-1839-h200-decode-clusters-*.json.
+// Why long splits lose in big clusters (H200, 2026-12-01 08:21 UTC, flashattn_decode_tiles --cluster 0,1
+// --cluster-policy 0,1 --smem-pad 0,40000; bench/results/2026-12-01-0821-h200-decode-cluster-policy-pad.txt): clusters
+// are placed within a GPC, and at one CTA per SM (the tile padded to 140 KB) only 7 clusters of 16, 15 of 8 or 30 of 4
+// CTAs are resident at once (cudaOccupancyMaxActiveClusters): 112-120 of the 132 SMs. At two CTAs per SM (the
+// tile's own 100 KB) 14 / 30 / 62 are, and the 128 CTAs of B = 1 / 32k in 16-CTA clusters shared SMs: 112, 98, 82
+// and 66 distinct SMs in 4 successive calls (the timeline's SM count; each call's clusters, launched early as
+// programmatic dependents, wait in the second slots of the SMs the call before them streams on): 46.0 us per call
+// against 36.8 with the combine kernel; padded to one CTA per SM, 112 SMs and a second wave: 56.7. B = 4 / 8k in
+// 4-CTA clusters: 37.5 / 56.8 against 36.5. The spread scheduling policy (cudaClusterSchedulingPolicySpread) changed
+// nothing. So the combine kernel stays for one-wave grids of long splits.
 constexpr bool kClusterMerge = true;
 constexpr int kMaxClusterSplits = 16;
 // The rule with 8 tiles for 3-8 splits ran against the rule before it (16 tiles; 19:43 UTC, two binaries
 // alternating, two runs each, B = 1-4 x 1k-8k, bench/results/2026-11-30-1943-h200-decode-cluster-rule-ab.json):
 // B = 1 / 4k +2.9% contiguous, +5.2% paged; B = 2 / 8k +3.2% / +5.1%; but 4 splits of 16 tiles (B = 4 / 4k) -0.8%
 // / -2.0%: clusters of 3-4 splits keep 16 tiles (kClusterMergeMaxTiles4).
-constexpr int64_t kClusterMergeMaxTiles4 = 16;     // tiles of the capacity per split, clusters of 3-4
-constexpr int64_t kClusterMergeMaxTiles = 8;       // ... of 5-8
-constexpr int64_t kClusterMergeMaxTiles16 = 2;     // ... of 9 to kMaxClusterSplits CTAs
+// Again on 2026-12-01 08:29 UTC (H200, B = 1-8 x 1k-4k, both layouts): the combine kernel (flashattn_decode_tiles
+// --cluster 0, the library's tile, 2 rounds; bench/results/2026-12-01-0829-h200-decode-cluster-vs-combine.txt) against
+// the cluster merge as the rule of then chose it (main f3cd604's library, 2 runs; ...-0829-h200-decode-lib-main_{1,2}
+// .json), median us per call, combine / cluster, contiguous and paged: 16 splits of 2 tiles (B = 1 / 2k) 8.89 / 9.30,
+// 9.24 / 9.60; 8 splits of 2 tiles, B = 1 / 1k 7.70 / 7.16, 8.21 / 7.40, B = 2 / 1k 9.0 / 8.87, 9.20 / 9.14; of 4
+// tiles (B = 2 / 2k) 10.70 / 11.21, 11.15 / 11.78; of 8 tiles (B = 2 / 4k) 14.97 / 15.34, 15.59 / 15.86; 4 splits of
+// 4 tiles (B = 4 / 1k) 10.78 / 10.54, 11.3 / 10.84; of 8 (B = 4 / 2k) 15.02 / 15.13, 15.84 / 15.62; of 16 (B = 4 / 4k)
+// 22.64 / 23.41, 23.55 / 24.12; 2 splits (B = 8) 15.10 / 13.94 at 1k, 37.6 / 36.9 at 4k (paged alike). Hence 8, 2 and
+// no tiles below (were 16, 8 and 2); clusters of 9-16 CTAs are left to explicit tuning (bench/decode_bench.cu).
+constexpr int64_t kClusterMergeMaxTiles4 = 8;      // tiles of the capacity per split, clusters of 3-4
+constexpr int64_t kClusterMergeMaxTiles = 2;       // ... of 5-8
+constexpr int64_t kClusterMergeMaxTiles16 = 0;     // ... of 9 to kMaxClusterSplits CTAs: none (the combine kernel)
 
 // Whether the splits of a call merge inside thread-block clusters (where the device has them and they fit):
 // 2 splits at any length; up to 4 splits of at most kClusterMergeMaxTiles4 key tiles of the capacity, up to 8
-// of at most kClusterMergeMaxTiles; up to kMaxClusterSplits splits of at most kClusterMergeMaxTiles16.
+// of at most kClusterMergeMaxTiles; up to kMaxClusterSplits splits of at most kClusterMergeMaxTiles16 (none).
 inline bool wants_cluster_merge(int num_splits, int64_t capacity_keys, int block_n) {
   if (!kClusterMerge || num_splits < 2 || num_splits > kMaxClusterSplits || block_n <= 0) return false;
   const int64_t capacity_tiles = (capacity_keys + block_n - 1) / block_n;

@@ -40,6 +40,8 @@ struct DecodeArgs {
                             // id * block size + its row in the block, and its address is computed as a contiguous
                             // cache's (vLLM / FlashAttention's [num_blocks, block, Hk, D] layout). Speed only.
   int programmatic_launch;  // 1 = the kernels launch as programmatic dependents (sm_90+; set by the launcher)
+  int early_tiles;          // 1 = split 0 of a contiguous 16-bit cache copies Q and its first tiles before reading
+                            // cache_seqlens (decode_kernel.cuh; affects speed only)
   int cluster_merge;        // 1 = the num_splits CTAs of one (m-block, K/V head, sequence) are a thread-block
                             // cluster (grid.x split-fastest) that merges its partials through distributed
                             // shared memory, with no combine kernel (sm_90+, <= kMaxClusterSplits; the launcher)

@@ -12,16 +12,17 @@
 namespace flashattn::cuda::decode {
 
 // cluster_x > 1: the grid is launched in thread-block clusters of cluster_x x 1 x 1 CTAs (sm_90+; grid.x a
-// multiple of it).
+// multiple of it), placed on the SMs under `cluster_policy` (a cudaClusterSchedulingPolicy; 0: the default).
 template <typename... KernelParams, typename... Args>
 cudaError_t launch_decode_kernel(void (*kernel)(KernelParams...), dim3 grid, dim3 block, size_t smem_bytes,
-                                 cudaStream_t stream, bool programmatic, unsigned cluster_x, Args&&... args) {
+                                 cudaStream_t stream, bool programmatic, unsigned cluster_x, int cluster_policy,
+                                 Args&&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attribute[2];
+  cudaLaunchAttribute attribute[3];
   unsigned count = 0;
   if (programmatic) {
     attribute[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -34,6 +35,11 @@ cudaError_t launch_decode_kernel(void (*kernel)(KernelParams...), dim3 grid, dim
     attribute[count].val.clusterDim.y = 1;
     attribute[count].val.clusterDim.z = 1;
     ++count;
+    if (cluster_policy != 0) {
+      attribute[count].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
+      attribute[count].val.clusterSchedulingPolicyPreference = static_cast<cudaClusterSchedulingPolicy>(cluster_policy);
+      ++count;
+    }
   }
   config.attrs = attribute;
   config.numAttrs = count;
