@@ -41,6 +41,12 @@ Status choose_kernel(KernelKind kind, const AttentionParams& p, const DeviceLimi
 Status choose_kernel(KernelKind kind, const AttentionParams& p, const DeviceLimits& device,
                      const KernelEntry* table, int count, const std::string& arch_list, int* index);
 
+// The many_waves row (a decode tile for short contiguous caches at many waves of CTAs) of the same kind, dtype, head
+// dim, dropout and cache type as row `index`, whose shared memory fits; -1 when there is none. The decode selection
+// takes it in place of row `index` where decode_plan.hpp's wants_many_waves_tile holds.
+int many_waves_alternative(int index, const DeviceLimits& device);
+int many_waves_alternative(int index, const DeviceLimits& device, const KernelEntry* table, int count);
+
 const KernelEntry& kernel_entry(int index);  // a row of the generated table
 std::string compiled_arch_list();            // FLASHATTN_CUDA_ARCHS of this build ("" without CUDA)
 // "forward: float16, bfloat16 x D 32, 64, ...; backward: ..." from the generated table.

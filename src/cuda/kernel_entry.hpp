@@ -29,6 +29,8 @@ struct KernelEntry {
   int causal_max_seqlen_q = 0;  // forward: > 0 = taken only for causal calls of at most this many query rows
                                 // (dispatch skips it otherwise); 0 = any call
   int max_seqlen_q = 0;  // forward: > 0 = taken only for calls (any mask) of at most this many query rows; 0 = any
+  bool many_waves = false;  // kvcache: taken only where decode_plan.hpp's wants_many_waves_tile holds (choose_kernel
+                            // skips it; many_waves_alternative offers it to the decode selection)
 };
 
 // The launch functions of one row (exactly one is set, by kind). `stream` is a cudaStream_t.

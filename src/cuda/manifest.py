@@ -25,7 +25,9 @@ HOW TO ADD A KERNEL
      lists what is compiled, never a fallback.
   A bucket's tiles may be a list, an order of preference: dispatch takes the first whose shared memory fits
   the device, skipping conditional rows whose call condition fails (causal_max_seqlen: causal calls of at most
-  that many query rows; max_seqlen: any call of at most that many); a general row follows them.
+  that many query rows; max_seqlen: any call of at most that many); a general row follows them. Decode rows with
+  many_waves are never chosen there: the decode selection (src/cuda/decode/kvcache.cpp) takes one in place of
+  the general row where decode_plan.hpp's wants_many_waves_tile holds.
 Build time matters (the whole CUDA build for sm_80 + sm_90a must stay under 10 minutes on 2 cores):
 every row is one .cu compiled twice (two architectures). Template only on what changes speed a lot.
 """
@@ -68,6 +70,9 @@ class Tile:
                          # query rows (a short-call alternative listed before the general row); speed only
     compact_epilogue: bool = False  # forward only: the epilogue's stores in a rolled loop from one base
                                     # (forward_kernel.cuh, kCompactEpilogue: short calls gain); speed only
+    many_waves: bool = False  # decode only: this row is taken only for the calls that decode_plan.hpp's
+                              # wants_many_waves_tile accepts (short contiguous caches at many waves of CTAs;
+                              # choose_kernel skips it, the decode selection offers it); speed only
 
 
 # ---- forward tuning table: affects speed, registers and shared memory only, never results ----
@@ -151,7 +156,9 @@ DECODE_TILES = {
     (32, False): Tile(16, 128, 4, 4),    # 65 KiB
     (64, False): Tile(16, 128, 4, 3),    # 98 KiB
     (96, False): Tile(16, 64, 4, 4),     # 99 KiB
-    (128, False): Tile(16, 64, 4, 3),    # 100 KiB: 154 registers (paged: 168, 8 bytes spilled outside the loop; ptxas -v, sm_90a)
+    # 100 KiB: 128 registers (4 bytes spilled outside the loop), paged 168 (ptxas -v, sm_90a, 2026-12-01). Before it, for
+    # short contiguous caches at many waves (wants_many_waves_tile), two stages of 68 KiB, three CTAs per SM.
+    (128, False): [Tile(16, 64, 4, 2, many_waves=True), Tile(16, 64, 4, 3)],
     (192, False): Tile(16, 64, 4, 2),    # 102 KiB
     (256, False): Tile(16, 64, 4, 2),    # 136 KiB: 221 registers (O is 128 of them), no spills
 }
@@ -186,9 +193,10 @@ class Kernel:
         keys = f"k{t.warp_keys}" if t.warp_keys != 16 else ""
         groups = f"g{t.group_warps}" if t.group_warps != 1 else ""
         epilogue = "ce" if t.compact_epilogue else ""
+        waves = "mw" if t.many_waves else ""
         cache = "_e4m3" if self.fp8_cache else ""
         return (f"{self.kind}_sm80_{self.dtype}{cache}_d{self.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}"
-                f"s{t.stages}{keys}{groups}{epilogue}{flags}")
+                f"s{t.stages}{keys}{groups}{epilogue}{waves}{flags}")
 
     @property
     def smem_bytes(self):
@@ -242,6 +250,7 @@ def kernels():
                     assert (tile.max_seqlen == 0 and not tile.compact_epilogue) or kind == "fwd", \
                         f"{kind} d{head_dim}: max_seqlen and compact_epilogue are forward tile fields"
                     assert tile.max_seqlen == 0 or tile.causal_max_seqlen == 0, f"{kind} d{head_dim}: one call condition per row"
+                    assert not tile.many_waves or (kind == "dec" and not fp8_cache), f"{kind} d{head_dim}: many_waves is a 16-bit decode field"
                     if fp8_cache:
                         assert head_dim % 64 == 0, f"{kind} d{head_dim} e4m3: the fp8 staging tile needs D % 64 == 0"
                     rows.append(Kernel(kind, dtype, head_dim, tile, dropout, fp8_cache))
@@ -278,14 +287,15 @@ def kernel_table_hpp(rows):
              "namespace flashattn::cuda::generated {", "",
              "inline constexpr KernelEntry kKernelTable[] = {",
              "    // kind, dtype, head dim, block_m, block_n, warps, stages, dropout, smem bytes, name, warp keys, group warps, fp8 cache,",
-             "    // causal max seqlen, max seqlen"]
+             "    // causal max seqlen, max seqlen, many waves"]
     for k in rows:
         _, fa_dtype = DTYPES[k.dtype]
         kind = {"fwd": "KernelKind::kForward", "bwd": "KernelKind::kBackward", "dec": "KernelKind::kKvcache"}[k.kind]
         t = k.tile
         lines.append(f"    {{{kind}, {fa_dtype}, {k.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
                      f"{'true' if k.dropout else 'false'}, {k.smem_bytes}, \"{k.name}\", {t.warp_keys}, {t.group_warps}, "
-                     f"{'true' if k.fp8_cache else 'false'}, {t.causal_max_seqlen}, {t.max_seqlen}}},")
+                     f"{'true' if k.fp8_cache else 'false'}, {t.causal_max_seqlen}, {t.max_seqlen}, "
+                     f"{'true' if t.many_waves else 'false'}}},")
     if not rows:
         lines.append("    {}")
     lines += ["};", f"inline constexpr int kKernelCount = {len(rows)};", "",

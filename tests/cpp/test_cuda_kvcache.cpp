@@ -824,6 +824,80 @@ TEST(CudaKvcache, EarlyTilesAtTheirLengthBoundaries) {
     }
 }
 
+// A paged cache's block-table entries past a sequence's blocks are never used as block ids: rows of 1024 and 1025
+// entries (block size 16; the kernel prefetches rows of up to 1024 into L2), several splits, lengths that leave most
+// of the row unused. Every table entry past a sequence's blocks is an invalid id and every cache row past its keys
+// NaN: an entry or a row that was used would show.
+TEST(CudaKvcache, PagedTableEntriesPastTheLengthAreNeverUsed) {
+  SKIP_WITHOUT_GPU();
+  for (const int capacity : {16384, 16400})
+    for (const int splits : {0, 3, 16}) {
+      KvCase c;
+      c.block_size = 16;
+      c.capacity = capacity;
+      c.cached = {capacity - 1, 40, 1000, 0};
+      c.batch = int(c.cached.size());
+      c.seqlen_new = 1;
+      c.num_splits = splits;
+      auto rng = fa_test::make_rng("table row" + c.to_string());
+      KvTensors pristine = make_kv(c, rng);
+      const int per_seq = int(pristine.block_table.shape()[1]);
+      const int64_t blocks = pristine.k_cache.shape()[0];
+      const double nan = std::numeric_limits<double>::quiet_NaN();
+      for (int b = 0; b < c.batch; ++b) {
+        const int keys = c.cached[size_t(b)] + c.seqlen_new;
+        for (int j = keys; j < (keys + c.block_size - 1) / c.block_size * c.block_size; ++j)  // the last block's rest
+          for (int hk = 0; hk < c.heads_k; ++hk)
+            for (int x = 0; x < c.head_dim; ++x) {
+              pristine.k_cache.set(cache_index(c, pristine, b, j, hk, x), nan);
+              pristine.v_cache.set(cache_index(c, pristine, b, j, hk, x), nan);
+            }
+        for (int n = (keys + c.block_size - 1) / c.block_size; n < per_seq; ++n)
+          pristine.block_table.set_int(int64_t(b) * per_seq + n, n % 2 == 0 ? int32_t(blocks + n) : -1 - n);
+      }
+      const Expected e = expected_for(c, pristine);
+      KvTensors t = pristine;
+      fa_stats stats{};
+      ASSERT_TRUE(run_gpu(c, t, &stats).ok()) << c.to_string();
+      expect_matches("table row", c, t, e, stats.kernel);
+    }
+}
+
+// Short contiguous caches at many waves run in the many_waves tile (decode_plan.hpp's wants_many_waves_tile: at least
+// 7 CTAs per SM unsplit, at most 2k keys): the kernel's name says which ran, the oracle judges it; lengths from 0 to
+// the capacity, with an append, both dtypes.
+TEST(CudaKvcache, ManyWavesTile) {
+  SKIP_WITHOUT_GPU();
+#if defined(FLASHATTN_WITH_CUDA)
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  for (const fa_dtype dtype : {FA_BFLOAT16, FA_FLOAT16}) {
+    KvCase c;  // 8 query heads, 2 K/V heads, D = 128: one m-block per (sequence, K/V head)
+    c.dtype = dtype;
+    c.batch = (7 * sms + 1) / 2 + 3;
+    c.capacity = 256;
+    c.seqlen_new = 1;
+    std::mt19937_64 lengths(11);
+    c.cached.resize(size_t(c.batch));
+    for (int b = 0; b < c.batch; ++b) c.cached[size_t(b)] = int(lengths() % uint64_t(c.capacity));  // 0 .. 255
+    auto rng = fa_test::make_rng(std::string("many waves ") + (dtype == FA_BFLOAT16 ? "bf16" : "f16"));
+    const KvTensors pristine = make_kv(c, rng);
+    const Expected e = expected_for(c, pristine);
+    KvTensors t = pristine;
+    fa_stats stats{};
+    ASSERT_TRUE(run_gpu(c, t, &stats).ok());
+    EXPECT_NE(std::string(stats.kernel).find("mw"), std::string::npos) << stats.kernel << ": not the many_waves tile";
+    EXPECT_TRUE(judge("many waves", c, t, e)) << stats.kernel;
+    KvCase fewer = c;  // one sequence fewer than 7 CTAs per SM: the general tile
+    fewer.batch = (7 * sms + 1) / 2 - 1;
+    fewer.cached.resize(size_t(fewer.batch));
+    KvTensors f = make_kv(fewer, rng);
+    ASSERT_TRUE(run_gpu(fewer, f, &stats).ok());
+    EXPECT_EQ(std::string(stats.kernel).find("mw"), std::string::npos) << stats.kernel;
+  }
+#endif
+}
+
 // Read-only: a block table with repeated and out-of-order blocks (several sequences share blocks).
 TEST(CudaKvcache, RepeatedAndOutOfOrderBlocks) {
   SKIP_WITHOUT_GPU();

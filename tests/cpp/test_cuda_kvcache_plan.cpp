@@ -26,6 +26,7 @@ using flashattn::WindowMask;
 using flashattn::cuda::DeviceLimits;
 using flashattn::cuda::KernelEntry;
 using flashattn::cuda::KernelKind;
+using flashattn::cuda::many_waves_alternative;
 namespace decode = flashattn::cuda::decode;
 
 // H200: 132 SMs, 228 KiB of shared memory per SM (227 KiB per block); A100: 108 SMs, 164 / 163 KiB.
@@ -247,6 +248,61 @@ TEST(CudaKvcachePlan, ClusterMergeRule) {
   EXPECT_FALSE(decode::wants_cluster_merge(4, 1024, 0));
 }
 
+// Short contiguous caches at many waves take the many_waves tile: at least 7 CTAs per SM unsplit (B = 116 of the
+// issue's 8 K/V heads on 132 SMs), at most 2k keys, contiguous, 16-bit, no split asked for.
+TEST(CudaKvcachePlan, ManyWavesTileRule) {
+  const int block_m = 16;  // the 4 query heads of a group fit one m-block
+  EXPECT_TRUE(decode::wants_many_waves_tile(decode_params(256, 1, 32, 8, 128, 1024), block_m, h200()));
+  EXPECT_TRUE(decode::wants_many_waves_tile(decode_params(116, 1, 32, 8, 128, 2048), block_m, h200()));  // 928 CTAs
+  EXPECT_FALSE(decode::wants_many_waves_tile(decode_params(115, 1, 32, 8, 128, 2048), block_m, h200()));  // 920 < 924
+  EXPECT_FALSE(decode::wants_many_waves_tile(decode_params(256, 1, 32, 8, 128, 2049), block_m, h200()));  // a longer cache
+  EXPECT_TRUE(decode::wants_many_waves_tile(decode_params(100, 1, 32, 8, 128, 1024), block_m, a100()));   // 108 SMs
+  KvcacheParams paged = decode_params(256, 1, 32, 8, 128, 1024);
+  static int32_t table[1];
+  paged.block_table = table;
+  EXPECT_FALSE(decode::wants_many_waves_tile(paged, block_m, h200()));
+  KvcacheParams fp8 = decode_params(256, 1, 32, 8, 128, 1024);
+  fp8.kv_dtype = FA_FLOAT8_E4M3;
+  EXPECT_FALSE(decode::wants_many_waves_tile(fp8, block_m, h200()));
+  KvcacheParams split = decode_params(256, 1, 32, 8, 128, 1024);
+  split.num_splits = 2;
+  EXPECT_FALSE(decode::wants_many_waves_tile(split, block_m, h200()));
+  split.num_splits = 1;  // asked for, but one: the rule holds
+  EXPECT_TRUE(decode::wants_many_waves_tile(split, block_m, h200()));
+  // 64 query heads per K/V head and 4 new tokens: 256 packed rows, 16 m-blocks per (sequence, K/V head).
+  EXPECT_FALSE(decode::wants_many_waves_tile(decode_params(8, 4, 64, 1, 128, 1024), block_m, h200()));  // 128 CTAs
+  EXPECT_TRUE(decode::wants_many_waves_tile(decode_params(58, 4, 64, 1, 128, 1024), block_m, h200()));  // 928 CTAs
+}
+
+// The generated table's many_waves rows: never chosen by choose_kernel, offered in place of their bucket's general
+// row by many_waves_alternative (the bf16 and fp16 D = 128 decode rows), none for other rows.
+TEST(CudaKvcachePlan, ManyWavesAlternativeOfTheGeneratedTable) {
+  namespace gen = flashattn::cuda::generated;
+  for (const fa_dtype dtype : {FA_BFLOAT16, FA_FLOAT16})
+    for (const int d : {64, 128}) {
+      KvcacheParams p = decode_params(256, 1, 32, 8, d, 1024);
+      p.dtype = dtype;
+      int index = -1;
+      ASSERT_TRUE(choose_kernel(KernelKind::kKvcache, p, limits_of(h200()), gen::kKernelTable, gen::kKernelCount,
+                                "80-real 90a-real", &index)
+                      .ok());
+      EXPECT_FALSE(gen::kKernelTable[index].many_waves) << gen::kKernelTable[index].name;
+      const int alternative = many_waves_alternative(index, limits_of(h200()), gen::kKernelTable, gen::kKernelCount);
+      if (d == 128) {
+        ASSERT_GE(alternative, 0) << "no many_waves row for D = 128";
+        const KernelEntry& e = gen::kKernelTable[alternative];
+        EXPECT_TRUE(e.many_waves);
+        EXPECT_EQ(e.dtype, dtype);
+        EXPECT_EQ(e.head_dim, 128);
+        EXPECT_EQ(e.block_m, gen::kKernelTable[index].block_m) << "the rule counted CTAs of the general row's block_m";
+        EXPECT_LT(e.smem_bytes, gen::kKernelTable[index].smem_bytes);
+      } else {
+        EXPECT_EQ(alternative, -1);
+      }
+    }
+  EXPECT_EQ(many_waves_alternative(-1, limits_of(h200()), gen::kKernelTable, gen::kKernelCount), -1);
+}
+
 TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
   // The shape: 32 query heads, 8 K/V heads, D = 128, one new token, a 128k cache.
   KvcacheParams p = decode_params(1, 1, 32, 8, 128, 131072);
@@ -435,7 +491,7 @@ TEST(CudaKvcachePlan, GeneratedDecodeRows) {
     EXPECT_EQ(std::string(e.name).find("_e4m3_") != std::string::npos, e.fp8_cache) << e.name;
     fp8_rows += e.fp8_cache;
   }
-  EXPECT_EQ(rows, 18) << "2 dtypes x 6 head-dim buckets, and 2 dtypes x 3 FP8-cache buckets";
+  EXPECT_EQ(rows, 20) << "2 dtypes x 6 head-dim buckets, 2 dtypes x 3 FP8-cache buckets, and 2 many_waves rows (D = 128)";
   EXPECT_EQ(fp8_rows, 6);
   for (fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
     for (int d : {32, 40, 64, 80, 96, 128, 160, 192, 256}) {

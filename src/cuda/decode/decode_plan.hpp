@@ -147,6 +147,25 @@ struct DecodeDevice {
   int64_t smem_per_sm = 0;           // bytes of shared memory per SM (occupancy)
 };
 
+// Short contiguous caches at many waves of CTAs: the many_waves row of the manifest (D = 128: two K/V stages, 68 KiB,
+// three CTAs per SM, against the general row's three stages, 100 KiB, two per SM) hides each CTA's fixed start and
+// epilogue behind more resident CTAs. H200, 2026-12-01 08:38 UTC, bf16, Hq 32 / Hk 8, flashattn_decode_tiles, 2
+// rounds (bench/results/2026-12-01-0838-h200-decode-tiles-b128-b256-short.json), contiguous, TB/s of m16n64w4s2 /
+// the general row: B = 128 (1024 CTAs, 7.8 per SM) 1k 4.32 / 4.16, 2k 4.40 / 4.32; B = 256 1k 4.30-4.31 / 4.24-4.26,
+// 2k 4.35-4.36 / 4.33-4.34. Paged it was mixed (B = 128 +1.6-1.7%, B = 256 -1% to -1.6%): contiguous only.
+constexpr int kManyWavesTileMinCtasPerSm = 7;    // the unsplit grid has at least this many CTAs per SM
+constexpr int64_t kManyWavesTileMaxKeys = 2048;  // and the capacity is at most this many keys
+
+// Whether a call takes the many_waves tile: a contiguous 16-bit cache of at most kManyWavesTileMaxKeys keys, no
+// split asked for, and an unsplit grid of at least kManyWavesTileMinCtasPerSm CTAs (of `block_m` packed rows) per SM.
+inline bool wants_many_waves_tile(const KvcacheParams& p, int block_m, const DecodeDevice& device) {
+  if (p.block_table != nullptr || p.kv_dtype == FA_FLOAT8_E4M3 || p.num_splits > 1 || block_m <= 0 || device.sm_count <= 0)
+    return false;
+  const int64_t packed_rows = int64_t(p.heads_q / p.heads_k) * p.seqlen_q;
+  const int64_t ctas = int64_t(p.batch) * p.heads_k * ((packed_rows + block_m - 1) / block_m);
+  return p.seqlen_k <= kManyWavesTileMaxKeys && ctas >= int64_t(kManyWavesTileMinCtasPerSm) * device.sm_count;
+}
+
 // CUDA rules of a kvcache call: fp16 / bf16, Dv == D, D % 8 == 0, no dropout, 16-byte aligned base pointers
 // and strides of q, out, the caches and k_new / v_new (cp.async and the 16-byte stores), grid limits.
 Status check_kvcache_support(const KvcacheParams& p);

@@ -38,6 +38,11 @@ Status select(const KvcacheParams& p, Selection* s) {
   FA_RETURN_IF_ERROR(decode_device(p.device_id, &device));
   const DeviceLimits limits{device.device, device.sm_major, device.sm_minor, device.smem_per_block_optin};
   FA_RETURN_IF_ERROR(choose_kernel(KernelKind::kKvcache, p, limits, &s->index));
+  // Short contiguous caches at many waves take the bucket's many_waves row where it is compiled (decode_plan.hpp).
+  if (wants_many_waves_tile(p, kernel_entry(s->index).block_m, device)) {
+    const int alternative = many_waves_alternative(s->index, limits);
+    if (alternative >= 0) s->index = alternative;
+  }
   return make_decode_plan(p, kernel_entry(s->index), device, &s->plan);
 }
 
