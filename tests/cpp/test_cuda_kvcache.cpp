@@ -433,10 +433,8 @@ void expect_matches(const std::string& what, const KvCase& c, const KvTensors& g
   EXPECT_TRUE(judge(what + " [" + c.to_string() + "] " + kernel, c, got, e));
 }
 
-// Fresh inputs, a run (on the GPU unless told otherwise), oracle, comparison.
-void check_case(const std::string& what, const KvCase& c, fa_backend backend = FA_BACKEND_CUDA) {
-  auto rng = fa_test::make_rng(what + c.to_string());
-  const KvTensors pristine = make_kv(c, rng);
+// A run of the inputs `pristine` (on the GPU unless told otherwise), oracle, comparison.
+void check_tensors(const std::string& what, const KvCase& c, const KvTensors& pristine, fa_backend backend = FA_BACKEND_CUDA) {
   const Expected e = expected_for(c, pristine);
   KvTensors t = pristine;
   fa_stats stats{};
@@ -446,6 +444,23 @@ void check_case(const std::string& what, const KvCase& c, fa_backend backend = F
     EXPECT_EQ(stats.num_splits, c.num_splits);
   }
   expect_matches(what, c, t, e, stats.kernel);
+}
+
+// Fresh inputs, a run (on the GPU unless told otherwise), oracle, comparison.
+void check_case(const std::string& what, const KvCase& c, fa_backend backend = FA_BACKEND_CUDA) {
+  auto rng = fa_test::make_rng(what + c.to_string());
+  check_tensors(what, c, make_kv(c, rng), backend);
+}
+
+// NaN in K and V of sequence b's cache rows [j_begin, j_end): rows that no result may read.
+void poison_cache_rows(const KvCase& c, KvTensors& t, int b, int j_begin, int j_end) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (int j = j_begin; j < j_end; ++j)
+    for (int hk = 0; hk < c.heads_k; ++hk)
+      for (int x = 0; x < c.head_dim; ++x) {
+        t.k_cache.set(cache_index(c, t, b, j, hk, x), nan);
+        t.v_cache.set(cache_index(c, t, b, j, hk, x), nan);
+      }
 }
 
 // Inputs whose scores rise along the cache: q = 0.1 in every element, and key j of every K/V head gets
@@ -808,19 +823,8 @@ TEST(CudaKvcache, EarlyTilesAtTheirLengthBoundaries) {
       c.num_splits = splits;
       auto rng = fa_test::make_rng("early tiles" + c.to_string());
       KvTensors pristine = make_kv(c, rng);
-      const double nan = std::numeric_limits<double>::quiet_NaN();
-      for (int b = 0; b < c.batch; ++b)
-        for (int j = c.cached[size_t(b)] + seqlen_new; j < c.capacity; ++j)
-          for (int hk = 0; hk < c.heads_k; ++hk)
-            for (int x = 0; x < c.head_dim; ++x) {
-              pristine.k_cache.set(cache_index(c, pristine, b, j, hk, x), nan);
-              pristine.v_cache.set(cache_index(c, pristine, b, j, hk, x), nan);
-            }
-      const Expected e = expected_for(c, pristine);
-      KvTensors t = pristine;
-      fa_stats stats{};
-      ASSERT_TRUE(run_gpu(c, t, &stats).ok()) << c.to_string();
-      expect_matches("early tiles", c, t, e, stats.kernel);
+      for (int b = 0; b < c.batch; ++b) poison_cache_rows(c, pristine, b, c.cached[size_t(b)] + seqlen_new, c.capacity);
+      check_tensors("early tiles", c, pristine);
     }
 }
 
@@ -843,23 +847,13 @@ TEST(CudaKvcache, PagedTableEntriesPastTheLengthAreNeverUsed) {
       KvTensors pristine = make_kv(c, rng);
       const int per_seq = int(pristine.block_table.shape()[1]);
       const int64_t blocks = pristine.k_cache.shape()[0];
-      const double nan = std::numeric_limits<double>::quiet_NaN();
       for (int b = 0; b < c.batch; ++b) {
-        const int keys = c.cached[size_t(b)] + c.seqlen_new;
-        for (int j = keys; j < (keys + c.block_size - 1) / c.block_size * c.block_size; ++j)  // the last block's rest
-          for (int hk = 0; hk < c.heads_k; ++hk)
-            for (int x = 0; x < c.head_dim; ++x) {
-              pristine.k_cache.set(cache_index(c, pristine, b, j, hk, x), nan);
-              pristine.v_cache.set(cache_index(c, pristine, b, j, hk, x), nan);
-            }
-        for (int n = (keys + c.block_size - 1) / c.block_size; n < per_seq; ++n)
+        const int keys = c.cached[size_t(b)] + c.seqlen_new, used_blocks = (keys + c.block_size - 1) / c.block_size;
+        poison_cache_rows(c, pristine, b, keys, used_blocks * c.block_size);  // the last block's rest
+        for (int n = used_blocks; n < per_seq; ++n)
           pristine.block_table.set_int(int64_t(b) * per_seq + n, n % 2 == 0 ? int32_t(blocks + n) : -1 - n);
       }
-      const Expected e = expected_for(c, pristine);
-      KvTensors t = pristine;
-      fa_stats stats{};
-      ASSERT_TRUE(run_gpu(c, t, &stats).ok()) << c.to_string();
-      expect_matches("table row", c, t, e, stats.kernel);
+      check_tensors("table row", c, pristine);
     }
 }
 
