@@ -352,7 +352,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   const bool direct = work.used == 1;  // the only split: write out / lse, no partials
   const int num_tiles = work.tile_end - work.tile_begin;
 
-
   // ---- bf16 q over an FP8 cache: the power of two that brings the block's largest finite |q| just below 2^15
   // (fp16's largest is 65504); infinities and NaN stay what they are. With rotary, rotation keeps each pair's
   // norm, so |rotated| <= sqrt(2) max |q| bounds it. The block maximum goes through the last ring stage, which
