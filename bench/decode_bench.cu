@@ -852,18 +852,23 @@ int main(int argc, char** argv) {
         configs.push_back(k);
         continue;
       }
-      for (const int64_t pdl : flashattn::bench::parse_ints<int64_t>(pdl_arg))
-        for (const int64_t cluster : flashattn::bench::parse_ints<int64_t>(cluster_arg))
-          for (const int64_t policy : flashattn::bench::parse_ints<int64_t>(policy_arg))
-            for (const int64_t pad : flashattn::bench::parse_ints<int64_t>(pad_arg))
-              for (const int64_t early : flashattn::bench::parse_ints<int64_t>(early_arg)) {
-              k.early = int(early);
-              k.pdl = int(pdl);
-              k.cluster = int(cluster);
-              k.cluster_policy = int(policy);
-              k.smem_pad = int(pad);
-              configs.push_back(k);
-            }
+      // Every combination of the variant knobs' lists (the first list outermost).
+      std::vector<Knobs> combos{k};
+      auto times = [&](const std::string& list, int Knobs::*knob) {
+        std::vector<Knobs> next;
+        for (const Knobs& base : combos)
+          for (const int64_t value : flashattn::bench::parse_ints<int64_t>(list)) {
+            next.push_back(base);
+            next.back().*knob = int(value);
+          }
+        combos = std::move(next);
+      };
+      times(pdl_arg, &Knobs::pdl);
+      times(cluster_arg, &Knobs::cluster);
+      times(policy_arg, &Knobs::cluster_policy);
+      times(pad_arg, &Knobs::smem_pad);
+      times(early_arg, &Knobs::early);
+      configs.insert(configs.end(), combos.begin(), combos.end());
     }
   if (configs.empty()) {
     std::fprintf(stderr, "no configuration to time\n");

@@ -124,8 +124,7 @@ DecodePlan decode_layout(const KvcacheParams& p, int block_m, int block_n, int n
   DecodePlan plan;
   plan.block_m = block_m;
   plan.block_n = block_n;
-  const int64_t packed_rows = int64_t(p.heads_q / p.heads_k) * p.seqlen_q;
-  plan.m_blocks = int((packed_rows + block_m - 1) / block_m);
+  plan.m_blocks = int(row_blocks(p, block_m));
   plan.num_splits = num_splits < 1 ? 1 : num_splits;
   plan.partial_rows = int64_t(p.batch) * p.heads_q * p.seqlen_q;
   if (plan.num_splits > 1 && plan.partial_rows > 0) {
@@ -137,11 +136,10 @@ DecodePlan decode_layout(const KvcacheParams& p, int block_m, int block_n, int n
 }
 
 Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const DecodeDevice& device, DecodePlan* plan) {
-  const int64_t packed_rows = int64_t(p.heads_q / p.heads_k) * p.seqlen_q;
-  const int64_t m_blocks = (packed_rows + kernel.block_m - 1) / kernel.block_m;
+  const int64_t m_blocks = row_blocks(p, kernel.block_m);
   int splits = p.num_splits;
   if (splits <= 0) {
-    const int64_t ctas = int64_t(p.batch) * p.heads_k * m_blocks;
+    const int64_t ctas = unsplit_ctas(p, kernel.block_m);
     const bool paged = p.block_table != nullptr;
     const int per_sm = ctas_per_sm(kernel.smem_bytes, 32 * kernel.warps, device);
     const int64_t capacity_tiles = (int64_t(p.seqlen_k) + kernel.block_n - 1) / kernel.block_n;

@@ -156,14 +156,20 @@ struct DecodeDevice {
 constexpr int kManyWavesTileMinCtasPerSm = 7;    // the unsplit grid has at least this many CTAs per SM
 constexpr int64_t kManyWavesTileMaxKeys = 2048;  // and the capacity is at most this many keys
 
+// The m-blocks of one (sequence, K/V head): ceil(G * Sq / block_m) packed rows of block_m (decode_work.hpp), and the
+// CTAs of a call's grid without splits: B * Hk of them.
+inline int64_t row_blocks(const KvcacheParams& p, int block_m) {
+  const int64_t packed_rows = int64_t(p.heads_q / p.heads_k) * p.seqlen_q;
+  return (packed_rows + block_m - 1) / block_m;
+}
+inline int64_t unsplit_ctas(const KvcacheParams& p, int block_m) { return int64_t(p.batch) * p.heads_k * row_blocks(p, block_m); }
+
 // Whether a call takes the many_waves tile: a contiguous 16-bit cache of at most kManyWavesTileMaxKeys keys, no
 // split asked for, and an unsplit grid of at least kManyWavesTileMinCtasPerSm CTAs (of `block_m` packed rows) per SM.
 inline bool wants_many_waves_tile(const KvcacheParams& p, int block_m, const DecodeDevice& device) {
   if (p.block_table != nullptr || p.kv_dtype == FA_FLOAT8_E4M3 || p.num_splits > 1 || block_m <= 0 || device.sm_count <= 0)
     return false;
-  const int64_t packed_rows = int64_t(p.heads_q / p.heads_k) * p.seqlen_q;
-  const int64_t ctas = int64_t(p.batch) * p.heads_k * ((packed_rows + block_m - 1) / block_m);
-  return p.seqlen_k <= kManyWavesTileMaxKeys && ctas >= int64_t(kManyWavesTileMinCtasPerSm) * device.sm_count;
+  return p.seqlen_k <= kManyWavesTileMaxKeys && unsplit_ctas(p, block_m) >= int64_t(kManyWavesTileMinCtasPerSm) * device.sm_count;
 }
 
 // CUDA rules of a kvcache call: fp16 / bf16, Dv == D, D % 8 == 0, no dropout, 16-byte aligned base pointers
