@@ -99,7 +99,8 @@ def main():
         c, pg, seq = row.get("contiguous", {}), row.get("paged", {}), row.get("paged-seq", {})
         ct, pt = c.get("kv_tbs", -1), pg.get("kv_tbs", -1)
         if ct is None or ct <= 0:
-            print(f"{b:5d} {s:7d} | {c.get('error', '')}{pg.get('error', '')}")
+            errors = [e for e in dict.fromkeys((c.get('error', ''), pg.get('error', ''))) if e]  # once when both say the same
+            print(f"{b:5d} {s:7d} | {'; '.join(errors)}")
             continue
         cudnn = peer("cudnn", b, s, hk)
         cudnn_mha = peer("cudnn", b, s, hq)

@@ -36,12 +36,15 @@
 //                         balancing)
 //   --smem-pad 0,N        variants: N bytes of dynamic shared memory beyond the kernel's (fewer CTAs per SM)
 //   --early -1,0,1        variants: DecodeArgs::early_tiles (-1: the library's, kEarlyTiles)
+//   --prefetch -1,0,1     variants: DecodeArgs::prefetch_inputs (-1: the library's, kPrefetchInputs)
+//   --speculate -1,0,1,2,3 variants: DecodeArgs::speculative_tiles (-1: the library's; 2, 3: wrong guesses, for the check)
 //
 // Usage: flashattn_decode_bench [--json FILE] [--batches 1,4,16,64,256] [--caches 1024,...,131072]
 //                               [--heads 32:8] [--dim 128] [--page 16] [--dtype bf16|f16] [--kv 16|fp8]
 //                               [--layouts contiguous,paged,paged-seq] [--budget-gib 32] [--reps 10] [--rounds 1]
 //                               [--splits 0,...] [--runners lib,...] [--pdl 0,1] [--min-tiles N]
 //                               [--cluster -1,0,1] [--cluster-policy 0,1,2] [--smem-pad 0,N] [--early -1,0,1]
+//                               [--prefetch -1,0,1] [--speculate -1,0,1,2,3]
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -205,7 +208,9 @@ struct Copy {
 
 Copy make_copy(const Shape& s, uint32_t seed, std::mt19937_64& rng) {
   Copy c;
-  const int64_t q_elems = s.batch * s.heads_q * s.dim, kv_elems = s.batch * s.cache * s.heads_k * s.dim;
+  // Paged: the pool holds whole blocks (the last one of a sequence may be partly used).
+  const int64_t rows_per_seq = s.paged ? (s.cache + s.page - 1) / s.page * s.page : s.cache;
+  const int64_t q_elems = s.batch * s.heads_q * s.dim, kv_elems = s.batch * rows_per_seq * s.heads_k * s.dim;
   c.q = Buffer(q_elems * 2);
   const int64_t kv_element = s.fp8_cache ? 1 : 2;
   c.k = Buffer(kv_elems * kv_element);
@@ -252,7 +257,7 @@ struct Knobs {
   std::string runner = "lib";
   int splits = 0;  // 0: the heuristic's
   int pdl = -1, min_tiles = -1;
-  int cluster = -1, cluster_policy = 0, smem_pad = 0, early = -1;  // variants: see the header
+  int cluster = -1, cluster_policy = 0, smem_pad = 0, early = -1, prefetch = -1, spec = -1;  // variants: see the header
   // The variant knobs that differ from their defaults, for the printed rows ("" when none).
   std::string tag() const {
     std::string t;
@@ -260,6 +265,8 @@ struct Knobs {
     if (cluster_policy != 0) t += " pol" + std::to_string(cluster_policy);
     if (smem_pad != 0) t += " pad" + std::to_string(smem_pad);
     if (early >= 0) t += " early" + std::to_string(early);
+    if (prefetch >= 0) t += " pf" + std::to_string(prefetch);
+    if (spec >= 0) t += " sp" + std::to_string(spec);
     return t;
   }
 };
@@ -445,6 +452,8 @@ struct VariantCall {
     const bool cluster_ok = programmatic && plan.num_splits >= 2 && plan.num_splits <= dec::kMaxClusterSplits;
     a.cluster_merge = cluster_ok && (k.cluster < 0 ? dec::wants_cluster_merge(plan.num_splits, p.seqlen_k, v->block_n) : k.cluster != 0) ? 1 : 0;
     if (k.early >= 0) a.early_tiles = k.early;
+    if (k.prefetch >= 0) a.prefetch_inputs = k.prefetch;
+    if (k.spec >= 0) a.speculative_tiles = k.spec;
     cu::DecodeLaunchTuning tuning;
     tuning.extra_smem_bytes = k.smem_pad;
     tuning.cluster_policy = k.cluster_policy;
@@ -775,7 +784,7 @@ int main(int argc, char** argv) {
   std::string json_path, batches_arg = "1,4,16,64,256", caches_arg = "1024,4096,16384,65536,131072", heads_arg = "32:8",
                          dtype_arg = "bf16", layouts_arg = "contiguous,paged", splits_arg = "0", runners_arg = "lib",
                          pdl_arg = "-1", kv_arg = "16", cluster_arg = "-1", policy_arg = "0", pad_arg = "0",
-                         early_arg = "-1";
+                         early_arg = "-1", prefetch_arg = "-1", spec_arg = "-1";
   int dim = 128, page = 16, reps = 10, min_tiles = -1, rounds = 1;
   double budget_gib = 32;
   for (int a = 1; a < argc; ++a) {
@@ -806,6 +815,8 @@ int main(int argc, char** argv) {
     else if (arg == "--cluster-policy") policy_arg = next();
     else if (arg == "--smem-pad") pad_arg = next();
     else if (arg == "--early") early_arg = next();
+    else if (arg == "--prefetch") prefetch_arg = next();
+    else if (arg == "--speculate") spec_arg = next();
     else if (arg == "--kv") kv_arg = next();
     else {
       std::fprintf(stderr, "unknown argument %s (see the header of bench/decode_bench.cu)\n", arg.c_str());
@@ -868,6 +879,8 @@ int main(int argc, char** argv) {
       times(policy_arg, &Knobs::cluster_policy);
       times(pad_arg, &Knobs::smem_pad);
       times(early_arg, &Knobs::early);
+      times(prefetch_arg, &Knobs::prefetch);
+      times(spec_arg, &Knobs::spec);
       configs.insert(configs.end(), combos.begin(), combos.end());
     }
   if (configs.empty()) {
@@ -975,12 +988,12 @@ int main(int argc, char** argv) {
           std::snprintf(line, sizeof(line),
                         "  %s{\"layout\": \"%s\", \"batch\": %lld, \"cache\": %lld, \"kv_bytes\": %lld, \"runner\": \"%s\", "
                         "\"splits_asked\": %d, \"pdl\": %d, \"min_tiles\": %d, \"cluster\": %d, \"cluster_policy\": %d, "
-                        "\"smem_pad\": %d, \"early\": %d, \"splits\": %d, \"copies\": %d, "
+                        "\"smem_pad\": %d, \"early\": %d, \"prefetch\": %d, \"speculate\": %d, \"splits\": %d, \"copies\": %d, "
                         "\"us_per_call\": %.3f, \"us_eager\": %.3f, \"kv_tbs\": %.4f, \"fraction_of_stream_read\": %.4f, "
                         "\"us_read_floor\": %.3f, \"fraction_of_read_floor\": %.4f, \"round\": %d, "
                         "\"check_rel_l2\": %.3g, \"kernel\": \"%s\", \"timeline\": \"%s\", \"error\": \"%s\"}",
                         first ? "" : ",", layout.c_str(), (long long)batch, (long long)cache, (long long)s.kv_bytes(),
-                        k.runner.c_str(), k.splits, k.pdl, k.min_tiles, k.cluster, k.cluster_policy, k.smem_pad, k.early, r.splits,
+                        k.runner.c_str(), k.splits, k.pdl, k.min_tiles, k.cluster, k.cluster_policy, k.smem_pad, k.early, k.prefetch, k.spec, r.splits,
                         r.copies, r.us_graph, r.us_eager,
                         r.kv_tbs, r.kv_tbs / stream_tbs, r.us_read_floor, vs_floor, round, r.check, r.kernel.c_str(),
                         r.timeline.c_str(), json_safe(r.error).c_str());

@@ -25,6 +25,7 @@
 #include "api/validate.hpp"
 #include "core/dtype.hpp"
 #include "cpu/reference/reference.hpp"
+#include "cuda/decode/decode_plan.hpp"
 #include "testing.hpp"
 
 #if defined(FLASHATTN_WITH_CUDA)
@@ -826,6 +827,47 @@ TEST(CudaKvcache, EarlyTilesAtTheirLengthBoundaries) {
       for (int b = 0; b < c.batch; ++b) poison_cache_rows(c, pristine, b, c.cached[size_t(b)] + seqlen_new, c.capacity);
       check_tensors("early tiles", c, pristine);
     }
+}
+
+// Speculative tiles (decode_kernel.cuh, DecodeArgs::speculative_tiles): a CTA guesses its length (and paged, its
+// first block ids) before its wait and keeps the tiles it copied early only if the real values agree. Each mode, off,
+// on, a wrong length (2) and wrong ids (3), against the oracle and bit for bit against the mode off (the same
+// arithmetic: only when the copies are issued differs). Lengths around tile and split boundaries, with and without an
+// append, 1, 3 and the heuristic's splits, contiguous and paged (block sizes 16, 32 and 64; 3: no speculation), every
+// cache row past a sequence's keys NaN: a kept copy of the wrong rows would show.
+TEST(CudaKvcache, SpeculativeTilesRightAndWrongGuesses) {
+  SKIP_WITHOUT_GPU();
+  struct Restore {
+    ~Restore() { flashattn::cuda::decode::set_speculation_for_tests(-1); }
+  } restore;
+  for (const int block_size : {0, 16, 32, 64, 3})
+    for (const int seqlen_new : {0, 1})
+      for (const int splits : {1, 3, 0}) {
+        KvCase c;
+        c.block_size = block_size;
+        c.capacity = 700;
+        c.cached = {0, 1, 127, 128, 129, 255, 256, 400, 511, 640, 700 - seqlen_new};
+        c.batch = int(c.cached.size());
+        c.seqlen_new = seqlen_new;
+        c.num_splits = splits;
+        auto rng = fa_test::make_rng("speculative tiles" + c.to_string());
+        KvTensors pristine = make_kv(c, rng);
+        for (int b = 0; b < c.batch; ++b) poison_cache_rows(c, pristine, b, c.cached[size_t(b)] + seqlen_new, c.capacity);
+        const Expected e = expected_for(c, pristine);
+        KvTensors off = pristine;
+        flashattn::cuda::decode::set_speculation_for_tests(0);
+        ASSERT_TRUE(run_gpu(c, off).ok()) << c.to_string();
+        expect_matches("speculation off", c, off, e, "");
+        for (const int mode : {1, 2, 3}) {
+          flashattn::cuda::decode::set_speculation_for_tests(mode);
+          KvTensors t = pristine;
+          ASSERT_TRUE(run_gpu(c, t).ok()) << c.to_string();
+          const std::string what = "speculation mode " + std::to_string(mode);
+          expect_matches(what, c, t, e, "");
+          EXPECT_TRUE(same_bytes(t.out, off.out)) << what << " [" << c.to_string() << "]: out differs from the mode off";
+          EXPECT_TRUE(same_bytes(t.lse, off.lse)) << what << " [" << c.to_string() << "]: lse differs from the mode off";
+        }
+      }
 }
 
 // A paged cache's block-table entries past a sequence's blocks are never used as block ids: rows of 1024 and 1025

@@ -10,7 +10,11 @@
 //              kTilesPerIdBatch tiles at once, a batch ahead, one per 16-row slot (power-of-two block sizes
 //              >= 16; else one per row, a tile ahead), so the table's latency never stalls the copies (split
 //              0 reads its first batch beside cache_seqlens; contiguous caches: split 0 copies Q and its
-//              first tiles before cache_seqlens has arrived, the "early tiles"); blocks that are runs of rows (the usual
+//              first tiles before cache_seqlens has arrived, the "early tiles"; every other split, paged ones
+//              too, guesses its length and first block ids while it waits for the previous grid and copies
+//              its first tiles right after the wait, kept if the real values agree: the "speculative
+//              tiles"; the lines of cache_seqlens and of the table are prefetched into L2 during that wait
+//              as well); blocks that are runs of rows (the usual
 //              [num_blocks, block, Hk, D] layout, DecodeArgs::paged_rows) are addressed by their row in the
 //              pool, one shuffle plus a contiguous cache's address per row
 //   S = Q K^T  the kWarps warps split each tile's keys (kWarpKeys each); every warp owns all kBlockM rows
@@ -152,31 +156,91 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   Element* out_gmem = static_cast<Element*>(p.out);
   const int d_chunks = p.head_dim / 8;  // D may be below the bucket kHeadDim: the rest is zero-filled
   C::stamp(C::kStampStart, p.out);
+  // Paged: the block-table lines this CTA reads first, brought into L2 so that its id loads are not a second DRAM
+  // round trip after cache_seqlens (which decides the split's tiles, hence which entries) before the first K/V
+  // copy. A short row (up to kPrefetchTableEntries entries) whole, one line per thread of the first warp; a longer
+  // one (with args.prefetch_inputs), the two lines of the first id batch of this split as a full cache would place
+  // it (a guess: the length is not known yet; a wrong guess costs two idle lines).
+  auto prefetch_table_lines = [&]() {
+    if constexpr (kPaged) {
+      const int32_t* row = p.block_table + b * p.block_table_batch_stride;
+      const int64_t row_entries = (int64_t(p.seqlen_k) + p.page_block_size - 1) / p.page_block_size;
+      if (row_entries <= kPrefetchTableEntries) {
+        if (tid * 32 < row_entries) prefetch_l2(row + tid * 32);
+      } else if (args.prefetch_inputs != 0 && args.page_shift >= 0 && tid < 2) {
+        const BlockRows full = block_rows(args, m_block, p.seqlen_k);
+        const SplitWork guess = split_work(full.key_begin, full.key_end, kBlockN, args.num_splits, args.min_tiles_per_split, split);
+        const int64_t entry = (int64_t(guess.tile_begin) * kBlockN >> args.page_shift) + tid * 32;
+        if (split < guess.used && entry < row_entries) prefetch_l2(row + entry);
+      }
+    }
+  };
+  // Prefetch while waiting (args.prefetch_inputs): launched as a programmatic dependent, the CTA sits at the wait
+  // below until the grid before it has finished. A prefetch into L2 changes no value that anyone reads (L2 is where
+  // every SM's and copy engine's writes land: a producer's later write to these lines is what the loads after the
+  // wait see), so it may come first; the loads of the length and of the first block ids after the wait then hit
+  // L2 instead of each making a DRAM round trip before the first K/V copy.
+  if (args.prefetch_inputs != 0) {
+    if (tid == 0) prefetch_l2(p.cache_seqlens + b);
+    prefetch_table_lines();
+  }
+  // ---- speculative tiles, part 1: the guess (args.speculative_tiles; 16-bit caches without rotary or a left
+  // window; not split 0 of a contiguous cache, whose early tiles below need no length). While the CTA waits for the
+  // grid before it, it reads this sequence's cache_seqlens entry and, paged, the block ids of the first tiles of
+  // the split that length gives. These reads may race with a producer that is still writing the length or the
+  // table: they are only a guess. After the wait, the guessed split's first tiles are copied at once (part 2), and
+  // they are kept only if the real length, read after the wait, gives the same first tiles and, paged, the real
+  // ids of those tiles are the guessed ones (part 3); else they are drained and copied again as usual. So the
+  // values used are always those read after the wait; a right guess takes the length's (and the ids') round
+  // trips off the path to the first copy. One lane reads the length and broadcasts it: every thread of a warp
+  // then works from the same guess. Affects speed only. ----
+  constexpr int kSlots = kBlockN / 16;  // 16-row slots of a tile (one block id each; see the paged block ids below)
+  const bool speculate = !kFp8 && args.speculative_tiles != 0 && p.rotary_dim == 0 && p.window_left < 0 &&
+                         (kPaged ? args.page_shift >= 4 && args.paged_rows != 0 : !(split == 0 && args.early_tiles != 0));
+  int guess_seqlen_k = -1;     // keys after the append under the guessed length (-1: no usable guess)
+  SplitWork guess{0, 0, 0};    // the split's tiles under it
+  int32_t guess_ids = 0;       // paged: this lane's slot id of the guessed first id batch (as load_id_batch reads it)
+  if (speculate) {
+    int guessed = 0;
+    if (lane == 0) guessed = p.cache_seqlens[b];
+    guessed = __shfl_sync(0xffffffffu, guessed, 0);
+    if (args.speculative_tiles == 2) guessed /= 2;  // tests: a wrong length
+    if (cache_length_ok(guessed, p.seqlen_new, p.seqlen_k)) {
+      guess_seqlen_k = guessed + p.seqlen_new;
+      const BlockRows guess_rows = block_rows(args, m_block, guess_seqlen_k);
+      guess = split_work(guess_rows.key_begin, guess_rows.key_end, kBlockN, args.num_splits, args.min_tiles_per_split, split);
+      if constexpr (kPaged) {
+        const int tile = guess.tile_begin + lane / kSlots;
+        const int j = tile * kBlockN + (lane % kSlots) * 16;
+        if (split < guess.used && tile < guess.tile_end && j < guess_seqlen_k)
+          guess_ids = p.block_table[b * p.block_table_batch_stride + (j >> args.page_shift)];
+        if (args.speculative_tiles == 3 && p.num_blocks > 1) guess_ids = int32_t((uint32_t(guess_ids) + 1u) % uint32_t(p.num_blocks));  // tests: wrong ids
+      }
+    }
+  }
   // Launched as a programmatic dependent (sm_90): everything above overlapped the previous kernel's tail;
   // from here on global memory is read and written, so the previous kernels (the append, the caller's
   // producers of q and the caches) must be complete. Then the combine may start launching.
   wait_for_previous_grids();
   allow_next_grid_launch();
   C::stamp(C::kStampWaited, p.out);
-  if constexpr (kPaged) {
-    // A short cache's block-table row is a few lines: bring it into L2 while cache_seqlens (which decides the
-    // split's tiles, hence which entries) is read, so the ids are not a second DRAM round trip before the
-    // first K/V copy. Rows of up to kPrefetchTableEntries entries (one line per thread of the first warp).
-    const int64_t row_entries = (int64_t(p.seqlen_k) + p.page_block_size - 1) / p.page_block_size;
-    if (row_entries <= kPrefetchTableEntries && tid * 32 < row_entries)
-      prefetch_l2(p.block_table + b * p.block_table_batch_stride + tid * 32);
+  if (args.prefetch_inputs == 0) prefetch_table_lines();  // beside the length's load instead
+  // The split's first batch of block ids (see the paged block ids below), read beside cache_seqlens instead of one
+  // dependent round trip after it, at the tile where the split starts under the guessed length (part 1 above), or
+  // for split 0 without a guess at tile 0 (where its tiles start unless a window moves them). These are the real
+  // ids (read after the wait), used when the real length starts the split at that tile; bounded by the capacity,
+  // which the table row covers, so every lane's entry is there whatever the length.
+  int32_t first_ids = 0;
+  const int first_ids_tile = speculate && guess_seqlen_k >= 0 && split < guess.used ? guess.tile_begin : (split == 0 ? 0 : -1);
+  if (kPaged && args.page_shift >= 4 && first_ids_tile >= 0) {
+    const int j = (first_ids_tile + lane / kSlots) * kBlockN + (lane % kSlots) * 16;
+    if (j < p.seqlen_k) first_ids = p.block_table[b * p.block_table_batch_stride + (j >> args.page_shift)];
   }
-  // Split 0's first batch of block ids (see the paged block ids below) does not depend on the sequence's length:
-  // its tiles start at tile 0 (unless a window moves them), so it is read beside cache_seqlens instead of one
-  // dependent round trip after it. Bounded by the capacity, which the table row covers.
-  constexpr int kSlots = kBlockN / 16;  // 16-row slots of a tile (one block id each; see the paged block ids below)
-  int32_t split0_ids = 0;
-  if (kPaged && args.page_shift >= 4 && split == 0) {
-    const int j = (lane / kSlots) * kBlockN + (lane % kSlots) * 16;
-    if (j < p.seqlen_k) split0_ids = p.block_table[b * p.block_table_batch_stride + (j >> args.page_shift)];
-  }
-  // The length first: its round trip is the one the early tiles below overlap.
+  // The length first: its round trip is the one the early and speculative tiles below overlap. Both loads are
+  // issued before those tiles' copies (the compiler barrier keeps them there): behind the copies in the memory
+  // pipeline they arrived ~1 us later (H200 timeline, 2026-12-01).
   const int cached = p.cache_seqlens[b];
+  asm volatile("" ::: "memory");
   const Element* q_gmem = static_cast<const Element*>(p.q);
   const CacheElement* k_gmem = static_cast<const CacheElement*>(p.k);
   const CacheElement* v_gmem = static_cast<const CacheElement*>(p.v);
@@ -211,6 +275,13 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   const int k_block_bytes = int(k_block_stride_bytes), v_block_bytes = int(v_block_stride_bytes);
   const char* k_bytes = reinterpret_cast<const char*>(k_rows);
   const char* v_bytes = reinterpret_cast<const char*>(v_rows);
+  const int page_mask = kPaged ? p.page_block_size - 1 : 0;  // slot ids (paged): row in block = j & page_mask
+  // args.paged_rows: when a pass covers whole 16-row slots (kRowsPerPass a multiple of 16), a thread's row
+  // within its slot is row_lane % 16 in every pass, and that row's offset is folded into the base once.
+  constexpr bool kSlotRowInBase = kRowsPerPass % 16 == 0;
+  const uint32_t base_slot_row = kPaged && kSlotRowInBase ? uint32_t(row_lane & 15) : 0u;
+  const uint64_t k_slot_row_base = uint64_t(k_bytes) + wide_product(base_slot_row, k_row_bytes);
+  const uint64_t v_slot_row_base = uint64_t(v_bytes) + wide_product(base_slot_row, v_row_bytes);
 
   // ---- early tiles (args.early_tiles; a contiguous 16-bit cache, no rotary, no left window, full-width heads):
   // split 0's key tiles start at key 0 whatever the sequence's length, so its Q and its first kStages - 1 tiles
@@ -259,6 +330,45 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       }
     }
   }
+  // ---- speculative tiles, part 2: Q and the guessed split's first kStages - 1 tiles, when they are whole tiles
+  // of the guessed keys and (paged) their ids are blocks of the cache: the stages, commit groups and copies of the
+  // prologue's plain path. guess_rows_now: as rows_now of the paged block ids below, for the guessed batch. ----
+  bool spec_issued = false;
+  if (speculate && guess_seqlen_k >= 0 && split < guess.used && guess.tile_end - guess.tile_begin >= kStages - 1 &&
+      (guess.tile_begin + kStages - 1) * kBlockN <= guess_seqlen_k && full_width && strides_32bit) {
+    uint32_t guess_rows_now = 0;
+    spec_issued = true;
+    if constexpr (kPaged) {
+      const int j = (guess.tile_begin + lane / kSlots) * kBlockN + (lane % kSlots) * 16;
+      const bool used_lane = lane < (kStages - 1) * kSlots;  // slots of the tiles copied now
+      spec_issued = __ballot_sync(0xffffffffu, used_lane && uint32_t(guess_ids) >= uint32_t(p.num_blocks)) == 0;
+      guess_rows_now = (uint32_t(guess_ids) << args.page_shift) + uint32_t(j & page_mask);
+    }
+    if (spec_issued) {
+      const BlockRows q_rows = block_rows(args, m_block, 0);  // the rows do not depend on the length
+      copy_q(q_rows.row_begin, q_rows.rows);
+#pragma unroll 1
+      for (int n = 0; n < kStages - 1; ++n) {
+        const uint32_t k_tile = kv_smem + uint32_t(n) * 2u * StageTile::kBytes + load_lane;
+#pragma unroll
+        for (int pass = 0; pass < kPasses; ++pass) {
+          const int row = row_lane + pass * kRowsPerPass;
+          if constexpr (kPaged) {
+            const uint32_t pool_row = __shfl_sync(0xffffffffu, guess_rows_now, n * kSlots + row / 16) +
+                                      (kSlotRowInBase ? 0u : uint32_t(row & 15));
+            copy_pass(k_tile, k_tile + StageTile::kBytes, pass,
+                      reinterpret_cast<const char*>(k_slot_row_base + wide_product(pool_row, k_row_bytes)),
+                      reinterpret_cast<const char*>(v_slot_row_base + wide_product(pool_row, v_row_bytes)));
+          } else {
+            const int j = (guess.tile_begin + n) * kBlockN + row;
+            copy_pass(k_tile, k_tile + StageTile::kBytes, pass, k_bytes + wide_product(j, k_row_bytes),
+                      v_bytes + wide_product(j, v_row_bytes));
+          }
+        }
+        cp_async_commit();
+      }
+    }
+  }
   const int seqlen_k = cached + p.seqlen_new;  // keys after the append
   const bool length_ok = cache_length_ok(cached, p.seqlen_new, p.seqlen_k);
   const BlockRows rows = block_rows(args, m_block, length_ok ? seqlen_k : 0);
@@ -268,6 +378,15 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   const bool early_kept = early_tiles && length_ok && split < work.used && work.tile_begin == 0 &&
                           work.tile_end - work.tile_begin >= kStages - 1 && (kStages - 1) * kBlockN <= seqlen_k;
   if (early_tiles && !early_kept) cp_async_wait<0>();
+  // ---- speculative tiles, part 3: kept when the real length gives the split the same first tiles, whole; paged,
+  // also only if the real ids of those tiles are the guessed ones. ----
+  bool spec_kept = spec_issued && length_ok && split < work.used && work.tile_begin == guess.tile_begin &&
+                   work.tile_end - work.tile_begin >= kStages - 1 && (work.tile_begin + kStages - 1) * kBlockN <= seqlen_k;
+  // Paged: the guessed ids of the copied tiles must be the real ones, first_ids (read after the wait at the same
+  // tile). Warp-uniform (the guess is one lane's); a warp whose guess is off drains its own copies and its threads
+  // copy their rows again in the prologue.
+  if (kPaged && spec_kept) spec_kept = __all_sync(0xffffffffu, lane >= (kStages - 1) * kSlots || first_ids == guess_ids);
+  if (spec_issued && !spec_kept) cp_async_wait<0>();  // never leave (or refill) stages a copy may still target
 
   // Direct result of a row without any key work: NaN (bad cache_seqlens entry) or empty (no visible key:
   // out = 0, lse = -inf). Written by split 0; the combine kernel skips these m-blocks.
@@ -431,7 +550,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       *reinterpret_cast<uint4*>(smem + QTile::chunk_offset(row, 2 * group16 + 1)) = make_uint4(lo.y, lo.w, hi.y, hi.w);
     }
   } else if (p.rotary_dim == 0) {
-    if (!early_kept) copy_q(rows.row_begin, rows.rows);  // (early_kept: copied with the early tiles)
+    // Q does not depend on the length: copied with the early or speculative tiles, even when those are drained.
+    if (!early_tiles && !spec_issued) copy_q(rows.row_begin, rows.rows);
   } else {
     // Positions: cached + i when causal or windowed (each query is a new token), else all at `cached`.
     const bool per_token_positions = p.window_left >= 0 || p.window_right >= 0;
@@ -464,7 +584,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   constexpr int kTilesPerIdBatch = 32 / kSlots;
   static_assert(kBlockN % 16 == 0 && 32 % kSlots == 0, "16-row id slots, a whole number of tiles per warp register");
   const bool slot_ids = kPaged && args.page_shift >= 4;
-  const int page_mask = kPaged ? p.page_block_size - 1 : 0;  // slot_ids: row in block = j & page_mask
   int32_t ids_now = 0, ids_next = 0;  // slot_ids: the id batches of the tile being issued and of the next one
   int j_next = 0;                      // the first key of this lane's slot in the next batch
   bool needed_next = false;            // whether this lane's entry of the next batch was read (a key exists)
@@ -474,7 +593,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     const int tile = work.tile_begin + batch * kTilesPerIdBatch + lane / kSlots;
     j_next = tile * kBlockN + (lane % kSlots) * 16;  // the slot's first key
     needed_next = tile < work.tile_end && j_next < seqlen_k;  // never read past the keys' blocks
-    if (batch == 0 && split == 0 && work.tile_begin == 0) ids_next = split0_ids;  // read beside cache_seqlens
+    if (batch == 0 && work.tile_begin == first_ids_tile) ids_next = first_ids;  // read beside cache_seqlens
     else ids_next = needed_next ? table_row[j_next >> args.page_shift] : 0;
   };
   // The next batch becomes the current one. Its ids are checked only now (a vote waits for the loads, which
@@ -502,12 +621,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     }
   }
 
-  // args.paged_rows: when a pass covers whole 16-row slots (kRowsPerPass a multiple of 16), a thread's row
-  // within its slot is row_lane % 16 in every pass, and that row's offset is folded into the base once.
-  constexpr bool kSlotRowInBase = kRowsPerPass % 16 == 0;
-  const uint32_t base_slot_row = kPaged && kSlotRowInBase ? uint32_t(row_lane & 15) : 0u;
-  const uint64_t k_slot_row_base = uint64_t(k_bytes) + wide_product(base_slot_row, k_row_bytes);
-  const uint64_t v_slot_row_base = uint64_t(v_bytes) + wide_product(base_slot_row, v_row_bytes);
 
   // Copies the rows of the split's tile `rel` (relative index) into `stage`. Called for rel = 0, 1, 2, ...
   // in order, by every thread (the shuffles need whole warps).
@@ -596,7 +709,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // that "wait until kStages - 2 groups are pending" always means "tile it has landed"). Rolled: one copy of
   // issue_tile's code instead of kStages - 1 (code size; affects speed only) ----
 #pragma unroll 1
-  for (int s = 0; s < kStages - 1 && !early_kept; ++s) {  // (early_kept: these were issued before cache_seqlens)
+  for (int s = 0; s < kStages - 1 && !early_kept && !spec_kept; ++s) {  // (kept: issued before cache_seqlens arrived)
     if (s < num_tiles) issue_tile(s, s);
     cp_async_commit();
   }

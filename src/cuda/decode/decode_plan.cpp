@@ -1,6 +1,7 @@
 #include "cuda/decode/decode_plan.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 
@@ -164,6 +165,12 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
   return Status();
 }
 
+namespace {
+std::atomic<int> g_speculation_for_tests{-1};  // set_speculation_for_tests
+}  // namespace
+
+void set_speculation_for_tests(int mode) { g_speculation_for_tests.store(mode, std::memory_order_relaxed); }
+
 DecodeArgs make_decode_args(const KvcacheParams& p, const DecodePlan& plan, void* workspace) {
   DecodeArgs a{};
   a.p = p;
@@ -179,6 +186,9 @@ DecodeArgs make_decode_args(const KvcacheParams& p, const DecodePlan& plan, void
   a.programmatic_launch = 0;  // the launcher turns these on where the device supports them
   a.cluster_merge = 0;
   a.early_tiles = kEarlyTiles ? 1 : 0;
+  a.prefetch_inputs = kPrefetchInputs ? 1 : 0;
+  const int forced = g_speculation_for_tests.load(std::memory_order_relaxed);
+  a.speculative_tiles = forced >= 0 ? forced : (kSpeculativeTiles ? 1 : 0);
   if (p.block_table != nullptr && (p.page_block_size & (p.page_block_size - 1)) == 0) {
     a.page_shift = 0;
     while ((1 << a.page_shift) < p.page_block_size) ++a.page_shift;

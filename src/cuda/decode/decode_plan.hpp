@@ -81,6 +81,23 @@ constexpr int64_t kWorkspaceAlignment = 256;  // the partial buffers start 256-b
 // 7.02 (+2.7%), B = 64 / 1k 65.02 -> 63.93 (+1.7%), B = 1 / 32k +0.7%, B = 16 / 8k +0.2%; 8k-32k at B = 16-64 within
 // +-0.3% (the length's round trip is a smaller part of a longer call).
 constexpr bool kEarlyTiles = true;
+// Before its wait for the previous grids, a decode CTA prefetches into L2 the line of cache_seqlens[b] and, paged,
+// the block-table lines it reads first (DecodeArgs::prefetch_inputs, decode_kernel.cuh), so that the reads after the
+// wait hit L2 instead of DRAM. Affects speed only. H200, 2026-12-01 10:52 UTC, bf16, Hq 32 / Hk 8, the library's tile
+// with the knob off / on, 3 rounds (bench/results/2026-12-01-1052-h200-decode-prefetch-ab-summary.txt): paged B = 1 /
+// 1k +3.3%, B = 4 / 1k +2.8%, B = 1 / 32k +1.2%, contiguous B = 1 / 1k +1.8%; every other point of B = 1-64 x 1k-32k
+// within -0.4% .. +0.9%. (Marking the prefetched lines evict-last, or the K/V stream evict-first, gained no more:
+// 1102 UTC, same folder.)
+constexpr bool kPrefetchInputs = true;
+// While it waits for the previous grids, a decode CTA guesses its length (and paged, its first block ids) and copies
+// the guessed split's first tiles right after the wait, kept if the real values agree (DecodeArgs::speculative_tiles,
+// decode_kernel.cuh). Affects speed only. H200, 2026-12-01 11:29 UTC, same shapes, the knob off / on with the
+// prefetch on, 5 rounds, median us per call (bench/results/2026-12-01-1129-h200-decode-speculate-ab-summary.txt):
+// contiguous B = 1 / 1k 7.08 -> 6.66 (+6.4%), 2k-4k +5.0-5.6%, 32k +1.5%, B = 2 / 2k-4k +2.8-3.1%; paged B = 1 / 1k
+// 7.34 -> 6.84 (+7.4%), B = 2 / 1k +9.3%, B = 4 / 1k +5.0%, B = 8 / 1k +5.1%, B = 16 / 1k +2.1%; 32k at B = 1-16
+// +0-1.5%. Below 1: contiguous B = 2 / 1k 0.995, B = 4 / 1k-2k 0.993-0.997 (3-4 splits in clusters; their spread
+// is as wide).
+constexpr bool kSpeculativeTiles = true;
 constexpr bool kProgrammaticLaunch = true; // sm_90+: launch the decode kernels as programmatic dependents
 // sm_90+: the splits of an m-block form a thread-block cluster and merge their partials through distributed
 // shared memory, instead of a combine kernel after the attention kernel (up to kMaxClusterSplits splits;
@@ -212,5 +229,10 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
 // The kernels' arguments. `workspace` is the caller's (or an internal) buffer of plan.workspace_bytes
 // (null when num_splits == 1); it is aligned up here.
 DecodeArgs make_decode_args(const KvcacheParams& p, const DecodePlan& plan, void* workspace);
+
+// Tests only (not part of the API): every later make_decode_args sets DecodeArgs::speculative_tiles to `mode` (0 off,
+// 1 on, 2 / 3 wrong guesses: decode_work.hpp) instead of kSpeculativeTiles; -1 restores the library's. A process-wide
+// switch, so that the oracle tests can run the kernels' wrong-guess paths through the public API.
+void set_speculation_for_tests(int mode);
 
 }  // namespace flashattn::cuda::decode

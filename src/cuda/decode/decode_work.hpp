@@ -42,6 +42,12 @@ struct DecodeArgs {
   int programmatic_launch;  // 1 = the kernels launch as programmatic dependents (sm_90+; set by the launcher)
   int early_tiles;          // 1 = split 0 of a contiguous 16-bit cache copies Q and its first tiles before reading
                             // cache_seqlens (decode_kernel.cuh; affects speed only)
+  int prefetch_inputs;      // 1 = before its wait for the previous grids, a CTA prefetches into L2 the line of
+                            // cache_seqlens[b] and (paged) the block-table lines it reads first (affects speed only)
+  int speculative_tiles;    // 1 = a CTA guesses its length (and paged, its first block ids) while it waits for the previous
+                            // grids, copies the guessed split's first tiles right after the wait and keeps them if the
+                            // real values agree (decode_kernel.cuh; speed only); tests: 2 = guess half the length,
+                            // 3 = the right length but (paged) each guessed id one block off
   int cluster_merge;        // 1 = the num_splits CTAs of one (m-block, K/V head, sequence) are a thread-block
                             // cluster (grid.x split-fastest) that merges its partials through distributed
                             // shared memory, with no combine kernel (sm_90+, <= kMaxClusterSplits; the launcher)

@@ -1,8 +1,11 @@
 // Kernel launches of the decode path, optionally as programmatic dependents of the previous work on the
 // stream (sm_90+: cudaLaunchAttributeProgrammaticStreamSerialization). Such a kernel may be launched while
 // the previous kernel is still running; it must call wait_for_previous_grids() (cache_rows.cuh) before
-// touching global memory. What that buys: the launch latency of each decode kernel (a few microseconds,
-// a large part of a batch-1 decode step) overlaps the kernel before it. Works inside CUDA graph capture.
+// touching global memory. (The attention kernel's exceptions, decode_kernel.cuh: L2 prefetches, which change no
+// value, and the speculative tiles' guess of the length and the first block ids: the copies started from it are
+// kept only where values read after the wait confirm it.) What that buys: the launch latency of each decode
+// kernel (a few microseconds, a large part of a batch-1 decode step) overlaps the kernel before it. Works inside
+// CUDA graph capture.
 #pragma once
 
 #include <cuda_runtime.h>
