@@ -311,28 +311,38 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       cp_async_16_full(v_tile + to, v_src + block * StageTile::kBlockCols * 2);
     }
   };
+  // Q and the kStages - 1 whole tiles from tile `first_tile`, one commit group each: the stages, groups and copies
+  // of the prologue's plain path (the early and the speculative tiles). Paged: lane l of `slot_rows` holds the pool
+  // row of slot l of those tiles (as rows_now of the paged block ids below).
+  auto copy_first_tiles = [&](int first_tile, uint32_t slot_rows) {
+    const BlockRows q_rows = block_rows(args, m_block, 0);  // the rows do not depend on the length
+    copy_q(q_rows.row_begin, q_rows.rows);
+#pragma unroll 1
+    for (int n = 0; n < kStages - 1; ++n) {
+      const uint32_t k_tile = kv_smem + uint32_t(n) * 2u * StageTile::kBytes + load_lane;
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) {
+        const int row = row_lane + pass * kRowsPerPass;
+        if constexpr (kPaged) {
+          const uint32_t pool_row = __shfl_sync(0xffffffffu, slot_rows, n * kSlots + row / 16) + (kSlotRowInBase ? 0u : uint32_t(row & 15));
+          copy_pass(k_tile, k_tile + StageTile::kBytes, pass, reinterpret_cast<const char*>(k_slot_row_base + wide_product(pool_row, k_row_bytes)),
+                    reinterpret_cast<const char*>(v_slot_row_base + wide_product(pool_row, v_row_bytes)));
+        } else {
+          const int j = (first_tile + n) * kBlockN + row;
+          copy_pass(k_tile, k_tile + StageTile::kBytes, pass, k_bytes + wide_product(j, k_row_bytes), v_bytes + wide_product(j, v_row_bytes));
+        }
+      }
+      cp_async_commit();
+    }
+  };
   bool early_tiles = false;
   if constexpr (!kPaged && !kFp8) {
     early_tiles = args.early_tiles != 0 && split == 0 && p.rotary_dim == 0 && p.window_left < 0 && full_width &&
                   strides_32bit && (kStages - 1) * kBlockN <= p.seqlen_k;
-    if (early_tiles) {
-      const BlockRows q_rows = block_rows(args, m_block, 0);  // the rows do not depend on the length
-      copy_q(q_rows.row_begin, q_rows.rows);
-#pragma unroll 1
-      for (int n = 0; n < kStages - 1; ++n) {
-        const uint32_t k_tile = kv_smem + uint32_t(n) * 2u * StageTile::kBytes + load_lane;
-#pragma unroll
-        for (int pass = 0; pass < kPasses; ++pass) {
-          const int j = n * kBlockN + row_lane + pass * kRowsPerPass;
-          copy_pass(k_tile, k_tile + StageTile::kBytes, pass, k_bytes + wide_product(j, k_row_bytes), v_bytes + wide_product(j, v_row_bytes));
-        }
-        cp_async_commit();
-      }
-    }
+    if (early_tiles) copy_first_tiles(0, 0u);
   }
-  // ---- speculative tiles, part 2: Q and the guessed split's first kStages - 1 tiles, when they are whole tiles
-  // of the guessed keys and (paged) their ids are blocks of the cache: the stages, commit groups and copies of the
-  // prologue's plain path. guess_rows_now: as rows_now of the paged block ids below, for the guessed batch. ----
+  // ---- speculative tiles, part 2: Q and the guessed split's first kStages - 1 tiles (copy_first_tiles), when they
+  // are whole tiles of the guessed keys and (paged) their ids are blocks of the cache. ----
   bool spec_issued = false;
   if (speculate && guess_seqlen_k >= 0 && split < guess.used && guess.tile_end - guess.tile_begin >= kStages - 1 &&
       (guess.tile_begin + kStages - 1) * kBlockN <= guess_seqlen_k && full_width && strides_32bit) {
@@ -344,30 +354,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       spec_issued = __ballot_sync(0xffffffffu, used_lane && uint32_t(guess_ids) >= uint32_t(p.num_blocks)) == 0;
       guess_rows_now = (uint32_t(guess_ids) << args.page_shift) + uint32_t(j & page_mask);
     }
-    if (spec_issued) {
-      const BlockRows q_rows = block_rows(args, m_block, 0);  // the rows do not depend on the length
-      copy_q(q_rows.row_begin, q_rows.rows);
-#pragma unroll 1
-      for (int n = 0; n < kStages - 1; ++n) {
-        const uint32_t k_tile = kv_smem + uint32_t(n) * 2u * StageTile::kBytes + load_lane;
-#pragma unroll
-        for (int pass = 0; pass < kPasses; ++pass) {
-          const int row = row_lane + pass * kRowsPerPass;
-          if constexpr (kPaged) {
-            const uint32_t pool_row = __shfl_sync(0xffffffffu, guess_rows_now, n * kSlots + row / 16) +
-                                      (kSlotRowInBase ? 0u : uint32_t(row & 15));
-            copy_pass(k_tile, k_tile + StageTile::kBytes, pass,
-                      reinterpret_cast<const char*>(k_slot_row_base + wide_product(pool_row, k_row_bytes)),
-                      reinterpret_cast<const char*>(v_slot_row_base + wide_product(pool_row, v_row_bytes)));
-          } else {
-            const int j = (guess.tile_begin + n) * kBlockN + row;
-            copy_pass(k_tile, k_tile + StageTile::kBytes, pass, k_bytes + wide_product(j, k_row_bytes),
-                      v_bytes + wide_product(j, v_row_bytes));
-          }
-        }
-        cp_async_commit();
-      }
-    }
+    if (spec_issued) copy_first_tiles(guess.tile_begin, guess_rows_now);
   }
   const int seqlen_k = cached + p.seqlen_new;  // keys after the append
   const bool length_ok = cache_length_ok(cached, p.seqlen_new, p.seqlen_k);
