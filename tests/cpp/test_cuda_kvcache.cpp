@@ -20,6 +20,7 @@
 #include <limits>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "api/validate.hpp"
@@ -808,6 +809,25 @@ TEST(CudaKvcache, EmptyAndSingleKeySequences) {
   }
 }
 
+// A case of one query per sequence with these lengths (the batch is their count), and its fresh inputs (rng from
+// `label` and the case) with NaN in K and V of every cache row past a sequence's keys: rows that no result may read.
+KvCase lengths_case(int block_size, int capacity, std::vector<int> cached, int seqlen_new, int splits) {
+  KvCase c;
+  c.block_size = block_size;
+  c.capacity = capacity;
+  c.cached = std::move(cached);
+  c.batch = int(c.cached.size());
+  c.seqlen_new = seqlen_new;
+  c.num_splits = splits;
+  return c;
+}
+KvTensors kv_nan_past_keys(const KvCase& c, const std::string& label) {
+  auto rng = fa_test::make_rng(label + c.to_string());
+  KvTensors t = make_kv(c, rng);
+  for (int b = 0; b < c.batch; ++b) poison_cache_rows(c, t, b, c.cached[size_t(b)] + c.seqlen_new, c.capacity);
+  return t;
+}
+
 // The early tiles (decode_kernel.cuh: split 0 of a contiguous cache copies Q and its first two 64-key tiles before
 // it reads cache_seqlens) at the lengths around them: kept from two whole tiles (128 keys) on, drained below,
 // with and without an append, one split, two, and the heuristic's. Every cache row past a sequence's keys holds
@@ -816,16 +836,8 @@ TEST(CudaKvcache, EarlyTilesAtTheirLengthBoundaries) {
   SKIP_WITHOUT_GPU();
   for (const int seqlen_new : {0, 1})
     for (const int splits : {1, 2, 0}) {
-      KvCase c;
-      c.capacity = 300;
-      c.cached = {0, 1, 63, 64, 126, 127, 128, 129, 200, 300 - seqlen_new};
-      c.batch = int(c.cached.size());
-      c.seqlen_new = seqlen_new;
-      c.num_splits = splits;
-      auto rng = fa_test::make_rng("early tiles" + c.to_string());
-      KvTensors pristine = make_kv(c, rng);
-      for (int b = 0; b < c.batch; ++b) poison_cache_rows(c, pristine, b, c.cached[size_t(b)] + seqlen_new, c.capacity);
-      check_tensors("early tiles", c, pristine);
+      const KvCase c = lengths_case(0, 300, {0, 1, 63, 64, 126, 127, 128, 129, 200, 300 - seqlen_new}, seqlen_new, splits);
+      check_tensors("early tiles", c, kv_nan_past_keys(c, "early tiles"));
     }
 }
 
@@ -843,16 +855,9 @@ TEST(CudaKvcache, SpeculativeTilesRightAndWrongGuesses) {
   for (const int block_size : {0, 16, 32, 64, 3})
     for (const int seqlen_new : {0, 1})
       for (const int splits : {1, 3, 0}) {
-        KvCase c;
-        c.block_size = block_size;
-        c.capacity = 700;
-        c.cached = {0, 1, 127, 128, 129, 255, 256, 400, 511, 640, 700 - seqlen_new};
-        c.batch = int(c.cached.size());
-        c.seqlen_new = seqlen_new;
-        c.num_splits = splits;
-        auto rng = fa_test::make_rng("speculative tiles" + c.to_string());
-        KvTensors pristine = make_kv(c, rng);
-        for (int b = 0; b < c.batch; ++b) poison_cache_rows(c, pristine, b, c.cached[size_t(b)] + seqlen_new, c.capacity);
+        const KvCase c =
+            lengths_case(block_size, 700, {0, 1, 127, 128, 129, 255, 256, 400, 511, 640, 700 - seqlen_new}, seqlen_new, splits);
+        const KvTensors pristine = kv_nan_past_keys(c, "speculative tiles");
         const Expected e = expected_for(c, pristine);
         KvTensors off = pristine;
         flashattn::cuda::decode::set_speculation_for_tests(0);

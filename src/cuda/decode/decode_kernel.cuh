@@ -195,11 +195,14 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // trips off the path to the first copy. One lane reads the length and broadcasts it: every thread of a warp
   // then works from the same guess. Affects speed only. ----
   constexpr int kSlots = kBlockN / 16;  // 16-row slots of a tile (one block id each; see the paged block ids below)
+  // The first key of this lane's slot in an id batch that starts at tile `first_tile` (lane l: slot l % kSlots of
+  // tile l / kSlots).
+  auto lane_slot_key = [&](int first_tile) { return (first_tile + lane / kSlots) * kBlockN + (lane % kSlots) * 16; };
   const bool speculate = !kFp8 && args.speculative_tiles != 0 && p.rotary_dim == 0 && p.window_left < 0 &&
                          (kPaged ? args.page_shift >= 4 && args.paged_rows != 0 : !(split == 0 && args.early_tiles != 0));
   int guess_seqlen_k = -1;     // keys after the append under the guessed length (-1: no usable guess)
   SplitWork guess{0, 0, 0};    // the split's tiles under it
-  int32_t guess_ids = 0;       // paged: this lane's slot id of the guessed first id batch (as load_id_batch reads it)
+  int32_t guess_ids = 0;       // paged, lanes < (kStages - 1) kSlots: this lane's slot id under the guess (as load_id_batch reads it)
   if (speculate) {
     int guessed = 0;
     if (lane == 0) guessed = p.cache_seqlens[b];
@@ -209,10 +212,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       guess_seqlen_k = guessed + p.seqlen_new;
       const BlockRows guess_rows = block_rows(args, m_block, guess_seqlen_k);
       guess = split_work(guess_rows.key_begin, guess_rows.key_end, kBlockN, args.num_splits, args.min_tiles_per_split, split);
-      if constexpr (kPaged) {
-        const int tile = guess.tile_begin + lane / kSlots;
-        const int j = tile * kBlockN + (lane % kSlots) * 16;
-        if (split < guess.used && tile < guess.tile_end && j < guess_seqlen_k)
+      if constexpr (kPaged) {  // the slots of the kStages - 1 tiles that part 2 copies
+        const int j = lane_slot_key(guess.tile_begin);
+        if (split < guess.used && lane < (kStages - 1) * kSlots && j < guess_seqlen_k)
           guess_ids = p.block_table[b * p.block_table_batch_stride + (j >> args.page_shift)];
         if (args.speculative_tiles == 3 && p.num_blocks > 1) guess_ids = int32_t((uint32_t(guess_ids) + 1u) % uint32_t(p.num_blocks));  // tests: wrong ids
       }
@@ -233,7 +235,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   int32_t first_ids = 0;
   const int first_ids_tile = speculate && guess_seqlen_k >= 0 && split < guess.used ? guess.tile_begin : (split == 0 ? 0 : -1);
   if (kPaged && args.page_shift >= 4 && first_ids_tile >= 0) {
-    const int j = (first_ids_tile + lane / kSlots) * kBlockN + (lane % kSlots) * 16;
+    const int j = lane_slot_key(first_ids_tile);
     if (j < p.seqlen_k) first_ids = p.block_table[b * p.block_table_batch_stride + (j >> args.page_shift)];
   }
   // The length first: its round trip is the one the early and speculative tiles below overlap. Both loads are
@@ -282,6 +284,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   const uint32_t base_slot_row = kPaged && kSlotRowInBase ? uint32_t(row_lane & 15) : 0u;
   const uint64_t k_slot_row_base = uint64_t(k_bytes) + wide_product(base_slot_row, k_row_bytes);
   const uint64_t v_slot_row_base = uint64_t(v_bytes) + wide_product(base_slot_row, v_row_bytes);
+  // args.paged_rows: the pool row of key j's slot when block `id` holds it (id * block size + row in block), and
+  // the pool row of a pass's row of tile `tile_in_batch`, from the slot rows of a batch (lane l holds slot l's).
+  auto slot_pool_row = [&](int32_t id, int j) { return (uint32_t(id) << args.page_shift) + uint32_t(j & page_mask); };
+  auto pass_pool_row = [&](uint32_t slot_rows, int tile_in_batch, int row) {
+    return __shfl_sync(0xffffffffu, slot_rows, tile_in_batch * kSlots + row / 16) + (kSlotRowInBase ? 0u : uint32_t(row & 15));
+  };
 
   // ---- early tiles (args.early_tiles; a contiguous 16-bit cache, no rotary, no left window, full-width heads):
   // split 0's key tiles start at key 0 whatever the sequence's length, so its Q and its first kStages - 1 tiles
@@ -311,6 +319,14 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       cp_async_16_full(v_tile + to, v_src + block * StageTile::kBlockCols * 2);
     }
   };
+  // The same for key j of a contiguous cache, and for a pool row of a paged one (args.paged_rows).
+  auto copy_cache_row = [&](uint32_t k_tile, uint32_t v_tile, int pass, int j) {
+    copy_pass(k_tile, v_tile, pass, k_bytes + wide_product(j, k_row_bytes), v_bytes + wide_product(j, v_row_bytes));
+  };
+  auto copy_pool_row = [&](uint32_t k_tile, uint32_t v_tile, int pass, uint32_t pool_row) {
+    copy_pass(k_tile, v_tile, pass, reinterpret_cast<const char*>(k_slot_row_base + wide_product(pool_row, k_row_bytes)),
+              reinterpret_cast<const char*>(v_slot_row_base + wide_product(pool_row, v_row_bytes)));
+  };
   // Q and the kStages - 1 whole tiles from tile `first_tile`, one commit group each: the stages, groups and copies
   // of the prologue's plain path (the early and the speculative tiles). Paged: lane l of `slot_rows` holds the pool
   // row of slot l of those tiles (as rows_now of the paged block ids below).
@@ -323,57 +339,50 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass) {
         const int row = row_lane + pass * kRowsPerPass;
-        if constexpr (kPaged) {
-          const uint32_t pool_row = __shfl_sync(0xffffffffu, slot_rows, n * kSlots + row / 16) + (kSlotRowInBase ? 0u : uint32_t(row & 15));
-          copy_pass(k_tile, k_tile + StageTile::kBytes, pass, reinterpret_cast<const char*>(k_slot_row_base + wide_product(pool_row, k_row_bytes)),
-                    reinterpret_cast<const char*>(v_slot_row_base + wide_product(pool_row, v_row_bytes)));
-        } else {
-          const int j = (first_tile + n) * kBlockN + row;
-          copy_pass(k_tile, k_tile + StageTile::kBytes, pass, k_bytes + wide_product(j, k_row_bytes), v_bytes + wide_product(j, v_row_bytes));
-        }
+        if constexpr (kPaged) copy_pool_row(k_tile, k_tile + StageTile::kBytes, pass, pass_pool_row(slot_rows, n, row));
+        else copy_cache_row(k_tile, k_tile + StageTile::kBytes, pass, (first_tile + n) * kBlockN + row);
       }
       cp_async_commit();
     }
   };
-  bool early_tiles = false;
+  int first_copied = -1;  // the tile from which Q and the first tiles were copied early (early or speculative); -1: none
   if constexpr (!kPaged && !kFp8) {
-    early_tiles = args.early_tiles != 0 && split == 0 && p.rotary_dim == 0 && p.window_left < 0 && full_width &&
-                  strides_32bit && (kStages - 1) * kBlockN <= p.seqlen_k;
-    if (early_tiles) copy_first_tiles(0, 0u);
+    if (args.early_tiles != 0 && split == 0 && p.rotary_dim == 0 && p.window_left < 0 && full_width && strides_32bit &&
+        (kStages - 1) * kBlockN <= p.seqlen_k) {
+      copy_first_tiles(0, 0u);
+      first_copied = 0;
+    }
   }
   // ---- speculative tiles, part 2: Q and the guessed split's first kStages - 1 tiles (copy_first_tiles), when they
   // are whole tiles of the guessed keys and (paged) their ids are blocks of the cache. ----
-  bool spec_issued = false;
   if (speculate && guess_seqlen_k >= 0 && split < guess.used && guess.tile_end - guess.tile_begin >= kStages - 1 &&
       (guess.tile_begin + kStages - 1) * kBlockN <= guess_seqlen_k && full_width && strides_32bit) {
     uint32_t guess_rows_now = 0;
-    spec_issued = true;
+    bool ids_good = true;
     if constexpr (kPaged) {
-      const int j = (guess.tile_begin + lane / kSlots) * kBlockN + (lane % kSlots) * 16;
       const bool used_lane = lane < (kStages - 1) * kSlots;  // slots of the tiles copied now
-      spec_issued = __ballot_sync(0xffffffffu, used_lane && uint32_t(guess_ids) >= uint32_t(p.num_blocks)) == 0;
-      guess_rows_now = (uint32_t(guess_ids) << args.page_shift) + uint32_t(j & page_mask);
+      ids_good = __ballot_sync(0xffffffffu, used_lane && uint32_t(guess_ids) >= uint32_t(p.num_blocks)) == 0;
+      guess_rows_now = slot_pool_row(guess_ids, lane_slot_key(guess.tile_begin));
     }
-    if (spec_issued) copy_first_tiles(guess.tile_begin, guess_rows_now);
+    if (ids_good) {
+      copy_first_tiles(guess.tile_begin, guess_rows_now);
+      first_copied = guess.tile_begin;
+    }
   }
   const int seqlen_k = cached + p.seqlen_new;  // keys after the append
   const bool length_ok = cache_length_ok(cached, p.seqlen_new, p.seqlen_k);
   const BlockRows rows = block_rows(args, m_block, length_ok ? seqlen_k : 0);
   const SplitWork work = split_work(rows.key_begin, rows.key_end, kBlockN, args.num_splits, args.min_tiles_per_split, split);
   C::stamp(C::kStampPlanned, p.out);
-  // The early tiles are the prologue's when the split streams them whole; else drained (the prologue reloads).
-  const bool early_kept = early_tiles && length_ok && split < work.used && work.tile_begin == 0 &&
-                          work.tile_end - work.tile_begin >= kStages - 1 && (kStages - 1) * kBlockN <= seqlen_k;
-  if (early_tiles && !early_kept) cp_async_wait<0>();
-  // ---- speculative tiles, part 3: kept when the real length gives the split the same first tiles, whole; paged,
-  // also only if the real ids of those tiles are the guessed ones. ----
-  bool spec_kept = spec_issued && length_ok && split < work.used && work.tile_begin == guess.tile_begin &&
-                   work.tile_end - work.tile_begin >= kStages - 1 && (work.tile_begin + kStages - 1) * kBlockN <= seqlen_k;
-  // Paged: the guessed ids of the copied tiles must be the real ones, first_ids (read after the wait at the same
-  // tile). Warp-uniform (the guess is one lane's); a warp whose guess is off drains its own copies and its threads
-  // copy their rows again in the prologue.
-  if (kPaged && spec_kept) spec_kept = __all_sync(0xffffffffu, lane >= (kStages - 1) * kSlots || first_ids == guess_ids);
-  if (spec_issued && !spec_kept) cp_async_wait<0>();  // never leave (or refill) stages a copy may still target
+  // ---- early and speculative tiles, part 3: they are the prologue's when the real length starts the split at the
+  // tile they were copied from and it streams them whole; paged (speculative only), also only if the real ids of
+  // those tiles, first_ids (read after the wait at the same tile), are the guessed ones. Warp-uniform (a guess is
+  // one lane's): a warp whose copies do not stand drains them and its threads copy their rows again in the
+  // prologue. ----
+  bool first_kept = first_copied >= 0 && length_ok && split < work.used && work.tile_begin == first_copied &&
+                    work.tile_end - work.tile_begin >= kStages - 1 && (work.tile_begin + kStages - 1) * kBlockN <= seqlen_k;
+  if (kPaged && first_kept) first_kept = __all_sync(0xffffffffu, lane >= (kStages - 1) * kSlots || first_ids == guess_ids);
+  if (first_copied >= 0 && !first_kept) cp_async_wait<0>();  // never leave (or refill) stages a copy may still target
 
   // Direct result of a row without any key work: NaN (bad cache_seqlens entry) or empty (no visible key:
   // out = 0, lse = -inf). Written by split 0; the combine kernel skips these m-blocks.
@@ -538,7 +547,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     }
   } else if (p.rotary_dim == 0) {
     // Q does not depend on the length: copied with the early or speculative tiles, even when those are drained.
-    if (!early_tiles && !spec_issued) copy_q(rows.row_begin, rows.rows);
+    if (first_copied < 0) copy_q(rows.row_begin, rows.rows);
   } else {
     // Positions: cached + i when causal or windowed (each query is a new token), else all at `cached`.
     const bool per_token_positions = p.window_left >= 0 || p.window_right >= 0;
@@ -577,9 +586,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   uint32_t bad_now = 0;                // lanes of the current batch whose id is not a block of the cache
   uint32_t rows_now = 0;               // args.paged_rows: the pool row of this lane's slot (id * block size + row in block)
   auto load_id_batch = [&](int batch) {  // tiles [batch, batch + 1) * kTilesPerIdBatch into ids_next
-    const int tile = work.tile_begin + batch * kTilesPerIdBatch + lane / kSlots;
-    j_next = tile * kBlockN + (lane % kSlots) * 16;  // the slot's first key
-    needed_next = tile < work.tile_end && j_next < seqlen_k;  // never read past the keys' blocks
+    const int first_tile = work.tile_begin + batch * kTilesPerIdBatch;
+    j_next = lane_slot_key(first_tile);  // the slot's first key
+    needed_next = first_tile + lane / kSlots < work.tile_end && j_next < seqlen_k;  // never read past the keys' blocks
     if (batch == 0 && work.tile_begin == first_ids_tile) ids_next = first_ids;  // read beside cache_seqlens
     else ids_next = needed_next ? table_row[j_next >> args.page_shift] : 0;
   };
@@ -588,7 +597,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   auto rotate_id_batches = [&]() {
     ids_now = ids_next;
     bad_now = __ballot_sync(0xffffffffu, needed_next && uint32_t(ids_now) >= uint32_t(p.num_blocks));  // also < 0
-    rows_now = (uint32_t(ids_now) << args.page_shift) + uint32_t(j_next & page_mask);  // < 2^31 where the id is good
+    rows_now = slot_pool_row(ids_now, j_next);  // < 2^31 where the id is good
   };
   int32_t per_row_ids[kPasses];  // other block sizes: the ids of this thread's rows of the next tile
   auto fetch_per_row_ids = [&](int n) {  // rows past the key count are never looked up
@@ -632,11 +641,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       // per row of K and of V, as for a contiguous cache.
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass) {
-        const int row = row_lane + pass * kRowsPerPass;
-        const uint32_t pool_row = __shfl_sync(0xffffffffu, rows_now, (rel % kTilesPerIdBatch) * kSlots + row / 16) +
-                                  (kSlotRowInBase ? 0u : uint32_t(row & 15));
-        copy_pass(k_tile, v_tile, pass, reinterpret_cast<const char*>(k_slot_row_base + wide_product(pool_row, k_row_bytes)),
-                  reinterpret_cast<const char*>(v_slot_row_base + wide_product(pool_row, v_row_bytes)));
+        copy_pool_row(k_tile, v_tile, pass, pass_pool_row(rows_now, rel % kTilesPerIdBatch, row_lane + pass * kRowsPerPass));
       }
     } else if (__builtin_expect(plain, 1)) {
 #pragma unroll
@@ -696,7 +701,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // that "wait until kStages - 2 groups are pending" always means "tile it has landed"). Rolled: one copy of
   // issue_tile's code instead of kStages - 1 (code size; affects speed only) ----
 #pragma unroll 1
-  for (int s = 0; s < kStages - 1 && !early_kept && !spec_kept; ++s) {  // (kept: issued before cache_seqlens arrived)
+  for (int s = 0; s < kStages - 1 && !first_kept; ++s) {  // (kept: issued before cache_seqlens arrived)
     if (s < num_tiles) issue_tile(s, s);
     cp_async_commit();
   }
