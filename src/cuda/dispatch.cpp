@@ -157,7 +157,7 @@ Status choose_kernel(KernelKind kind, const AttentionParams& p, const DeviceLimi
       continue;
     if (e.causal_max_seqlen_q > 0 && !(p.causal && p.seqlen_q <= e.causal_max_seqlen_q)) continue;
     if (e.max_seqlen_q > 0 && p.seqlen_q > e.max_seqlen_q) continue;
-    if (e.many_waves) continue;  // offered by many_waves_alternative to the decode selection only
+    if (e.decode_role != DecodeRole::kGeneral) continue;  // offered by decode_alternative to the decode selection only
     if (e.smem_bytes <= device.smem_per_block_optin) {
       *index = r;
       return Status();
@@ -171,20 +171,20 @@ Status choose_kernel(KernelKind kind, const AttentionParams& p, const DeviceLimi
                         device.sm_minor, (long long)(device.smem_per_block_optin / 1024));
 }
 
-int many_waves_alternative(int index, const DeviceLimits& device, const KernelEntry* table, int count) {
-  if (index < 0 || index >= count) return -1;
+int decode_alternative(int index, DecodeRole role, const DeviceLimits& device, const KernelEntry* table, int count) {
+  if (index < 0 || index >= count || role == DecodeRole::kGeneral) return -1;
   const KernelEntry& g = table[index];
   for (int r = 0; r < count; ++r) {
     const KernelEntry& e = table[r];
-    if (e.many_waves && e.kind == g.kind && e.dtype == g.dtype && e.head_dim == g.head_dim && e.dropout == g.dropout &&
+    if (e.decode_role == role && e.kind == g.kind && e.dtype == g.dtype && e.head_dim == g.head_dim && e.dropout == g.dropout &&
         e.fp8_cache == g.fp8_cache && e.smem_bytes <= device.smem_per_block_optin)
       return r;
   }
   return -1;
 }
 
-int many_waves_alternative(int index, const DeviceLimits& device) {
-  return many_waves_alternative(index, device, generated::kKernelTable, generated::kKernelCount);
+int decode_alternative(int index, DecodeRole role, const DeviceLimits& device) {
+  return decode_alternative(index, role, device, generated::kKernelTable, generated::kKernelCount);
 }
 
 Status choose_kernel(KernelKind kind, const AttentionParams& p, const DeviceLimits& device, int* index) {

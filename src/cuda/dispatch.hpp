@@ -41,11 +41,11 @@ Status choose_kernel(KernelKind kind, const AttentionParams& p, const DeviceLimi
 Status choose_kernel(KernelKind kind, const AttentionParams& p, const DeviceLimits& device,
                      const KernelEntry* table, int count, const std::string& arch_list, int* index);
 
-// The many_waves row (a decode tile for short contiguous caches at many waves of CTAs) of the same kind, dtype, head
-// dim, dropout and cache type as row `index`, whose shared memory fits; -1 when there is none. The decode selection
-// takes it in place of row `index` where decode_plan.hpp's wants_many_waves_tile holds.
-int many_waves_alternative(int index, const DeviceLimits& device);
-int many_waves_alternative(int index, const DeviceLimits& device, const KernelEntry* table, int count);
+// The row of decode role `role` (kernel_entry.hpp: a decode tile for some calls only) of the same kind, dtype, head dim,
+// dropout and cache type as row `index`, whose shared memory fits; -1 when there is none (or role is kGeneral). The
+// decode selection takes it in place of row `index` where decode_plan.hpp's rule for the role holds.
+int decode_alternative(int index, DecodeRole role, const DeviceLimits& device);
+int decode_alternative(int index, DecodeRole role, const DeviceLimits& device, const KernelEntry* table, int count);
 
 const KernelEntry& kernel_entry(int index);  // a row of the generated table
 std::string compiled_arch_list();            // FLASHATTN_CUDA_ARCHS of this build ("" without CUDA)

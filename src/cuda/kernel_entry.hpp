@@ -10,6 +10,9 @@
 namespace flashattn::cuda {
 
 enum class KernelKind { kForward, kBackward, kKvcache };  // kKvcache: src/cuda/decode/ (split-KV decode)
+// Which calls a decode row serves: the bucket's general row, or one taken in its place where decode_plan.hpp's rule
+// holds (kManyWaves: wants_many_waves_tile; kLongContiguous: wants_long_contiguous_tile). Affects speed only.
+enum class DecodeRole { kGeneral, kManyWaves, kLongContiguous };
 
 // One compiled instantiation. The tile fields affect speed, registers and shared memory only.
 struct KernelEntry {
@@ -29,8 +32,8 @@ struct KernelEntry {
   int causal_max_seqlen_q = 0;  // forward: > 0 = taken only for causal calls of at most this many query rows
                                 // (dispatch skips it otherwise); 0 = any call
   int max_seqlen_q = 0;  // forward: > 0 = taken only for calls (any mask) of at most this many query rows; 0 = any
-  bool many_waves = false;  // kvcache: taken only where decode_plan.hpp's wants_many_waves_tile holds (choose_kernel
-                            // skips it; many_waves_alternative offers it to the decode selection)
+  DecodeRole decode_role = DecodeRole::kGeneral;  // kvcache: a role's row is taken only where decode_plan.hpp's rule for
+                                                  // it holds (choose_kernel skips it; decode_alternative offers it)
 };
 
 // The launch functions of one row (exactly one is set, by kind). `stream` is a cudaStream_t.

@@ -26,8 +26,9 @@ HOW TO ADD A KERNEL
   A bucket's tiles may be a list, an order of preference: dispatch takes the first whose shared memory fits
   the device, skipping conditional rows whose call condition fails (causal_max_seqlen: causal calls of at most
   that many query rows; max_seqlen: any call of at most that many); a general row follows them. Decode rows with
-  many_waves are never chosen there: the decode selection (src/cuda/decode/kvcache.cpp) takes one in place of
-  the general row where decode_plan.hpp's wants_many_waves_tile holds.
+  a decode_role are never chosen there: the decode selection (src/cuda/decode/kvcache.cpp) takes one in place of
+  the general row where decode_plan.hpp's rule for that role holds (wants_many_waves_tile,
+  wants_long_contiguous_tile).
 Build time matters (the whole CUDA build for sm_80 + sm_90a must stay under 10 minutes on 2 cores):
 every row is one .cu compiled twice (two architectures). Template only on what changes speed a lot.
 """
@@ -70,9 +71,11 @@ class Tile:
                          # query rows (a short-call alternative listed before the general row); speed only
     compact_epilogue: bool = False  # forward only: the epilogue's stores in a rolled loop from one base
                                     # (forward_kernel.cuh, kCompactEpilogue: short calls gain); speed only
-    many_waves: bool = False  # decode only: this row is taken only for the calls that decode_plan.hpp's
-                              # wants_many_waves_tile accepts (short contiguous caches at many waves of CTAs;
-                              # choose_kernel skips it, the decode selection offers it); speed only
+    decode_role: str = ""  # decode only: "" = the bucket's general row; a role's row is taken only for the calls that
+                           # decode_plan.hpp's rule for it accepts (choose_kernel skips it, the decode selection offers
+                           # it; speed only): "many_waves" (wants_many_waves_tile: short contiguous caches at many waves
+                           # of CTAs), "long_contiguous" (wants_long_contiguous_tile: long contiguous caches at up to 4
+                           # CTAs per SM)
 
 
 # ---- forward tuning table: affects speed, registers and shared memory only, never results ----
@@ -157,12 +160,18 @@ DECODE_TILES = {
     (64, False): Tile(16, 128, 4, 3),    # 98 KiB
     (96, False): Tile(16, 64, 4, 4),     # 99 KiB
     # 100 KiB: 128 registers (4 bytes spilled outside the loop), paged 168 (ptxas -v, sm_90a, 2026-12-01). Before it, for
-    # short contiguous caches at many waves (wants_many_waves_tile), two stages of 68 KiB, three CTAs per SM.
-    (128, False): [Tile(16, 64, 4, 2, many_waves=True), Tile(16, 64, 4, 3)],
+    # short contiguous caches at many waves (wants_many_waves_tile), two stages of 68 KiB, three CTAs per SM; and for
+    # long contiguous caches at up to 4 CTAs per SM (wants_long_contiguous_tile), two stages of 128 keys, 132 KiB, one
+    # CTA per SM, 32 keys per warp.
+    (128, False): [Tile(16, 64, 4, 2, decode_role="many_waves"), Tile(16, 128, 4, 2, decode_role="long_contiguous"),
+                   Tile(16, 64, 4, 3)],
     (192, False): Tile(16, 64, 4, 2),    # 102 KiB
     (256, False): Tile(16, 64, 4, 2),    # 136 KiB: 221 registers (O is 128 of them), no spills
 }
 DECODE_DTYPES = ["f16", "bf16"]
+# decode_role -> (kernel name suffix, KernelEntry::decode_role)
+DECODE_ROLES = {"": ("", "DecodeRole::kGeneral"), "many_waves": ("mw", "DecodeRole::kManyWaves"),
+                "long_contiguous": ("lc", "DecodeRole::kLongContiguous")}
 
 # ---- decode with an FP8 (e4m3) K/V cache: same kernel, cache tiles streamed as fp8 codes and converted in
 # registers as the MMAs load them (decode_kernel.cuh). smem = block_m * D * 2 (Q) + 2 * stages * block_n * D (the
@@ -193,7 +202,7 @@ class Kernel:
         keys = f"k{t.warp_keys}" if t.warp_keys != 16 else ""
         groups = f"g{t.group_warps}" if t.group_warps != 1 else ""
         epilogue = "ce" if t.compact_epilogue else ""
-        waves = "mw" if t.many_waves else ""
+        waves = DECODE_ROLES[t.decode_role][0]
         cache = "_e4m3" if self.fp8_cache else ""
         return (f"{self.kind}_sm80_{self.dtype}{cache}_d{self.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}"
                 f"s{t.stages}{keys}{groups}{epilogue}{waves}{flags}")
@@ -250,7 +259,8 @@ def kernels():
                     assert (tile.max_seqlen == 0 and not tile.compact_epilogue) or kind == "fwd", \
                         f"{kind} d{head_dim}: max_seqlen and compact_epilogue are forward tile fields"
                     assert tile.max_seqlen == 0 or tile.causal_max_seqlen == 0, f"{kind} d{head_dim}: one call condition per row"
-                    assert not tile.many_waves or (kind == "dec" and not fp8_cache), f"{kind} d{head_dim}: many_waves is a 16-bit decode field"
+                    assert tile.decode_role in DECODE_ROLES, f"{kind} d{head_dim}: unknown decode_role {tile.decode_role!r}"
+                    assert not tile.decode_role or (kind == "dec" and not fp8_cache), f"{kind} d{head_dim}: decode_role is a 16-bit decode field"
                     if fp8_cache:
                         assert head_dim % 64 == 0, f"{kind} d{head_dim} e4m3: the fp8 staging tile needs D % 64 == 0"
                     rows.append(Kernel(kind, dtype, head_dim, tile, dropout, fp8_cache))
@@ -287,7 +297,7 @@ def kernel_table_hpp(rows):
              "namespace flashattn::cuda::generated {", "",
              "inline constexpr KernelEntry kKernelTable[] = {",
              "    // kind, dtype, head dim, block_m, block_n, warps, stages, dropout, smem bytes, name, warp keys, group warps, fp8 cache,",
-             "    // causal max seqlen, max seqlen, many waves"]
+             "    // causal max seqlen, max seqlen, decode role"]
     for k in rows:
         _, fa_dtype = DTYPES[k.dtype]
         kind = {"fwd": "KernelKind::kForward", "bwd": "KernelKind::kBackward", "dec": "KernelKind::kKvcache"}[k.kind]
@@ -295,7 +305,7 @@ def kernel_table_hpp(rows):
         lines.append(f"    {{{kind}, {fa_dtype}, {k.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
                      f"{'true' if k.dropout else 'false'}, {k.smem_bytes}, \"{k.name}\", {t.warp_keys}, {t.group_warps}, "
                      f"{'true' if k.fp8_cache else 'false'}, {t.causal_max_seqlen}, {t.max_seqlen}, "
-                     f"{'true' if t.many_waves else 'false'}}},")
+                     f"{DECODE_ROLES[t.decode_role][1]}}},")
     if not rows:
         lines.append("    {}")
     lines += ["};", f"inline constexpr int kKernelCount = {len(rows)};", "",

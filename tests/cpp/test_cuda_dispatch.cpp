@@ -13,6 +13,7 @@ namespace {
 using flashattn::AttentionParams;
 using flashattn::Status;
 using flashattn::cuda::choose_kernel;
+using flashattn::cuda::DecodeRole;
 using flashattn::cuda::DeviceLimits;
 using flashattn::cuda::KernelEntry;
 using flashattn::cuda::KernelKind;
@@ -293,9 +294,11 @@ TEST(CudaDispatch, GeneratedTableIsConsistent) {
     }
     EXPECT_TRUE((e.causal_max_seqlen_q == 0 && e.max_seqlen_q == 0) || e.kind == KernelKind::kForward) << e.name;
     EXPECT_TRUE(e.causal_max_seqlen_q == 0 || e.max_seqlen_q == 0) << e.name << ": one call condition per row";
-    // A conditional row (short causal, short call, many waves) is taken only for some calls: dispatch then reads on.
-    EXPECT_TRUE(!e.many_waves || (e.kind == KernelKind::kKvcache && !e.fp8_cache)) << e.name;
-    auto conditional = [](const KernelEntry& k) { return k.causal_max_seqlen_q > 0 || k.max_seqlen_q > 0 || k.many_waves; };
+    // A conditional row (short causal, short call, a decode role) is taken only for some calls: dispatch then reads on.
+    EXPECT_TRUE(e.decode_role == DecodeRole::kGeneral || (e.kind == KernelKind::kKvcache && !e.fp8_cache)) << e.name;
+    auto conditional = [](const KernelEntry& k) {
+      return k.causal_max_seqlen_q > 0 || k.max_seqlen_q > 0 || k.decode_role != DecodeRole::kGeneral;
+    };
     bool general_follows = false;  // a conditional row needs a general row after it (any other call)
     for (int s = 0; s < gen::kKernelCount; ++s) {
       // Several general rows of one (kind, dtype, D, dropout) are an order of preference by shared memory: a

@@ -939,6 +939,43 @@ TEST(CudaKvcache, ManyWavesTile) {
 #endif
 }
 
+// Long contiguous caches run in the long_contiguous tile on sm_90+ (decode_plan.hpp's wants_long_contiguous_tile: at the
+// general tile's split count, >= 2048 keys of the capacity per split and 1.5 to 4 CTAs per SM): the kernel's name says
+// which ran, the oracle judges it; one split (bf16) and two (fp16), lengths from 0 to the capacity (partial 128-key
+// tiles), with an append, NaN in every cache row past a sequence's keys. On sm_80 the general tile runs the same cases.
+// (About 200 CTAs of >= 2048 keys: the test's inputs are large, ~30 s of host time on the GPU machine.)
+TEST(CudaKvcache, LongContiguousTile) {
+  SKIP_WITHOUT_GPU();
+#if defined(FLASHATTN_WITH_CUDA)
+  int major = 0, sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  std::vector<int> cached(size_t((3 * sms / 2 + 7) / 8 + 1));  // 8 K/V heads: >= 1.5 CTAs per SM, <= 4 with 2 splits
+  for (const auto& [dtype, splits] : {std::pair{FA_BFLOAT16, 1}, std::pair{FA_FLOAT16, 2}}) {
+      const int capacity = 2050 * splits;  // >= 2048 keys per split
+      const int lengths[] = {0, 1, 127, 128, 129, 2049, capacity - 100, capacity - 1};
+      for (size_t b = 0; b < cached.size(); ++b) cached[b] = lengths[b % 8];
+      KvCase c = lengths_case(0, capacity, cached, 1, splits);
+      c.heads_q = c.heads_k = 8;
+      c.dtype = dtype;
+      const KvTensors pristine = kv_nan_past_keys(c, std::string("long tile ") + (dtype == FA_BFLOAT16 ? "bf16" : "f16"));
+      const Expected e = expected_for(c, pristine);
+      KvTensors t = pristine;
+      fa_stats stats{};
+      ASSERT_TRUE(run_gpu(c, t, &stats).ok());
+      const bool long_tile = std::string(stats.kernel).find("lc") != std::string::npos;
+      EXPECT_EQ(long_tile, major >= 9) << stats.kernel;
+      EXPECT_TRUE(judge("long contiguous tile", c, t, e)) << stats.kernel;
+      KvCase short_splits = c;  // under 2048 keys of the capacity per split: the general tile
+      short_splits.num_splits = 4;
+      KvTensors g = pristine;
+      ASSERT_TRUE(run_gpu(short_splits, g, &stats).ok());
+      EXPECT_EQ(std::string(stats.kernel).find("lc"), std::string::npos) << stats.kernel;
+      EXPECT_TRUE(judge("general tile, 4 splits", short_splits, g, e)) << stats.kernel;
+    }
+#endif
+}
+
 // Read-only: a block table with repeated and out-of-order blocks (several sequences share blocks).
 TEST(CudaKvcache, RepeatedAndOutOfOrderBlocks) {
   SKIP_WITHOUT_GPU();

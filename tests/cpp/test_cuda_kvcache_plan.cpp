@@ -26,7 +26,8 @@ using flashattn::WindowMask;
 using flashattn::cuda::DeviceLimits;
 using flashattn::cuda::KernelEntry;
 using flashattn::cuda::KernelKind;
-using flashattn::cuda::many_waves_alternative;
+using flashattn::cuda::decode_alternative;
+using flashattn::cuda::DecodeRole;
 namespace decode = flashattn::cuda::decode;
 
 // H200: 132 SMs, 228 KiB of shared memory per SM (227 KiB per block); A100: 108 SMs, 164 / 163 KiB.
@@ -274,9 +275,41 @@ TEST(CudaKvcachePlan, ManyWavesTileRule) {
   EXPECT_TRUE(decode::wants_many_waves_tile(decode_params(58, 4, 64, 1, 128, 1024), block_m, h200()));  // 928 CTAs
 }
 
-// The generated table's many_waves rows: never chosen by choose_kernel, offered in place of their bucket's general
-// row by many_waves_alternative (the bf16 and fp16 D = 128 decode rows), none for other rows.
-TEST(CudaKvcachePlan, ManyWavesAlternativeOfTheGeneratedTable) {
+// Long contiguous caches take the long_contiguous tile at the general row's split count: contiguous, 16-bit, sm_90+,
+// >= 2048 keys of the capacity per split, 1.5 to 4 CTAs per SM (B = 25 to 66 of the 8 K/V heads on 132 SMs).
+TEST(CudaKvcachePlan, LongContiguousTileRule) {
+  auto wants = [](const KvcacheParams& p, int splits, const decode::DecodeDevice& device) {
+    const decode::DecodePlan general = decode::decode_layout(p, 16, 64, splits);
+    return decode::wants_long_contiguous_tile(p, general, device);
+  };
+  EXPECT_TRUE(wants(decode_params(64, 1, 32, 8, 128, 131072), 1, h200()));   // 512 CTAs
+  EXPECT_TRUE(wants(decode_params(66, 1, 32, 8, 128, 2048), 1, h200()));     // 528 CTAs, 2048 keys
+  EXPECT_FALSE(wants(decode_params(67, 1, 32, 8, 128, 131072), 1, h200()));  // 536 > 528
+  EXPECT_FALSE(wants(decode_params(64, 1, 32, 8, 128, 2047), 1, h200()));    // too short
+  EXPECT_TRUE(wants(decode_params(25, 1, 32, 8, 128, 32768), 1, h200()));    // 200 CTAs
+  EXPECT_FALSE(wants(decode_params(24, 1, 32, 8, 128, 32768), 1, h200()));   // 192 < 198
+  EXPECT_FALSE(wants(decode_params(1, 1, 32, 8, 128, 131072), 16, h200()));  // 128 CTAs
+  EXPECT_TRUE(wants(decode_params(32, 1, 32, 8, 128, 4096), 2, h200()));     // 512 CTAs, 2 splits of 2048 keys
+  EXPECT_FALSE(wants(decode_params(32, 1, 32, 8, 128, 4094), 2, h200()));    // of 2047
+  EXPECT_FALSE(wants(decode_params(128, 1, 32, 8, 128, 32768), 4, h200()));  // 4096 CTAs
+  EXPECT_FALSE(wants(decode_params(64, 1, 32, 8, 128, 131072), 1, a100())) << "measured on sm_90 only";
+  KvcacheParams paged = decode_params(64, 1, 32, 8, 128, 131072);
+  static int32_t table[1];
+  paged.block_table = table;
+  EXPECT_FALSE(wants(paged, 1, h200()));
+  KvcacheParams fp8 = decode_params(64, 1, 32, 8, 128, 131072);
+  fp8.kv_dtype = FA_FLOAT8_E4M3;
+  EXPECT_FALSE(wants(fp8, 1, h200()));
+  // 64 query heads per K/V head and 4 new tokens: 16 m-blocks per (sequence, K/V head) count as CTAs.
+  EXPECT_TRUE(wants(decode_params(33, 4, 64, 1, 128, 8192), 1, h200()));   // 528 CTAs
+  EXPECT_FALSE(wants(decode_params(12, 4, 64, 1, 128, 8192), 1, h200()));  // 192
+  EXPECT_FALSE(wants(decode_params(34, 4, 64, 1, 128, 8192), 1, h200()));  // 544
+}
+
+// The generated table's rows with a decode role: never chosen by choose_kernel, offered in place of their bucket's
+// general row by decode_alternative (the bf16 and fp16 D = 128 decode rows: a many_waves and a long_contiguous row),
+// none for other rows.
+TEST(CudaKvcachePlan, DecodeAlternativesOfTheGeneratedTable) {
   namespace gen = flashattn::cuda::generated;
   for (const fa_dtype dtype : {FA_BFLOAT16, FA_FLOAT16})
     for (const int d : {64, 128}) {
@@ -286,21 +319,25 @@ TEST(CudaKvcachePlan, ManyWavesAlternativeOfTheGeneratedTable) {
       ASSERT_TRUE(choose_kernel(KernelKind::kKvcache, p, limits_of(h200()), gen::kKernelTable, gen::kKernelCount,
                                 "80-real 90a-real", &index)
                       .ok());
-      EXPECT_FALSE(gen::kKernelTable[index].many_waves) << gen::kKernelTable[index].name;
-      const int alternative = many_waves_alternative(index, limits_of(h200()), gen::kKernelTable, gen::kKernelCount);
-      if (d == 128) {
-        ASSERT_GE(alternative, 0) << "no many_waves row for D = 128";
-        const KernelEntry& e = gen::kKernelTable[alternative];
-        EXPECT_TRUE(e.many_waves);
-        EXPECT_EQ(e.dtype, dtype);
-        EXPECT_EQ(e.head_dim, 128);
-        EXPECT_EQ(e.block_m, gen::kKernelTable[index].block_m) << "the rule counted CTAs of the general row's block_m";
-        EXPECT_LT(e.smem_bytes, gen::kKernelTable[index].smem_bytes);
-      } else {
-        EXPECT_EQ(alternative, -1);
+      EXPECT_EQ(gen::kKernelTable[index].decode_role, DecodeRole::kGeneral) << gen::kKernelTable[index].name;
+      for (const DecodeRole role : {DecodeRole::kManyWaves, DecodeRole::kLongContiguous}) {
+        const int alternative = decode_alternative(index, role, limits_of(h200()), gen::kKernelTable, gen::kKernelCount);
+        if (d == 128) {
+          ASSERT_GE(alternative, 0) << "no row of role " << int(role) << " for D = 128";
+          const KernelEntry& e = gen::kKernelTable[alternative];
+          EXPECT_EQ(e.decode_role, role);
+          EXPECT_EQ(e.dtype, dtype);
+          EXPECT_EQ(e.head_dim, 128);
+          EXPECT_EQ(e.block_m, gen::kKernelTable[index].block_m) << "the rules counted CTAs of the general row's block_m";
+          if (role == DecodeRole::kManyWaves) EXPECT_LT(e.smem_bytes, gen::kKernelTable[index].smem_bytes);
+          else EXPECT_GT(e.block_n, gen::kKernelTable[index].block_n);
+        } else {
+          EXPECT_EQ(alternative, -1);
+        }
       }
+      EXPECT_EQ(decode_alternative(index, DecodeRole::kGeneral, limits_of(h200()), gen::kKernelTable, gen::kKernelCount), -1);
     }
-  EXPECT_EQ(many_waves_alternative(-1, limits_of(h200()), gen::kKernelTable, gen::kKernelCount), -1);
+  EXPECT_EQ(decode_alternative(-1, DecodeRole::kManyWaves, limits_of(h200()), gen::kKernelTable, gen::kKernelCount), -1);
 }
 
 TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
@@ -491,7 +528,8 @@ TEST(CudaKvcachePlan, GeneratedDecodeRows) {
     EXPECT_EQ(std::string(e.name).find("_e4m3_") != std::string::npos, e.fp8_cache) << e.name;
     fp8_rows += e.fp8_cache;
   }
-  EXPECT_EQ(rows, 20) << "2 dtypes x 6 head-dim buckets, 2 dtypes x 3 FP8-cache buckets, and 2 many_waves rows (D = 128)";
+  EXPECT_EQ(rows, 22) << "2 dtypes x 6 head-dim buckets, 2 dtypes x 3 FP8-cache buckets, and 2 x (many_waves, "
+                        "long_contiguous) rows (D = 128)";
   EXPECT_EQ(fp8_rows, 6);
   for (fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
     for (int d : {32, 40, 64, 80, 96, 128, 160, 192, 256}) {

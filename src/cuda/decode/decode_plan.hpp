@@ -173,6 +173,26 @@ struct DecodeDevice {
 constexpr int kManyWavesTileMinCtasPerSm = 7;    // the unsplit grid has at least this many CTAs per SM
 constexpr int64_t kManyWavesTileMaxKeys = 2048;  // and the capacity is at most this many keys
 
+// Long contiguous caches at 1.5 to 4 CTAs per SM: the long_contiguous row of the manifest (D = 128: two stages of
+// 128-key tiles, 32 keys per warp, 132 KiB, one CTA per SM) streams K/V 1-2.5% faster than the general row (64-key
+// tiles, three stages, two CTAs per SM) at the general row's split count. H200, 2026-12-01, bf16, Hq 32 / Hk 8, contiguous,
+// flashattn_decode_tiles --runners m16n64w4s3,m16n128w4s2, speed-up of the long row, median of 2-3 rounds
+// (bench/results/2026-12-01-1337-h200-decode-long-tile-*.json, -summary.txt):
+//   B = 1-4 (16 / 8 / 4 splits), 32k-128k: 1.007-1.010 (13:39 UTC); B = 2-4 / 16k 1.008-1.009, but B = 1 / 16k (16 splits
+//     of 1k keys) 0.993: hence kLongTileMinSplitKeys;
+//   B = 8 (2 splits) 8k-128k 1.002-1.018, B = 16 (1 split) 1.002-1.011, B = 32 1.014-1.025 (13:38 UTC);
+//   B = 64, 1 split (512 CTAs, 3.9 per SM): 8k 1.011, 16k-128k 1.022-1.024 (13:40 UTC); at 4 splits (the long row's own
+//     plan) 128k 1.007-1.009, 8k 0.966 (13:37-13:38 UTC); MHA (Hq = Hk = 32) B = 8 / 32k 1.025, B = 16, 1 split: 32k 1.012, 128k 0.989;
+//   B = 128 at its 2-4 splits (1024-4096 CTAs): 8k 0.972-0.979, 16k-128k 0.989-1.031 by split count; B = 256, 2 splits:
+//     0.973-0.991: hence kLongTileMaxCtasPerSm. Paged caches: 0.95-0.99 at every point (13:38 UTC): contiguous only.
+//   The library with the rule at >= 1 CTA per SM against the general row launched directly (13:49 UTC, 3 rounds,
+//     `...-1349-h200-decode-long-tile-lib-vs-general-summary.txt`): B = 32-64 x 8k-128k 1.011-1.023 again, but B = 1-16
+//     (128 CTAs) 0.991-1.010, within the rounds' spread: hence kLongTileMinCtasPerSm.
+// Measured on the H200 only: sm_90+ (the sm_80 parts keep the general row).
+constexpr int64_t kLongTileMinSplitKeys = 2048;  // keys of the capacity per split, at the general row's split count
+constexpr double kLongTileMinCtasPerSm = 1.5;    // the grid (splits included) has at least this many CTAs per SM
+constexpr int kLongTileMaxCtasPerSm = 4;         // ... and at most this many
+
 // The m-blocks of one (sequence, K/V head): ceil(G * Sq / block_m) packed rows of block_m (decode_work.hpp), and the
 // CTAs of a call's grid without splits: B * Hk of them.
 inline int64_t row_blocks(const KvcacheParams& p, int block_m) {
@@ -217,6 +237,18 @@ struct DecodePlan {
   int64_t out_bytes = 0;         // partial outputs (0 when num_splits == 1)
   int64_t workspace_bytes = 0;   // alignment slack + lse_bytes + out_bytes; 0 when num_splits == 1
 };
+
+// Whether a call takes the long_contiguous tile (at the split count of `general`, the plan of the bucket's general row):
+// a contiguous 16-bit cache on sm_90+, at least kLongTileMinSplitKeys keys of the capacity per split, and a grid of
+// kLongTileMinCtasPerSm to kLongTileMaxCtasPerSm CTAs per SM.
+inline bool wants_long_contiguous_tile(const KvcacheParams& p, const DecodePlan& general, const DecodeDevice& device) {
+  if (p.block_table != nullptr || p.kv_dtype == FA_FLOAT8_E4M3 || device.sm_major < 9 || device.sm_count <= 0 ||
+      general.num_splits < 1)
+    return false;
+  const int64_t ctas = int64_t(p.batch) * p.heads_k * general.m_blocks * general.num_splits;
+  return int64_t(p.seqlen_k) >= kLongTileMinSplitKeys * general.num_splits &&
+         double(ctas) >= kLongTileMinCtasPerSm * device.sm_count && ctas <= int64_t(kLongTileMaxCtasPerSm) * device.sm_count;
+}
 
 // The layout of a call with a given split count on a kernel of block_m x block_n tiles (make_decode_plan's
 // second half; the launcher recomputes it from the resolved params.num_splits).

@@ -40,10 +40,22 @@ Status select(const KvcacheParams& p, Selection* s) {
   FA_RETURN_IF_ERROR(choose_kernel(KernelKind::kKvcache, p, limits, &s->index));
   // Short contiguous caches at many waves take the bucket's many_waves row where it is compiled (decode_plan.hpp).
   if (wants_many_waves_tile(p, kernel_entry(s->index).block_m, device)) {
-    const int alternative = many_waves_alternative(s->index, limits);
+    const int alternative = decode_alternative(s->index, DecodeRole::kManyWaves, limits);
     if (alternative >= 0) s->index = alternative;
   }
-  return make_decode_plan(p, kernel_entry(s->index), device, &s->plan);
+  FA_RETURN_IF_ERROR(make_decode_plan(p, kernel_entry(s->index), device, &s->plan));
+  // Long contiguous caches at up to 4 CTAs per SM take the bucket's long_contiguous row, at the general row's split
+  // count (decode_plan.hpp).
+  if (wants_long_contiguous_tile(p, s->plan, device)) {
+    const int alternative = decode_alternative(s->index, DecodeRole::kLongContiguous, limits);
+    if (alternative >= 0) {
+      KvcacheParams planned = p;
+      planned.num_splits = s->plan.num_splits;
+      s->index = alternative;
+      return make_decode_plan(planned, kernel_entry(s->index), device, &s->plan);
+    }
+  }
+  return Status();
 }
 
 // The checked mode: the guard kernel finds the first bad (sequence, column), the host waits for it and

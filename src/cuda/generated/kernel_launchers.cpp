@@ -66,6 +66,7 @@ Status dec_sm80_f16_d32_m16n128w4s4(const KvcacheParams& params, void* stream);
 Status dec_sm80_f16_d64_m16n128w4s3(const KvcacheParams& params, void* stream);
 Status dec_sm80_f16_d96_m16n64w4s4(const KvcacheParams& params, void* stream);
 Status dec_sm80_f16_d128_m16n64w4s2mw(const KvcacheParams& params, void* stream);
+Status dec_sm80_f16_d128_m16n128w4s2lc(const KvcacheParams& params, void* stream);
 Status dec_sm80_f16_d128_m16n64w4s3(const KvcacheParams& params, void* stream);
 Status dec_sm80_f16_d192_m16n64w4s2(const KvcacheParams& params, void* stream);
 Status dec_sm80_f16_d256_m16n64w4s2(const KvcacheParams& params, void* stream);
@@ -73,6 +74,7 @@ Status dec_sm80_bf16_d32_m16n128w4s4(const KvcacheParams& params, void* stream);
 Status dec_sm80_bf16_d64_m16n128w4s3(const KvcacheParams& params, void* stream);
 Status dec_sm80_bf16_d96_m16n64w4s4(const KvcacheParams& params, void* stream);
 Status dec_sm80_bf16_d128_m16n64w4s2mw(const KvcacheParams& params, void* stream);
+Status dec_sm80_bf16_d128_m16n128w4s2lc(const KvcacheParams& params, void* stream);
 Status dec_sm80_bf16_d128_m16n64w4s3(const KvcacheParams& params, void* stream);
 Status dec_sm80_bf16_d192_m16n64w4s2(const KvcacheParams& params, void* stream);
 Status dec_sm80_bf16_d256_m16n64w4s2(const KvcacheParams& params, void* stream);
@@ -146,6 +148,7 @@ const KernelLaunch kKernelLaunch[] = {
     {nullptr, nullptr, &dec_sm80_f16_d64_m16n128w4s3},
     {nullptr, nullptr, &dec_sm80_f16_d96_m16n64w4s4},
     {nullptr, nullptr, &dec_sm80_f16_d128_m16n64w4s2mw},
+    {nullptr, nullptr, &dec_sm80_f16_d128_m16n128w4s2lc},
     {nullptr, nullptr, &dec_sm80_f16_d128_m16n64w4s3},
     {nullptr, nullptr, &dec_sm80_f16_d192_m16n64w4s2},
     {nullptr, nullptr, &dec_sm80_f16_d256_m16n64w4s2},
@@ -153,6 +156,7 @@ const KernelLaunch kKernelLaunch[] = {
     {nullptr, nullptr, &dec_sm80_bf16_d64_m16n128w4s3},
     {nullptr, nullptr, &dec_sm80_bf16_d96_m16n64w4s4},
     {nullptr, nullptr, &dec_sm80_bf16_d128_m16n64w4s2mw},
+    {nullptr, nullptr, &dec_sm80_bf16_d128_m16n128w4s2lc},
     {nullptr, nullptr, &dec_sm80_bf16_d128_m16n64w4s3},
     {nullptr, nullptr, &dec_sm80_bf16_d192_m16n64w4s2},
     {nullptr, nullptr, &dec_sm80_bf16_d256_m16n64w4s2},

@@ -62,6 +62,7 @@ set(FLASHATTN_CUDA_GENERATED_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_f16_d64_m16n128w4s3.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_f16_d96_m16n64w4s4.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_f16_d128_m16n64w4s2mw.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_f16_d128_m16n128w4s2lc.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_f16_d128_m16n64w4s3.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_f16_d192_m16n64w4s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_f16_d256_m16n64w4s2.cu
@@ -69,6 +70,7 @@ set(FLASHATTN_CUDA_GENERATED_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_bf16_d64_m16n128w4s3.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_bf16_d96_m16n64w4s4.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_bf16_d128_m16n64w4s2mw.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_bf16_d128_m16n128w4s2lc.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_bf16_d128_m16n64w4s3.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_bf16_d192_m16n64w4s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/dec_sm80_bf16_d256_m16n64w4s2.cu
