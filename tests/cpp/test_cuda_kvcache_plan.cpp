@@ -365,8 +365,9 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
   EXPECT_EQ(plan.num_splits, 7);
   EXPECT_GT(plan.workspace_bytes, 0);
   // The split counts measured fastest on the H200 (decode_plan.hpp): about one CTA per SM for a contiguous
-  // cache, every CTA slot (2 per SM) for a paged cache with room for >= 32 k keys; where the unsplit grid is
-  // 0.7-1 CTA per SM (B = 12-16), no split, or 2 for paged caches of >= 8 k keys; two tiles per split at least.
+  // cache, every CTA slot (2 per SM) for a paged cache with room for >= 32 k keys (8-32 k below one wave, where the
+  // splits keep >= 1024 keys); where the unsplit grid is 0.7-1 CTA per SM (B = 12-16), no split, or 2 for paged caches
+  // of >= 8 k keys; two tiles per split at least.
   struct Case {
     int batch, cache;
     bool paged;
@@ -374,7 +375,10 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
   };
   for (const Case& c : {Case{1, 131072, false, 16}, Case{4, 8192, false, 4}, Case{16, 8192, false, 1}, Case{1, 1024, false, 8},
                         Case{1, 131072, true, 32}, Case{4, 131072, true, 8}, Case{16, 131072, true, 2}, Case{16, 8192, true, 2},
-                        Case{16, 4096, true, 1}, Case{8, 8192, true, 2}, Case{4, 8192, true, 4},
+                        Case{16, 4096, true, 1}, Case{8, 8192, true, 4}, Case{4, 8192, true, 8},
+                        // paged below one wave, 8k-32k: every slot where the splits keep >= 1024 keys
+                        Case{4, 16384, true, 8}, Case{2, 16384, true, 16}, Case{2, 8192, true, 8}, Case{1, 16384, true, 16},
+                        Case{8, 4096, true, 2},
                         Case{12, 8192, false, 1}, Case{12, 8192, true, 2}, Case{14, 16384, true, 2},
                         Case{12, 4096, true, 1}, Case{24, 8192, false, 1}, Case{24, 131072, true, 4},
                         Case{256, 131072, true, 1}, Case{1, 1024, true, 8},

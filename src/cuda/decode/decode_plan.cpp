@@ -148,10 +148,13 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
     // sequences; about one wave: 1 split, or 2 for medium paged caches; else about one CTA per SM.
     const double fill = double(ctas) / double(device.sm_count);
     const int64_t slots = int64_t(device.sm_count) * per_sm;
+    const int full_slots_splits = paged ? choose_num_splits(ctas, slots, capacity_tiles) : 1;
     if (paged && p.seqlen_k >= kPagedFullSlotsKeys) {
-      splits = choose_num_splits(ctas, slots, capacity_tiles);
+      splits = full_slots_splits;
     } else if (fill >= kOneWaveFill && fill <= 1.0) {
       splits = paged && p.seqlen_k >= kPagedOneWaveSplitKeys && per_sm >= 2 && capacity_tiles >= 2 * kMinTilesPerSplit ? 2 : 1;
+    } else if (paged && p.seqlen_k >= kPagedOneWaveSplitKeys && p.seqlen_k >= kPagedFullSlotsMinSplitKeys * full_slots_splits) {
+      splits = full_slots_splits;  // below one wave, medium paged caches: every slot where the splits stay long enough
     } else {
       // Many waves of a contiguous 16-bit cache may still split (many_waves_splits); else the heuristic (which
       // leaves a grid of many waves unsplit).

@@ -35,6 +35,12 @@ namespace flashattn::cuda::decode {
 // was fastest.) The floor also applies on the device to a sequence much shorter than the planned capacity.
 constexpr int kMinTilesPerSplit = 2;       // a split streams >= 2 key tiles (when the sequence has them)
 constexpr int64_t kPagedFullSlotsKeys = 32768;  // paged, capacity >= this many keys: plan for every CTA slot
+// Paged caches of kPagedOneWaveSplitKeys to kPagedFullSlotsKeys keys whose unsplit grid is below kOneWaveFill of a wave
+// also plan for every CTA slot where that plan keeps >= this many keys of the capacity per split. H200, 2026-12-01 14:25 UTC, bf16, Hq 32 / Hk 8, flashattn_decode_bench --splits 0,2,4,8,16,32,
+// 3 rounds (bench/results/2026-12-01-1425-h200-decode-splits-b1-b8-8k-16k-summary.txt), paged, every slot's split
+// count against one CTA per SM's: B = 4 (8 against 4 splits) 8k 1.018, 16k 1.026; B = 8 (4 against 2) 8k 0.996, 16k
+// 1.017; B = 2 (16 against 8) 16k 1.009, but 8k (512 keys per split) 0.997; B = 1 (32 against 16, 256-512 keys) 0.93-0.96.
+constexpr int64_t kPagedFullSlotsMinSplitKeys = 1024;
 // One wave: where the unsplit grid gives kOneWaveFill to 1 CTA per SM, no split; but a paged cache of >=
 // kPagedOneWaveSplitKeys keys takes 2 splits (two CTAs per SM hide the block table's latency; the pair merges
 // in a cluster). The heuristic alone split these into 4 or left them at 1. H200, 2026-11-30, bf16, Hq 32 /
