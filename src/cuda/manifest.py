@@ -74,7 +74,7 @@ class Tile:
     decode_role: str = ""  # decode only: "" = the bucket's general row; a role's row is taken only for the calls that
                            # decode_plan.hpp's rule for it accepts (choose_kernel skips it, the decode selection offers
                            # it; speed only): "many_waves" (wants_many_waves_tile: short contiguous caches at many waves
-                           # of CTAs), "long_contiguous" (wants_long_contiguous_tile: long contiguous caches at up to 4
+                           # of CTAs), "long_contiguous" (wants_long_contiguous_tile: long contiguous caches at 1.5-4
                            # CTAs per SM)
 
 
@@ -161,7 +161,7 @@ DECODE_TILES = {
     (96, False): Tile(16, 64, 4, 4),     # 99 KiB
     # 100 KiB: 128 registers (4 bytes spilled outside the loop), paged 168 (ptxas -v, sm_90a, 2026-12-01). Before it, for
     # short contiguous caches at many waves (wants_many_waves_tile), two stages of 68 KiB, three CTAs per SM; and for
-    # long contiguous caches at up to 4 CTAs per SM (wants_long_contiguous_tile), two stages of 128 keys, 132 KiB, one
+    # long contiguous caches at 1.5-4 CTAs per SM (wants_long_contiguous_tile), two stages of 128 keys, 132 KiB, one
     # CTA per SM, 32 keys per warp.
     (128, False): [Tile(16, 64, 4, 2, decode_role="many_waves"), Tile(16, 128, 4, 2, decode_role="long_contiguous"),
                    Tile(16, 64, 4, 3)],
@@ -202,10 +202,10 @@ class Kernel:
         keys = f"k{t.warp_keys}" if t.warp_keys != 16 else ""
         groups = f"g{t.group_warps}" if t.group_warps != 1 else ""
         epilogue = "ce" if t.compact_epilogue else ""
-        waves = DECODE_ROLES[t.decode_role][0]
+        role = DECODE_ROLES[t.decode_role][0]
         cache = "_e4m3" if self.fp8_cache else ""
         return (f"{self.kind}_sm80_{self.dtype}{cache}_d{self.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}"
-                f"s{t.stages}{keys}{groups}{epilogue}{waves}{flags}")
+                f"s{t.stages}{keys}{groups}{epilogue}{role}{flags}")
 
     @property
     def smem_bytes(self):

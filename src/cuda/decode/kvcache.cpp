@@ -44,7 +44,7 @@ Status select(const KvcacheParams& p, Selection* s) {
     if (alternative >= 0) s->index = alternative;
   }
   FA_RETURN_IF_ERROR(make_decode_plan(p, kernel_entry(s->index), device, &s->plan));
-  // Long contiguous caches at up to 4 CTAs per SM take the bucket's long_contiguous row, at the general row's split
+  // Long contiguous caches at 1.5-4 CTAs per SM take the bucket's long_contiguous row, at the general row's split
   // count (decode_plan.hpp).
   if (wants_long_contiguous_tile(p, s->plan, device)) {
     const int alternative = decode_alternative(s->index, DecodeRole::kLongContiguous, limits);
