@@ -762,22 +762,32 @@ void check_every_split_count(const KvCase& base, const std::string& tag) {
   }
 }
 
-// 17 to 64 splits: one to four batches of the combine's 16 (16 splits of 4 tiles take the combine kernel too,
-// not a cluster: decode_plan.hpp).
+// The combine kernel merges a row's splits over 1 to 32 lanes (combine_lanes, decode_work.hpp) and each lane its
+// splits 16 at a time, with the last keys dominating (the largest LSE in the last split): 16 splits (one lane),
+// 17 to 64 (2 to 4 lanes, merged by shuffles), and 544 splits of a 68k cache (32 lanes of 17: a second batch of
+// loads in a lane, whose larger LSE rescales the first). 16 splits of 4 tiles take the combine kernel, not a
+// cluster (decode_plan.hpp).
 TEST(CudaKvcache, SplitMergeRescalesAcrossSplitBatches) {
   SKIP_WITHOUT_GPU();
-  const KvCase c = rising_scores_case();
-  auto rng = fa_test::make_rng("rising scores");
-  const KvTensors pristine = rising_scores_kv(c, rng);
-  const Expected e = expected_for(c, pristine);
-  ASSERT_GT(e.lse64[size_t(c.heads_q - 1)], 10.0) << "the inputs should make the last keys dominate";
-  for (const int splits : {16, 17, 33, 64}) {
-    KvCase sc = c;
-    sc.num_splits = splits;
-    KvTensors t = pristine;
-    fa_stats stats{};
-    ASSERT_TRUE(run_gpu(sc, t, &stats).ok()) << splits;
-    expect_matches("rising scores, " + std::to_string(splits) + " splits", sc, t, e, stats.kernel);
+  for (const int capacity : {4096, 69632}) {
+    KvCase c = rising_scores_case();
+    c.capacity = capacity;
+    c.cached = {capacity};
+    auto rng = fa_test::make_rng("rising scores " + std::to_string(capacity));
+    const KvTensors pristine = rising_scores_kv(c, rng);
+    const Expected e = expected_for(c, pristine);
+    ASSERT_GT(e.lse64[size_t(c.heads_q - 1)], 10.0) << "the inputs should make the last keys dominate";
+    const std::vector<int> counts = capacity == 4096 ? std::vector<int>{16, 17, 33, 64} : std::vector<int>{544};
+    for (const int splits : counts) {
+      KvCase sc = c;
+      sc.num_splits = splits;
+      KvTensors t = pristine;
+      fa_stats stats{};
+      ASSERT_TRUE(run_gpu(sc, t, &stats).ok()) << splits;
+      EXPECT_EQ(stats.num_splits, splits);
+      expect_matches("rising scores, " + std::to_string(capacity) + " keys, " + std::to_string(splits) + " splits", sc, t, e,
+                     stats.kernel);
+    }
   }
 }
 

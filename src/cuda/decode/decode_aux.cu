@@ -21,7 +21,6 @@ namespace {
 
 constexpr int kAppendThreads = 256;
 constexpr int64_t kMaxAppendBlocks = 1 << 16;  // grid-stride beyond this (affects speed only)
-constexpr int kCombineWarps = 4;               // combine CTA: 128 threads
 constexpr int kGuardThreads = 128;
 
 // ---- append: one thread per (sequence, new token, K/V head, pair of elements) ----
@@ -76,83 +75,130 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
   }
 }
 
-// ---- combine: one CTA per (m-block, K/V head, sequence) ----
-// Latency-bound at small batch (a few rows, a few dozen splits): every memory access is in as few dependent
-// rounds as possible. cache_seqlens is read before the wait for the attention kernel (it is an input of the
-// call, complete before that kernel let this one launch), so its latency overlaps that kernel's tail. Then one
-// round: one thread per (row, 4 columns) loads the LSEs and partials of kCombineUnroll splits at once and merges
-// them with a running maximum (the sums rescaled when a later batch of splits has a larger LSE), in split
-// order, so the result is the same on every run. (Two rounds before, 2026-11-30: the row's LSEs reduced by a
-// warp, a barrier, then the partials.)
-constexpr int kCombineUnroll = 16;  // splits loaded at once per thread (affects speed and registers only)
+// ---- combine: CTAs of (chunk of an m-block's output, K/V head, sequence) ----
+// Latency-bound at small batch (a few rows, up to a hundred splits): the call waits for it, so after the wait for
+// the attention kernel it does as little as it can, in as few dependent rounds of memory access as it can, spread
+// over as many threads as there are loads.
+//   Before the wait: cache_seqlens (an input of the call, complete before the attention kernel let this one
+//   launch) and everything that follows from the length: the m-block's rows and split count, the item's
+//   addresses (block_rows and split_work are divisions, a few hundred instructions).
+//   After it, one round: each (row, 4 columns) item of the output is a group of combine_lanes(num_splits)
+//   neighbouring lanes of a warp; lane t of the group loads the LSEs and partials of splits t, t + lanes, ... (up
+//   to kCombineUnroll at once) and merges them with a running maximum (the sums rescaled when a later batch of its
+//   splits has a larger LSE); then the group's lanes merge their (max, sum, 4 sums) by shuffles, lane 0 storing.
+// The order of the fp32 sums depends only on the split count, so the result is the same on every run. H200,
+// 2026-12-01 16:18 UTC (bench/results/2026-12-01-1618-h200-decode-combine-*): working out the length's consequences
+// before the wait took 3-14% off every split call of B = 1-4 (B = 1 / 4k, 16 splits: 10.73 -> 9.44 us; 32k 37.92 ->
+// 36.90), nothing off unsplit ones. Before 16:00 UTC one thread per item merged every split, kCombineUnroll at a
+// time, one CTA per m-block looping over its items, all after the wait: 123 splits of one K/V head (8 query heads)
+// took 8 rounds of loads per item and 2 items per thread, ~10 us
+// (bench/results/2026-12-01-1553-h200-decode-fewkv-timeline.txt).
+constexpr int kCombineUnroll = kCombineSplitsPerLane;  // splits loaded at once per lane (decode_work.hpp)
 
-template <typename Element>
-__global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const __grid_constant__ DecodeArgs args) {
+// kLanes = combine_lanes(args.num_splits), a power of two <= 32 (the groups never straddle a warp), and `chunks` =
+// combine_chunks(args) come from the launcher.
+template <typename Element, int kLanes>
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_constant__ DecodeArgs args, int chunks) {
   const KvcacheParams& p = args.p;
-  const int m_block = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  constexpr int kItemsPerCta = kCombineThreads / kLanes;
+  const int m_block = blockIdx.x / chunks, chunk = blockIdx.x % chunks, hk = blockIdx.y, b = blockIdx.z;
   // Programmatic dependent launch (sm_90): this CTA may be resident before the attention kernel ends. That
   // kernel let it launch only after its own wait for the call's producers (of q, the caches, cache_seqlens), so
-  // cache_seqlens is readable now; the partials are complete and visible only after the wait.
+  // cache_seqlens is readable now; the partials are complete and visible only after the wait. What follows from the
+  // length is worked out before the wait, while the attention kernel still runs (see above).
   const int cached = p.cache_seqlens[b];
-  wait_for_previous_grids();
-  allow_next_grid_launch();
-  if (!cache_length_ok(cached, p.seqlen_new, p.seqlen_k)) return;  // the attention kernel wrote NaN directly
-  const BlockRows rows = block_rows(args, m_block, cached + p.seqlen_new);
-  const int used = split_work(rows.key_begin, rows.key_end, args.block_n, args.num_splits, args.min_tiles_per_split, 0).used;
-  if (used < 2) return;  // written directly by the attention kernel
   const int64_t split_stride = int64_t(p.batch) * p.heads_q * p.seqlen_q;  // partial rows per split
   const int dv = p.head_dim_v;
+  const int quads = dv / 4;  // Dv % 8 == 0
+  const int lane = threadIdx.x % kLanes;
+  const int idx = chunk * kItemsPerCta + threadIdx.x / kLanes;  // this group's item
+  int used = 0;             // splits to merge; < 2: nothing to do (the whole group agrees: the shuffles need it)
+  // The LSE and partial of split `lane` for the item, and the steps to split lane + kLanes.
+  const float* lse_p = args.partial_lse;
+  const float4* part_p = reinterpret_cast<const float4*>(args.partial_out);
+  const int64_t lse_step = kLanes * split_stride, part_step = lse_step * (dv / 4);
+  int64_t out_at = 0;  // elements from out to the item's 4 columns
+  int64_t lse_at = -1;  // from lse to its row's LSE (-1: none stored by this group)
+  if (cache_length_ok(cached, p.seqlen_new, p.seqlen_k)) {  // else the attention kernel wrote NaN directly
+    const BlockRows rows = block_rows(args, m_block, cached + p.seqlen_new);
+    used = split_work(rows.key_begin, rows.key_end, args.block_n, args.num_splits, args.min_tiles_per_split, 0).used;
+    if (idx >= rows.rows * quads) used = 0;
+    if (used >= 2) {  // else written directly by the attention kernel
+      const int row = idx / quads, col = (idx % quads) * 4;
+      const int r = rows.row_begin + row;
+      const int i = r / args.group, h = hk * args.group + r % args.group;
+      const int64_t prow = partial_row(p, b, h, i);
+      lse_p += prow + lane * split_stride;
+      part_p += ((prow + lane * split_stride) * dv + col) / 4;
+      out_at = b * p.out_batch_stride + int64_t(i) * p.out_row_stride + h * p.out_head_stride + col;
+      if (col == 0 && p.lse != nullptr) lse_at = b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride;
+    }
+  }
+  // Kept before the wait (an empty volatile asm is never moved across the wait's).
+  asm volatile("" : "+r"(used), "+l"(lse_p), "+l"(part_p), "+l"(out_at), "+l"(lse_at));
+  wait_for_previous_grids();
+  allow_next_grid_launch();
+  if (used < 2) return;
   Element* out = static_cast<Element*>(p.out);
 
   // out = sum_s exp(lse_s - max) out_s / sum_s exp(lse_s - max), lse = max + log(sum); max over the splits
   // (weights <= 1: no overflow). NaN from a split that met a bad block id poisons the row; no split saw a
   // key: out = 0, lse = -inf (never NaN).
-  const int quads = dv / 4;  // Dv % 8 == 0
-  for (int idx = threadIdx.x; idx < rows.rows * quads; idx += 32 * kCombineWarps) {
-    const int row = idx / quads, col = (idx % quads) * 4;
-    const int r = rows.row_begin + row;
-    const int i = r / args.group, h = hk * args.group + r % args.group;
-    const int64_t prow = partial_row(p, b, h, i);
-    float lse_max = -INFINITY, weight_sum = 0.f;
-    bool any_nan = false;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < used; s0 += kCombineUnroll) {
-      float lse[kCombineUnroll];
-      float4 part[kCombineUnroll];
+  float lse_max = -INFINITY, weight_sum = 0.f;
+  bool any_nan = false;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s0 = lane; s0 < used;
+       s0 += kCombineUnroll * kLanes, lse_p += kCombineUnroll * lse_step, part_p += kCombineUnroll * part_step) {
+    float lse[kCombineUnroll];
+    float4 part[kCombineUnroll];
 #pragma unroll
-      for (int u = 0; u < kCombineUnroll; ++u) {  // all loads first: one round of memory latency
-        const int s = s0 + u;
-        lse[u] = s < used ? args.partial_lse[s * split_stride + prow] : -INFINITY;
-        part[u] = s < used ? *reinterpret_cast<const float4*>(args.partial_out + (s * split_stride + prow) * dv + col)
-                           : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-      float batch_max = -INFINITY;
-#pragma unroll
-      for (int u = 0; u < kCombineUnroll; ++u) {
-        any_nan = any_nan || isnan(lse[u]);
-        batch_max = fmaxf(batch_max, lse[u]);  // fmaxf skips NaN
-      }
-      const float new_max = fmaxf(lse_max, batch_max);
-      if (new_max == -INFINITY) continue;  // no split so far saw a key of this row
-      const float rescale = expf(lse_max - new_max);  // 0 when lse_max = -inf (nothing summed yet)
-      weight_sum *= rescale;
-      acc.x *= rescale, acc.y *= rescale, acc.z *= rescale, acc.w *= rescale;
-#pragma unroll
-      for (int u = 0; u < kCombineUnroll; ++u) {  // in split order; weight 0 for a split that saw no key of the row
-        const float w = expf(lse[u] - new_max);
-        weight_sum += w;
-        acc.x += w * part[u].x, acc.y += w * part[u].y, acc.z += w * part[u].z, acc.w += w * part[u].w;
-      }
-      lse_max = new_max;
+    for (int u = 0; u < kCombineUnroll; ++u) {  // all loads first: one round of memory latency
+      const bool valid = s0 + u * kLanes < used;
+      lse[u] = valid ? __ldcg(lse_p + u * lse_step) : -INFINITY;  // global loads through L2 (the asm above hid the space)
+      part[u] = valid ? __ldcg(part_p + u * part_step) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
-    const float inv = any_nan ? NAN : (weight_sum > 0.f ? 1.f / weight_sum : 0.f);
-    Element* out_row = out + b * p.out_batch_stride + int64_t(i) * p.out_row_stride + h * p.out_head_stride + col;
-    const uint2 packed = make_uint2(ElementTraits<Element>::pack(acc.x * inv, acc.y * inv), ElementTraits<Element>::pack(acc.z * inv, acc.w * inv));
-    *reinterpret_cast<uint2*>(out_row) = packed;  // 8-byte aligned: 16-byte aligned rows, col % 4 == 0
-    if (col == 0 && p.lse != nullptr)
-      p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] =
-          any_nan ? NAN : (weight_sum > 0.f ? lse_max + logf(weight_sum) : -INFINITY);
+    float batch_max = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < kCombineUnroll; ++u) {
+      any_nan = any_nan || isnan(lse[u]);
+      batch_max = fmaxf(batch_max, lse[u]);  // fmaxf skips NaN
+    }
+    const float new_max = fmaxf(lse_max, batch_max);
+    if (new_max == -INFINITY) continue;  // no split so far saw a key of this row
+    const float rescale = expf(lse_max - new_max);  // 0 when lse_max = -inf (nothing summed yet)
+    weight_sum *= rescale;
+    acc.x *= rescale, acc.y *= rescale, acc.z *= rescale, acc.w *= rescale;
+#pragma unroll
+    for (int u = 0; u < kCombineUnroll; ++u) {  // in split order; weight 0 for a split that saw no key of the row
+      const float w = expf(lse[u] - new_max);
+      weight_sum += w;
+      acc.x += w * part[u].x, acc.y += w * part[u].y, acc.z += w * part[u].z, acc.w += w * part[u].w;
+    }
+    lse_max = new_max;
   }
+  // The group's lanes merge pairwise (xor butterfly: every lane ends with the same values). A lane that summed
+  // nothing has lse_max = -inf and weight 0.
+  const unsigned group_mask = kLanes == 32 ? 0xffffffffu : ((1u << kLanes) - 1u) << (threadIdx.x % 32 / kLanes * kLanes);
+#pragma unroll
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) {
+    const float other_max = __shfl_xor_sync(group_mask, lse_max, offset);
+    const float other_sum = __shfl_xor_sync(group_mask, weight_sum, offset);
+    const float4 other = make_float4(__shfl_xor_sync(group_mask, acc.x, offset), __shfl_xor_sync(group_mask, acc.y, offset),
+                                     __shfl_xor_sync(group_mask, acc.z, offset), __shfl_xor_sync(group_mask, acc.w, offset));
+    any_nan = __shfl_xor_sync(group_mask, int(any_nan), offset) != 0 || any_nan;
+    const float new_max = fmaxf(lse_max, other_max);
+    const bool none = new_max == -INFINITY;  // neither lane saw a key: both weights 0 (exp(-inf - -inf) would be NaN)
+    const float mine = none ? 0.f : expf(lse_max - new_max), theirs = none ? 0.f : expf(other_max - new_max);
+    weight_sum = weight_sum * mine + other_sum * theirs;
+    acc.x = acc.x * mine + other.x * theirs, acc.y = acc.y * mine + other.y * theirs;
+    acc.z = acc.z * mine + other.z * theirs, acc.w = acc.w * mine + other.w * theirs;
+    lse_max = new_max;
+  }
+  if (lane != 0) return;
+  const float inv = any_nan ? NAN : (weight_sum > 0.f ? 1.f / weight_sum : 0.f);
+  const uint2 packed = make_uint2(ElementTraits<Element>::pack(acc.x * inv, acc.y * inv), ElementTraits<Element>::pack(acc.z * inv, acc.w * inv));
+  *reinterpret_cast<uint2*>(out + out_at) = packed;  // 8-byte aligned: 16-byte aligned rows, col % 4 == 0
+  if (lse_at >= 0) p.lse[lse_at] = any_nan ? NAN : (weight_sum > 0.f ? lse_max + logf(weight_sum) : -INFINITY);
 }
 
 // ---- guard: one CTA per sequence ----
@@ -182,12 +228,25 @@ Status launch_append_typed(const DecodeArgs& args, cudaStream_t stream) {
   return Status();
 }
 
+template <typename Element, int kLanes>
+Status launch_combine_lanes(const DecodeArgs& args, cudaStream_t stream) {
+  const int chunks = combine_chunks(args);
+  const dim3 grid(unsigned(args.m_blocks) * unsigned(chunks), args.p.heads_k, args.p.batch);
+  FA_CUDA_RETURN_IF_ERROR(launch_decode_kernel(&combine_kernel<Element, kLanes>, grid, dim3(kCombineThreads), 0, stream,
+                                               args.programmatic_launch != 0, 0u, 0, args, chunks));
+  return Status();
+}
+
 template <typename Element>
 Status launch_combine_typed(const DecodeArgs& args, cudaStream_t stream) {
-  const dim3 grid(args.m_blocks, args.p.heads_k, args.p.batch);
-  FA_CUDA_RETURN_IF_ERROR(launch_decode_kernel(&combine_kernel<Element>, grid, dim3(32 * kCombineWarps), 0, stream,
-                                               args.programmatic_launch != 0, 0u, 0, args));
-  return Status();
+  switch (combine_lanes(args.num_splits)) {
+    case 1: return launch_combine_lanes<Element, 1>(args, stream);
+    case 2: return launch_combine_lanes<Element, 2>(args, stream);
+    case 4: return launch_combine_lanes<Element, 4>(args, stream);
+    case 8: return launch_combine_lanes<Element, 8>(args, stream);
+    case 16: return launch_combine_lanes<Element, 16>(args, stream);
+    default: return launch_combine_lanes<Element, 32>(args, stream);
+  }
 }
 
 }  // namespace

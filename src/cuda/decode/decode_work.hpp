@@ -113,4 +113,21 @@ FA_HD int64_t partial_row(const KvcacheParams& p, int b, int h, int i) {
   return (int64_t(b) * p.heads_q + h) * p.seqlen_q + i;
 }
 
+// The combine kernel's shape (decode_aux.cu), shared by its launcher and its CTAs; affects speed only. Each output
+// item (a packed row's 4 columns) is merged by combine_lanes(num_splits) neighbouring lanes, each loading at most
+// kCombineSplitsPerLane splits at once; an m-block's items are dealt to combine_chunks CTAs of kCombineThreads.
+constexpr int kCombineThreads = 128;
+constexpr int kCombineSplitsPerLane = 16;
+FA_HD int combine_lanes(int num_splits) {  // a power of two, 1 to 32
+  int lanes = 1;
+  while (lanes < 32 && lanes * kCombineSplitsPerLane < num_splits) lanes *= 2;
+  return lanes;
+}
+FA_HD int combine_chunks(const DecodeArgs& a) {
+  const int64_t rows = a.packed_rows < a.block_m ? a.packed_rows : a.block_m;  // packed rows of the fullest m-block
+  const int64_t items = rows * (a.p.head_dim_v / 4);
+  const int64_t per_cta = kCombineThreads / combine_lanes(a.num_splits);
+  return int(items > 0 ? (items + per_cta - 1) / per_cta : 1);
+}
+
 }  // namespace flashattn::cuda::decode
