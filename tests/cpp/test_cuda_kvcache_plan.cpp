@@ -195,6 +195,19 @@ TEST(CudaKvcachePlan, SplitHeuristic) {
   EXPECT_EQ(decode::choose_num_splits(64 * 8, slots, 128), 1);
   EXPECT_EQ(decode::choose_num_splits(1 * 8, slots, 16), 8);
   EXPECT_EQ(decode::choose_num_splits(4 * 8, slots, 16), 8);
+  // No split without tiles: one K/V head (8 query heads, B = 1) of a 4k cache (64 tiles) on 132 SMs takes 32 splits
+  // of 2 tiles, not 31, which would leave 9 empty (ceil(64 / 31) = 3 tiles each: 22 used); a 16k cache (256 tiles)
+  // takes 128, not 123 (86 used). Whatever the shape, the last split of the count chosen has tiles.
+  EXPECT_EQ(decode::choose_num_splits(1, 132, 64), 32);
+  EXPECT_EQ(decode::choose_num_splits(1, 132, 256), 128);
+  EXPECT_EQ(decode::choose_num_splits(4, 132, 64), 32);
+  EXPECT_EQ(decode::choose_num_splits(4, 132, 1024), 32);  // every split has tiles already
+  for (const int64_t ctas : {1, 3, 4, 7, 40, 100})
+    for (const int64_t tiles : {1, 10, 31, 64, 100, 256, 1000, 1024}) {
+      const int s = decode::choose_num_splits(ctas, 132, tiles);
+      const decode::SplitWork last = decode::split_work(0, int(tiles) * 64, 64, s, decode::kMinTilesPerSplit, s - 1);
+      EXPECT_EQ(last.used, s) << ctas << " CTAs, " << tiles << " tiles: " << s << " splits";
+    }
   // Monotone in the batch: more sequences never need more splits.
   int previous = decode::kMaxSplits;
   for (int64_t ctas = 1; ctas <= 512; ctas *= 2) {

@@ -109,9 +109,32 @@ int choose_num_splits(int64_t ctas, int64_t slots, int64_t capacity_tiles) {
   };
   double best = 0;
   for (int s = 1; s <= max_splits; ++s) best = std::max(best, efficiency(s));
+  int chosen = 1;
   for (int s = 1; s <= max_splits; ++s)
-    if (efficiency(s) >= kWaveEfficiencyKept * best) return s;
-  return 1;
+    if (efficiency(s) >= kWaveEfficiencyKept * best) {
+      chosen = s;
+      break;
+    }
+  // Splits that would get no tile of the capacity (split_work gives each ceil(tiles / s): 31 splits of 64 tiles take
+  // 3 each, 22 splits' worth, 9 empty): the next count at which every split has tiles, where it needs no more waves;
+  // else as many splits as get tiles (the same partition, without the empty CTAs). Affects speed only. H200,
+  // 2026-12-01 16:33 UTC, bf16, D = 128, against the rule before, 2 runs each alternating
+  // (bench/results/2026-12-01-1633-h200-decode-split-rule-ab-summary.txt): 8 query heads / 1 K/V head, B = 1 / 4k 31 ->
+  // 32 splits +11.4% contiguous, +12.5% paged, B = 2 / 4k +5.2% / +8.6%, B = 4 / 4k +1-2%, paged B = 2 / 64k 123 -> 128
+  // +7.7%, but paged B = 1 / 16k 123 -> 128 -5.2% (9.79 -> 10.33 us; contiguous +0.1%); 28 / 4, B = 1 / 4k +2%; every
+  // other point of B = 1-4 x 4k-64k (8 / 1, 28 / 4, 32 / 8) within 1.1%, the shape (32 / 8) unchanged.
+  const auto tiles_used = [&](int64_t s) {
+    const int64_t per_split = std::max<int64_t>((capacity_tiles + s - 1) / s, kMinTilesPerSplit);
+    return (capacity_tiles + per_split - 1) / per_split;
+  };
+  const auto waves = [&](int64_t s) { return (ctas * s + slots - 1) / slots; };
+  if (capacity_tiles <= 0 || tiles_used(chosen) >= chosen) return chosen;
+  for (int s = chosen + 1; s <= max_splits; ++s)
+    if (tiles_used(s) == s) {
+      if (waves(s) == waves(chosen)) return s;
+      break;
+    }
+  return int(tiles_used(chosen));
 }
 
 int many_waves_splits(int64_t ctas, int64_t slots, int64_t capacity_keys) {

@@ -227,7 +227,8 @@ int ctas_per_sm(int64_t smem_bytes, int threads, const DecodeDevice& device);
 // once (make_decode_plan: one per SM, or SMs x CTAs per SM for long paged caches);
 // `capacity_tiles` = key tiles of the longest possible sequence. Returns 1 when the unsplit grid already
 // fills the device; else the smallest split count whose waves are nearly as full as the best one, capped
-// by kMaxSplits and by capacity_tiles / kMinTilesPerSplit.
+// by kMaxSplits and by capacity_tiles / kMinTilesPerSplit, and then a count at which every split gets tiles of
+// the capacity (decode_plan.cpp says which).
 int choose_num_splits(int64_t ctas, int64_t slots, int64_t capacity_tiles);
 
 // Contiguous 16-bit caches whose unsplit grid is >= kManyWavesMinWaves waves of `slots` CTAs: splits toward
