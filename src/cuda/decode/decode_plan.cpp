@@ -123,9 +123,8 @@ int choose_num_splits(int64_t ctas, int64_t slots, int64_t capacity_tiles) {
   // 32 splits +11.4% contiguous, +12.5% paged, B = 2 / 4k +5.2% / +8.6%, B = 4 / 4k +1-2%, paged B = 2 / 64k 123 -> 128
   // +7.7%, but paged B = 1 / 16k 123 -> 128 -5.2% (9.79 -> 10.33 us; contiguous +0.1%); 28 / 4, B = 1 / 4k +2%; every
   // other point of B = 1-4 x 4k-64k (8 / 1, 28 / 4, 32 / 8) within 1.1%, the shape (32 / 8) unchanged.
-  const auto tiles_used = [&](int64_t s) {
-    const int64_t per_split = std::max<int64_t>((capacity_tiles + s - 1) / s, kMinTilesPerSplit);
-    return (capacity_tiles + per_split - 1) / per_split;
+  const auto tiles_used = [&](int s) {  // split_work over the capacity's tiles (one "key" per tile)
+    return split_work(0, int(std::min<int64_t>(capacity_tiles, INT_MAX)), 1, s, kMinTilesPerSplit, 0).used;
   };
   const auto waves = [&](int64_t s) { return (ctas * s + slots - 1) / slots; };
   if (capacity_tiles <= 0 || tiles_used(chosen) >= chosen) return chosen;
@@ -134,7 +133,7 @@ int choose_num_splits(int64_t ctas, int64_t slots, int64_t capacity_tiles) {
       if (waves(s) == waves(chosen)) return s;
       break;
     }
-  return int(tiles_used(chosen));
+  return tiles_used(chosen);
 }
 
 int many_waves_splits(int64_t ctas, int64_t slots, int64_t capacity_keys) {
