@@ -3,7 +3,9 @@
 //
 // Sweep (the issue's): bf16, D = 128, 32 query heads and 8 K/V heads (GQA 4), one new query per sequence,
 // batch 1..256, cache 1k..128k keys (every sequence full: cache_seqlens = S), contiguous cache and paged
-// cache (page 16, block ids shuffled; "paged-seq": ids in order, to tell table/translation costs apart).
+// cache (page 16, block ids shuffled; "paged-seq": ids in order, to tell table/translation costs apart;
+// "paged-local": ids shuffled only within each 2 MiB of the pool (one large page of the allocation), so that a
+// sequence's blocks are scattered as in "paged" but reach as few translation pages as "paged-seq").
 // Points whose K/V exceed --budget-gib are skipped (and listed).
 // K/V bytes of a call = B * S * Hk * (D + Dv) * 2; with --kv fp8 (a float8 e4m3 cache, k_scale = v_scale =
 // 1/256, random finite codes) 1 byte per element: B * S * Hk * (D + Dv). Each call is planned once (fa_plan_kvcache) and runs with
@@ -41,7 +43,7 @@
 //
 // Usage: flashattn_decode_bench [--json FILE] [--batches 1,4,16,64,256] [--caches 1024,...,131072]
 //                               [--heads 32:8] [--dim 128] [--page 16] [--dtype bf16|f16] [--kv 16|fp8]
-//                               [--layouts contiguous,paged,paged-seq] [--budget-gib 32] [--reps 10] [--rounds 1]
+//                               [--layouts contiguous,paged,paged-seq,paged-local] [--budget-gib 32] [--reps 10] [--rounds 1]
 //                               [--splits 0,...] [--runners lib,...] [--pdl 0,1] [--min-tiles N]
 //                               [--cluster -1,0,1] [--cluster-policy 0,1,2] [--smem-pad 0,N] [--early -1,0,1]
 //                               [--prefetch -1,0,1] [--speculate -1,0,1,2,3]
@@ -194,6 +196,7 @@ struct Shape {
   int heads_q, heads_k, dim, page;
   bool paged;
   bool sequential_pages;  // paged: block ids in order (else shuffled)
+  bool local_pages;       // paged, not sequential: ids shuffled within each 2 MiB of the pool only
   fa_dtype dtype;
   bool fp8_cache;  // K/V cache float8 e4m3 (1 byte per element)
   fa_dtype cache_dtype() const { return fp8_cache ? FA_FLOAT8_E4M3 : dtype; }
@@ -233,7 +236,13 @@ Copy make_copy(const Shape& s, uint32_t seed, std::mt19937_64& rng) {
     const int64_t per_seq = (s.cache + s.page - 1) / s.page, blocks = s.batch * per_seq;
     std::vector<int32_t> ids(static_cast<size_t>(blocks));
     std::iota(ids.begin(), ids.end(), 0);
-    if (!s.sequential_pages) std::shuffle(ids.begin(), ids.end(), rng);  // a serving cache's pages are scattered
+    if (s.local_pages) {  // within each 2 MiB window of the pool (cudaMalloc aligns large buffers to 2 MiB)
+      const int64_t block_bytes = int64_t(s.page) * s.heads_k * s.dim * (s.fp8_cache ? 1 : 2);
+      const int64_t window = std::max<int64_t>(1, (int64_t(2) << 20) / block_bytes);
+      for (int64_t w = 0; w < blocks; w += window) std::shuffle(ids.begin() + w, ids.begin() + std::min(blocks, w + window), rng);
+    } else if (!s.sequential_pages) {
+      std::shuffle(ids.begin(), ids.end(), rng);  // a serving cache's pages are scattered
+    }
     c.table = Buffer(blocks * 4);
     CHECK_CUDA(cudaMemcpy(c.table.data, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
     a.k_cache = tensor(c.k.data, {blocks, s.page, s.heads_k, s.dim}, s.cache_dtype());
@@ -958,8 +967,8 @@ int main(int argc, char** argv) {
     while (std::getline(ss, item, ',')) layouts.push_back(item);
   }
   for (const std::string& layout : layouts)
-    if (layout != "contiguous" && layout != "paged" && layout != "paged-seq") {
-      std::fprintf(stderr, "unknown layout %s (contiguous, paged, paged-seq)\n", layout.c_str());
+    if (layout != "contiguous" && layout != "paged" && layout != "paged-seq" && layout != "paged-local") {
+      std::fprintf(stderr, "unknown layout %s (contiguous, paged, paged-seq, paged-local)\n", layout.c_str());
       return 2;
     }
   // Per point, the layouts (and --rounds repetitions) run back to back, so that a ratio between layouts compares
@@ -968,7 +977,8 @@ int main(int argc, char** argv) {
     for (const int64_t cache : caches)
       for (int round = 0; round < rounds; ++round)
       for (const std::string& layout : layouts) {
-        const Shape s{batch, cache, heads_q, heads_k, dim, page, layout != "contiguous", layout == "paged-seq", dtype, fp8_cache};
+        const Shape s{batch, cache, heads_q, heads_k, dim, page, layout != "contiguous", layout == "paged-seq",
+                      layout == "paged-local", dtype, fp8_cache};
         std::vector<std::pair<Knobs, Result>> results;
         if (double(s.kv_bytes()) > budget_gib * double(int64_t(1) << 30)) {
           if (round > 0) continue;  // listed once
