@@ -241,6 +241,44 @@ TEST(CudaKvcachePlan, ManyWavesSplits) {
   }
 }
 
+TEST(CudaKvcachePlan, BalancedSplits) {
+  const int64_t sms = 132, slots = 2 * sms;
+  // Outside (one CTA per SM, 3.5 waves of slots): 1, the other rules decide.
+  EXPECT_EQ(decode::balanced_splits(sms, slots, sms, 1 << 20), 1);
+  EXPECT_EQ(decode::balanced_splits(100, slots, sms, 1 << 20), 1);
+  EXPECT_EQ(decode::balanced_splits(int64_t(decode::kManyWavesMinWaves * slots), slots, sms, 1 << 20), 1);
+  EXPECT_EQ(decode::balanced_splits(200, 0, sms, 1 << 20), 1);
+  // The H200 points of decode_plan.hpp (8 K/V heads: B x 8 CTAs).
+  EXPECT_EQ(decode::balanced_splits(160, slots, sms, 8192), 3);    // B = 20: 3.6 of 4 waves (4 splits: 2.4 of 3)
+  EXPECT_EQ(decode::balanced_splits(160, slots, sms, 32768), 8);   // 4.85 of 5 waves
+  EXPECT_EQ(decode::balanced_splits(160, slots, sms, 4095), 1);    // no split keeps 2048 keys
+  EXPECT_EQ(decode::balanced_splits(192, slots, sms, 8192), 4);    // B = 24
+  EXPECT_EQ(decode::balanced_splits(288, slots, sms, 32768), 6);   // B = 36
+  EXPECT_EQ(decode::balanced_splits(384, slots, sms, 32768), 2);   // B = 48
+  EXPECT_EQ(decode::balanced_splits(512, slots, sms, 32768), 1);   // B = 64: 1.94 of 2 waves already
+  // Every choice is a measured count that keeps 2048 keys per split and whose waves are within 96% of the fullest.
+  for (int64_t ctas = sms + 1; ctas < int64_t(decode::kManyWavesMinWaves * slots); ctas += 7)
+    for (const int64_t keys : {2048, 6000, 8192, 131072}) {
+      const int s = decode::balanced_splits(ctas, slots, sms, keys);
+      auto efficiency = [&](int n) {
+        const double waves = double(ctas) * n / double(slots);
+        return waves / std::ceil(waves);
+      };
+      double best = 0;
+      bool listed = false;
+      for (const int n : decode::kBalancedSplitCounts) {
+        if (n == 1 || keys >= decode::kBalancedMinSplitKeys * n) best = std::max(best, efficiency(n));
+        listed |= n == s;
+      }
+      EXPECT_TRUE(listed) << ctas << " " << keys;
+      EXPECT_TRUE(s == 1 || keys >= decode::kBalancedMinSplitKeys * s) << ctas << " " << keys;
+      EXPECT_GE(efficiency(s), decode::kWaveEfficiencyKept * best) << ctas << " " << keys;
+      for (const int n : decode::kBalancedSplitCounts)  // and the smallest such
+        if (n < s && (n == 1 || keys >= decode::kBalancedMinSplitKeys * n))
+          EXPECT_LT(efficiency(n), decode::kWaveEfficiencyKept * best) << ctas << " " << keys << " " << n;
+    }
+}
+
 TEST(CudaKvcachePlan, ClusterMergeRule) {
   // Two splits at any length, or short splits (at most 8 tiles of the capacity in clusters of 3-4, 2 in clusters of
   // 5-8) merge in clusters (sm_90); longer splits, clusters above 8, one split and more than kMaxClusterSplits
@@ -393,7 +431,10 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
                         Case{4, 16384, true, 8}, Case{2, 16384, true, 16}, Case{2, 8192, true, 8}, Case{1, 16384, true, 16},
                         Case{8, 4096, true, 2},
                         Case{12, 8192, false, 1}, Case{12, 8192, true, 2}, Case{14, 16384, true, 2},
-                        Case{12, 4096, true, 1}, Case{24, 8192, false, 1}, Case{24, 131072, true, 4},
+                        Case{12, 4096, true, 1}, Case{24, 131072, true, 4},
+                        // between one CTA per SM and 3.5 waves of slots: the slot waves (balanced_splits)
+                        Case{24, 8192, false, 4}, Case{20, 8192, false, 3}, Case{20, 2048, false, 1},
+                        Case{36, 32768, true, 6}, Case{48, 8192, true, 2}, Case{40, 8192, false, 4},
                         Case{256, 131072, true, 1}, Case{1, 1024, true, 8},
                         // contiguous, many waves unsplit: long sequences split toward 16 waves (kManyWavesTarget)
                         Case{256, 32768, false, 2}, Case{256, 8192, false, 2}, Case{256, 4096, false, 1},

@@ -136,6 +136,21 @@ int choose_num_splits(int64_t ctas, int64_t slots, int64_t capacity_tiles) {
   return tiles_used(chosen);
 }
 
+int balanced_splits(int64_t ctas, int64_t slots, int64_t sm_count, int64_t capacity_keys) {
+  if (ctas <= sm_count || slots <= 0 || double(ctas) >= kManyWavesMinWaves * double(slots)) return 1;
+  auto efficiency = [&](int s) {  // the fraction of slot time the waves keep busy
+    const double waves = double(ctas) * s / double(slots);
+    return waves / std::ceil(waves);
+  };
+  auto allowed = [&](int s) { return s == 1 || capacity_keys >= kBalancedMinSplitKeys * s; };
+  double best = 0;
+  for (const int s : kBalancedSplitCounts)
+    if (allowed(s)) best = std::max(best, efficiency(s));
+  for (const int s : kBalancedSplitCounts)
+    if (allowed(s) && efficiency(s) >= kWaveEfficiencyKept * best) return s;
+  return 1;
+}
+
 int many_waves_splits(int64_t ctas, int64_t slots, int64_t capacity_keys) {
   if (ctas <= 0 || slots <= 0 || double(ctas) < kManyWavesMinWaves * double(slots)) return 1;
   const int64_t by_waves = kManyWavesTarget * slots / ctas;
@@ -166,12 +181,15 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
     const bool paged = p.block_table != nullptr;
     const int per_sm = ctas_per_sm(kernel.smem_bytes, 32 * kernel.warps, device);
     const int64_t capacity_tiles = (int64_t(p.seqlen_k) + kernel.block_n - 1) / kernel.block_n;
-    // CTAs per SM of the unsplit grid (decode_plan.hpp): every slot for paged caches that may hold long
-    // sequences; about one wave: 1 split, or 2 for medium paged caches; else about one CTA per SM.
+    // CTAs per SM of the unsplit grid (decode_plan.hpp): between one per SM and many waves, 16-bit caches, the
+    // slot waves (balanced_splits); every slot for paged caches that may hold long sequences; about one wave: 1
+    // split, or 2 for medium paged caches; else about one CTA per SM.
     const double fill = double(ctas) / double(device.sm_count);
     const int64_t slots = int64_t(device.sm_count) * per_sm;
     const int full_slots_splits = paged ? choose_num_splits(ctas, slots, capacity_tiles) : 1;
-    if (paged && p.seqlen_k >= kPagedFullSlotsKeys) {
+    if (fill > 1.0 && double(ctas) < kManyWavesMinWaves * double(slots) && p.kv_dtype != FA_FLOAT8_E4M3) {
+      splits = balanced_splits(ctas, slots, device.sm_count, p.seqlen_k);  // between one CTA per SM and many waves
+    } else if (paged && p.seqlen_k >= kPagedFullSlotsKeys) {
       splits = full_slots_splits;
     } else if (fill >= kOneWaveFill && fill <= 1.0) {
       splits = paged && p.seqlen_k >= kPagedOneWaveSplitKeys && per_sm >= 2 && capacity_tiles >= 2 * kMinTilesPerSplit ? 2 : 1;

@@ -74,6 +74,22 @@ constexpr int64_t kPagedOneWaveSplitKeys = 8192;
 constexpr double kManyWavesMinWaves = 3.5;      // unsplit grid of >= this many waves of every CTA slot
 constexpr int64_t kManyWavesTarget = 16;        // splits = floor(16 waves / unsplit waves)
 constexpr int64_t kManyWavesMinSplitKeys = 4096;
+// Between one CTA per SM and kManyWavesMinWaves waves of every CTA slot (16-bit caches, either layout): the unsplit
+// grid's last round of CTAs can leave most slots idle (B = 20: 160 CTAs on 132 SMs of 2 slots; B = 36: 288 CTAs, a
+// second round of 24). The split count then comes from the slot waves: the smallest of kBalancedSplitCounts whose
+// waves of slots are within kWaveEfficiencyKept of the fullest, each split keeping >= kBalancedMinSplitKeys keys of
+// the capacity (balanced_splits). H200, 2026-12-01 18:18 UTC, bf16, Hq 32 / Hk 8, flashattn_decode_bench --splits
+// 0,1,2,3,4,6,8, 2 rounds, B = 12-96 x 2k / 8k / 32k (bench/results/2026-12-01-1818-h200-decode-splits-b12-b96.json,
+// -summary.txt): at the 30 points of each layout of B = 20-96, the counts this rule takes against those of the rule
+// before, geometric mean 1.031 (contiguous) and 1.046 (paged) faster, up to 1.25 (contiguous B = 20 / 8k, 3 splits:
+// 202.2 -> 161.2 us) and 1.26 (paged B = 36 / 32k, 6 splits: 1399.9 -> 1108.9 us); slower only at contiguous B = 48
+// / 8k and 32k, 0.972 and 0.979 (2 splits where 1 was fastest). The library with the rule against the rule before,
+// 18:27 UTC, 3 alternating runs (...-1827-h200-decode-balanced-splits-ab-summary.txt): 32 / 8, B = 20-80 x 2k-32k, both
+// layouts, geometric mean 1.043 (0.971-1.267); 28 / 4 B = 40-56 / 8k 1.063; MHA B = 6-10 / 8k 1.104; D = 64 and
+// D = 256, B = 20 and 36 / 8k, 1.153 and 1.179; the sweep unchanged (the same split counts at its 30 points).
+// At most one CTA per SM (B <= 16 here) the rules above stay. FP8 caches (not measured) keep them too.
+constexpr int kBalancedSplitCounts[] = {1, 2, 3, 4, 6, 8};  // the counts measured
+constexpr int64_t kBalancedMinSplitKeys = 2048;
 constexpr int kMaxSplits = 128;            // the heuristic's cap (an explicit num_splits may be larger)
 constexpr double kFullOccupancy = 0.8;     // at >= 80% of one wave of CTA slots without splitting: no split
 constexpr double kWaveEfficiencyKept = 0.96;  // smallest split count whose last-wave efficiency is within 96% of the best
@@ -230,6 +246,11 @@ int ctas_per_sm(int64_t smem_bytes, int threads, const DecodeDevice& device);
 // by kMaxSplits and by capacity_tiles / kMinTilesPerSplit, and then a count at which every split gets tiles of
 // the capacity (decode_plan.cpp says which).
 int choose_num_splits(int64_t ctas, int64_t slots, int64_t capacity_tiles);
+
+// Grids of more than one CTA per SM and fewer than kManyWavesMinWaves waves of `slots` (every CTA slot): the smallest
+// of kBalancedSplitCounts whose waves of slots, ctas x s / slots, are within kWaveEfficiencyKept of the fullest (waves
+// / ceil(waves)), each split keeping >= kBalancedMinSplitKeys of the capacity's keys; 1 outside that range.
+int balanced_splits(int64_t ctas, int64_t slots, int64_t sm_count, int64_t capacity_keys);
 
 // Contiguous 16-bit caches whose unsplit grid is >= kManyWavesMinWaves waves of `slots` CTAs: splits toward
 // kManyWavesTarget waves, each of >= kManyWavesMinSplitKeys keys of the capacity; 1 below that.
