@@ -241,42 +241,45 @@ TEST(CudaKvcachePlan, ManyWavesSplits) {
   }
 }
 
-TEST(CudaKvcachePlan, BalancedSplits) {
-  const int64_t sms = 132, slots = 2 * sms;
-  // Outside (one CTA per SM, 3.5 waves of slots): 1, the other rules decide.
-  EXPECT_EQ(decode::balanced_splits(sms, slots, sms, 1 << 20), 1);
-  EXPECT_EQ(decode::balanced_splits(100, slots, sms, 1 << 20), 1);
-  EXPECT_EQ(decode::balanced_splits(int64_t(decode::kManyWavesMinWaves * slots), slots, sms, 1 << 20), 1);
-  EXPECT_EQ(decode::balanced_splits(200, 0, sms, 1 << 20), 1);
+TEST(CudaKvcachePlan, SlotWaveSplits) {
+  const int64_t sms = 132, slots = 2 * sms, keys = decode::kBalancedMinSplitKeys;
+  EXPECT_EQ(decode::slot_wave_splits(200, 0, 1 << 20, keys), 1);
+  EXPECT_EQ(decode::slot_wave_splits(0, slots, 1 << 20, keys), 1);
   // The H200 points of decode_plan.hpp (8 K/V heads: B x 8 CTAs).
-  EXPECT_EQ(decode::balanced_splits(160, slots, sms, 8192), 3);    // B = 20: 3.6 of 4 waves (4 splits: 2.4 of 3)
-  EXPECT_EQ(decode::balanced_splits(160, slots, sms, 32768), 8);   // 4.85 of 5 waves
-  EXPECT_EQ(decode::balanced_splits(160, slots, sms, 4095), 1);    // no split keeps 2048 keys
-  EXPECT_EQ(decode::balanced_splits(192, slots, sms, 8192), 4);    // B = 24
-  EXPECT_EQ(decode::balanced_splits(288, slots, sms, 32768), 6);   // B = 36
-  EXPECT_EQ(decode::balanced_splits(384, slots, sms, 32768), 2);   // B = 48
-  EXPECT_EQ(decode::balanced_splits(512, slots, sms, 32768), 1);   // B = 64: 1.94 of 2 waves already
-  // Every choice is a measured count that keeps 2048 keys per split and whose waves are within 96% of the fullest.
-  for (int64_t ctas = sms + 1; ctas < int64_t(decode::kManyWavesMinWaves * slots); ctas += 7)
-    for (const int64_t keys : {2048, 6000, 8192, 131072}) {
-      const int s = decode::balanced_splits(ctas, slots, sms, keys);
-      auto efficiency = [&](int n) {
-        const double waves = double(ctas) * n / double(slots);
-        return waves / std::ceil(waves);
-      };
-      double best = 0;
-      bool listed = false;
-      for (const int n : decode::kBalancedSplitCounts) {
-        if (n == 1 || keys >= decode::kBalancedMinSplitKeys * n) best = std::max(best, efficiency(n));
-        listed |= n == s;
+  EXPECT_EQ(decode::slot_wave_splits(160, slots, 8192, keys), 3);    // B = 20: 3.6 of 4 waves (4 splits: 2.4 of 3)
+  EXPECT_EQ(decode::slot_wave_splits(160, slots, 32768, keys), 8);   // 4.85 of 5 waves
+  EXPECT_EQ(decode::slot_wave_splits(160, slots, 4095, keys), 1);    // no split keeps 2048 keys
+  EXPECT_EQ(decode::slot_wave_splits(192, slots, 8192, keys), 4);    // B = 24
+  EXPECT_EQ(decode::slot_wave_splits(288, slots, 32768, keys), 6);   // B = 36
+  EXPECT_EQ(decode::slot_wave_splits(384, slots, 32768, keys), 2);   // B = 48
+  EXPECT_EQ(decode::slot_wave_splits(512, slots, 32768, keys), 1);   // B = 64: 1.94 of 2 waves already
+  EXPECT_EQ(decode::slot_wave_splits(72, slots, 4096, decode::kBelowWaveMinSplitKeys), 3);  // B = 9, below one wave
+  EXPECT_EQ(decode::slot_wave_splits(88, slots, 4096, decode::kBelowWaveMinSplitKeys), 3);  // B = 11: 264 CTAs
+  // Every choice is a listed count that keeps the keys per split and is the smallest whose waves are within 96% of
+  // the fullest.
+  for (int64_t ctas = 1; ctas < int64_t(decode::kManyWavesMinWaves * slots); ctas += 7)
+    for (const int64_t capacity : {1000, 2048, 6000, 8192, 131072})
+      for (const int64_t min_keys : {decode::kBelowWaveMinSplitKeys, decode::kBalancedMinSplitKeys}) {
+        const int s = decode::slot_wave_splits(ctas, slots, capacity, min_keys);
+        auto allowed = [&](int n) { return n == 1 || capacity >= min_keys * n; };
+        double best = 0;
+        bool listed = false;
+        for (const int n : decode::kSlotWaveSplitCounts) {
+          if (allowed(n)) best = std::max(best, decode::wave_efficiency(ctas, n, slots));
+          listed |= n == s;
+        }
+        const std::string at = std::to_string(ctas) + " CTAs, " + std::to_string(capacity) + " keys";
+        EXPECT_TRUE(listed) << at;
+        EXPECT_TRUE(allowed(s)) << at;
+        EXPECT_GE(decode::wave_efficiency(ctas, s, slots), decode::kWaveEfficiencyKept * best) << at;
+        for (const int n : decode::kSlotWaveSplitCounts) {
+          if (n < s && allowed(n)) {
+            EXPECT_LT(decode::wave_efficiency(ctas, n, slots), decode::kWaveEfficiencyKept * best) << at << ", " << n;
+          }
+        }
       }
-      EXPECT_TRUE(listed) << ctas << " " << keys;
-      EXPECT_TRUE(s == 1 || keys >= decode::kBalancedMinSplitKeys * s) << ctas << " " << keys;
-      EXPECT_GE(efficiency(s), decode::kWaveEfficiencyKept * best) << ctas << " " << keys;
-      for (const int n : decode::kBalancedSplitCounts)  // and the smallest such
-        if (n < s && (n == 1 || keys >= decode::kBalancedMinSplitKeys * n))
-          EXPECT_LT(efficiency(n), decode::kWaveEfficiencyKept * best) << ctas << " " << keys << " " << n;
-    }
+  EXPECT_DOUBLE_EQ(decode::wave_efficiency(132, 2, 264), 1.0);
+  EXPECT_DOUBLE_EQ(decode::wave_efficiency(66, 3, 264), 0.75);
 }
 
 TEST(CudaKvcachePlan, ClusterMergeRule) {
@@ -435,6 +438,9 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
                         // between one CTA per SM and 3.5 waves of slots: the slot waves (balanced_splits)
                         Case{24, 8192, false, 4}, Case{20, 8192, false, 3}, Case{20, 2048, false, 1},
                         Case{36, 32768, true, 6}, Case{48, 8192, true, 2}, Case{40, 8192, false, 4},
+                        // just below one wave (0.5-0.7 CTAs per SM unsplit): the slot waves too, paged >= 32k aside
+                        Case{9, 4096, false, 3}, Case{10, 32768, false, 3}, Case{10, 8192, true, 3}, Case{11, 4096, false, 3},
+                        Case{10, 32768, true, 13},
                         Case{256, 131072, true, 1}, Case{1, 1024, true, 8},
                         // contiguous, many waves unsplit: long sequences split toward 16 waves (kManyWavesTarget)
                         Case{256, 32768, false, 2}, Case{256, 8192, false, 2}, Case{256, 4096, false, 1},

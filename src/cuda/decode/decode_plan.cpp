@@ -102,11 +102,7 @@ int choose_num_splits(int64_t ctas, int64_t slots, int64_t capacity_tiles) {
   if (double(ctas) >= kFullOccupancy * double(slots)) return 1;
   const int64_t by_length = capacity_tiles / kMinTilesPerSplit;
   const int max_splits = int(std::min<int64_t>(kMaxSplits, std::max<int64_t>(1, by_length)));
-  // Efficiency of s splits: the fraction of CTA slots that the last wave keeps busy, waves / ceil(waves).
-  auto efficiency = [&](int s) {
-    const double waves = double(ctas) * s / double(slots);
-    return waves / std::ceil(waves);
-  };
+  auto efficiency = [&](int s) { return wave_efficiency(ctas, s, slots); };
   double best = 0;
   for (int s = 1; s <= max_splits; ++s) best = std::max(best, efficiency(s));
   int chosen = 1;
@@ -136,18 +132,14 @@ int choose_num_splits(int64_t ctas, int64_t slots, int64_t capacity_tiles) {
   return tiles_used(chosen);
 }
 
-int balanced_splits(int64_t ctas, int64_t slots, int64_t sm_count, int64_t capacity_keys) {
-  if (ctas <= sm_count || slots <= 0 || double(ctas) >= kManyWavesMinWaves * double(slots)) return 1;
-  auto efficiency = [&](int s) {  // the fraction of slot time the waves keep busy
-    const double waves = double(ctas) * s / double(slots);
-    return waves / std::ceil(waves);
-  };
-  auto allowed = [&](int s) { return s == 1 || capacity_keys >= kBalancedMinSplitKeys * s; };
+int slot_wave_splits(int64_t ctas, int64_t slots, int64_t capacity_keys, int64_t min_split_keys) {
+  if (ctas <= 0 || slots <= 0) return 1;
+  auto allowed = [&](int s) { return s == 1 || capacity_keys >= min_split_keys * s; };
   double best = 0;
-  for (const int s : kBalancedSplitCounts)
-    if (allowed(s)) best = std::max(best, efficiency(s));
-  for (const int s : kBalancedSplitCounts)
-    if (allowed(s) && efficiency(s) >= kWaveEfficiencyKept * best) return s;
+  for (const int s : kSlotWaveSplitCounts)
+    if (allowed(s)) best = std::max(best, wave_efficiency(ctas, s, slots));
+  for (const int s : kSlotWaveSplitCounts)
+    if (allowed(s) && wave_efficiency(ctas, s, slots) >= kWaveEfficiencyKept * best) return s;
   return 1;
 }
 
@@ -182,17 +174,21 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
     const int per_sm = ctas_per_sm(kernel.smem_bytes, 32 * kernel.warps, device);
     const int64_t capacity_tiles = (int64_t(p.seqlen_k) + kernel.block_n - 1) / kernel.block_n;
     // CTAs per SM of the unsplit grid (decode_plan.hpp): between one per SM and many waves, 16-bit caches, the
-    // slot waves (balanced_splits); every slot for paged caches that may hold long sequences; about one wave: 1
-    // split, or 2 for medium paged caches; else about one CTA per SM.
+    // slot waves (slot_wave_splits); every slot for paged caches that may hold long sequences; about one wave: 1
+    // split, or 2 for medium paged caches; just below that, 16-bit caches, the slot waves again; else about one CTA
+    // per SM.
     const double fill = double(ctas) / double(device.sm_count);
     const int64_t slots = int64_t(device.sm_count) * per_sm;
     const int full_slots_splits = paged ? choose_num_splits(ctas, slots, capacity_tiles) : 1;
-    if (fill > 1.0 && double(ctas) < kManyWavesMinWaves * double(slots) && p.kv_dtype != FA_FLOAT8_E4M3) {
-      splits = balanced_splits(ctas, slots, device.sm_count, p.seqlen_k);  // between one CTA per SM and many waves
+    const bool sixteen_bit = p.kv_dtype != FA_FLOAT8_E4M3;
+    if (sixteen_bit && fill > 1.0 && double(ctas) < kManyWavesMinWaves * double(slots)) {
+      splits = slot_wave_splits(ctas, slots, p.seqlen_k, kBalancedMinSplitKeys);  // between one CTA per SM and many waves
     } else if (paged && p.seqlen_k >= kPagedFullSlotsKeys) {
       splits = full_slots_splits;
     } else if (fill >= kOneWaveFill && fill <= 1.0) {
       splits = paged && p.seqlen_k >= kPagedOneWaveSplitKeys && per_sm >= 2 && capacity_tiles >= 2 * kMinTilesPerSplit ? 2 : 1;
+    } else if (sixteen_bit && per_sm >= 2 && fill > kBelowWaveMinFill && fill < kOneWaveFill && p.seqlen_k >= kBelowWaveMinKeys) {
+      splits = slot_wave_splits(ctas, slots, p.seqlen_k, kBelowWaveMinSplitKeys);  // just below one wave
     } else if (paged && p.seqlen_k >= kPagedOneWaveSplitKeys && p.seqlen_k >= kPagedFullSlotsMinSplitKeys * full_slots_splits) {
       splits = full_slots_splits;  // below one wave, medium paged caches: every slot where the splits stay long enough
     } else {

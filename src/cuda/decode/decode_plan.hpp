@@ -11,6 +11,7 @@
 // uses as many of the planned splits as its length warrants.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "core/params.hpp"
@@ -76,9 +77,9 @@ constexpr int64_t kManyWavesTarget = 16;        // splits = floor(16 waves / uns
 constexpr int64_t kManyWavesMinSplitKeys = 4096;
 // Between one CTA per SM and kManyWavesMinWaves waves of every CTA slot (16-bit caches, either layout): the unsplit
 // grid's last round of CTAs can leave most slots idle (B = 20: 160 CTAs on 132 SMs of 2 slots; B = 36: 288 CTAs, a
-// second round of 24). The split count then comes from the slot waves: the smallest of kBalancedSplitCounts whose
+// second round of 24). The split count then comes from the slot waves: the smallest of kSlotWaveSplitCounts whose
 // waves of slots are within kWaveEfficiencyKept of the fullest, each split keeping >= kBalancedMinSplitKeys keys of
-// the capacity (balanced_splits). H200, 2026-12-01 18:18 UTC, bf16, Hq 32 / Hk 8, flashattn_decode_bench --splits
+// the capacity (slot_wave_splits). H200, 2026-12-01 18:18 UTC, bf16, Hq 32 / Hk 8, flashattn_decode_bench --splits
 // 0,1,2,3,4,6,8, 2 rounds, B = 12-96 x 2k / 8k / 32k (bench/results/2026-12-01-1818-h200-decode-splits-b12-b96.json,
 // -summary.txt): at the 30 points of each layout of B = 20-96, the counts this rule takes against those of the rule
 // before, geometric mean 1.031 (contiguous) and 1.046 (paged) faster, up to 1.25 (contiguous B = 20 / 8k, 3 splits:
@@ -88,8 +89,20 @@ constexpr int64_t kManyWavesMinSplitKeys = 4096;
 // layouts, geometric mean 1.043 (0.971-1.267); 28 / 4 B = 40-56 / 8k 1.063; MHA B = 6-10 / 8k 1.104; D = 64 and
 // D = 256, B = 20 and 36 / 8k, 1.153 and 1.179; the sweep unchanged (the same split counts at its 30 points).
 // At most one CTA per SM (B <= 16 here) the rules above stay. FP8 caches (not measured) keep them too.
-constexpr int kBalancedSplitCounts[] = {1, 2, 3, 4, 6, 8};  // the counts measured
+constexpr int kSlotWaveSplitCounts[] = {1, 2, 3, 4, 6, 8};  // the counts measured
 constexpr int64_t kBalancedMinSplitKeys = 2048;
+// Just below one wave (kBelowWaveMinFill to kOneWaveFill CTAs per SM unsplit; B = 9-11 of 8 K/V heads), 16-bit caches
+// of >= kBelowWaveMinKeys keys in a tile of >= 2 CTAs per SM (the one measured): the slot waves too, each split keeping >= kBelowWaveMinSplitKeys keys. Paged caches of
+// >= kPagedFullSlotsKeys keep their every-slot plan. H200, 2026-12-01 18:30 UTC,
+// bf16, Hq 32 / Hk 8, --splits 0,1,2,3,4,6,8, 2 rounds (bench/results/2026-12-01-1830-h200-decode-splits-b9-b16-
+// summary.txt): B = 9 and 10 (72 and 80 CTAs), 3 splits were the fastest at 4k-32k; against the heuristic's 8-13,
+// 1.05-1.10x contiguous, 0.99-1.14x paged at 4k-16k. The library with the rule against the rule before (18:44 UTC, 3
+// alternating runs, bench/results/2026-12-01-1844-h200-decode-below-wave-splits-ab-summary.txt): 32 / 8, the 14 points
+// of B = 9-10 x 4k-32k whose count changed, geometric mean 1.067 (0.986-1.135); 28 / 4, B = 17-23 x 4k / 16k (68-92
+// CTAs), 1.053 (0.968 at B = 23 / 4k, 2 splits where the heuristic's 7 were faster, to 1.175); B = 8, 11 and 12 unchanged.
+constexpr double kBelowWaveMinFill = 0.5;
+constexpr int64_t kBelowWaveMinKeys = 4096;  // capacities of at least this many keys (the ones measured)
+constexpr int64_t kBelowWaveMinSplitKeys = 1024;
 constexpr int kMaxSplits = 128;            // the heuristic's cap (an explicit num_splits may be larger)
 constexpr double kFullOccupancy = 0.8;     // at >= 80% of one wave of CTA slots without splitting: no split
 constexpr double kWaveEfficiencyKept = 0.96;  // smallest split count whose last-wave efficiency is within 96% of the best
@@ -247,10 +260,16 @@ int ctas_per_sm(int64_t smem_bytes, int threads, const DecodeDevice& device);
 // the capacity (decode_plan.cpp says which).
 int choose_num_splits(int64_t ctas, int64_t slots, int64_t capacity_tiles);
 
-// Grids of more than one CTA per SM and fewer than kManyWavesMinWaves waves of `slots` (every CTA slot): the smallest
-// of kBalancedSplitCounts whose waves of slots, ctas x s / slots, are within kWaveEfficiencyKept of the fullest (waves
-// / ceil(waves)), each split keeping >= kBalancedMinSplitKeys of the capacity's keys; 1 outside that range.
-int balanced_splits(int64_t ctas, int64_t slots, int64_t sm_count, int64_t capacity_keys);
+// The fraction of CTA-slot time that `ctas` x `splits` equal CTAs keep busy over waves of `slots`: waves / ceil(waves).
+inline double wave_efficiency(int64_t ctas, int splits, int64_t slots) {
+  const double waves = double(ctas) * splits / double(slots);
+  return waves / std::ceil(waves);
+}
+
+// The split count from the slot waves (make_decode_plan takes it between one CTA per SM and kManyWavesMinWaves waves
+// of slots, and just below one wave): the smallest of kSlotWaveSplitCounts whose wave_efficiency over `slots` (every
+// CTA slot) is within kWaveEfficiencyKept of the best, each split keeping >= min_split_keys of the capacity's keys.
+int slot_wave_splits(int64_t ctas, int64_t slots, int64_t capacity_keys, int64_t min_split_keys);
 
 // Contiguous 16-bit caches whose unsplit grid is >= kManyWavesMinWaves waves of `slots` CTAs: splits toward
 // kManyWavesTarget waves, each of >= kManyWavesMinSplitKeys keys of the capacity; 1 below that.
