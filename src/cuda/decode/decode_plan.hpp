@@ -88,6 +88,8 @@ constexpr int64_t kManyWavesMinSplitKeys = 4096;
 // 18:27 UTC, 3 alternating runs (...-1827-h200-decode-balanced-splits-ab-summary.txt): 32 / 8, B = 20-80 x 2k-32k, both
 // layouts, geometric mean 1.043 (0.971-1.267); 28 / 4 B = 40-56 / 8k 1.063; MHA B = 6-10 / 8k 1.104; D = 64 and
 // D = 256, B = 20 and 36 / 8k, 1.153 and 1.179; the sweep unchanged (the same split counts at its 30 points).
+// Also 8 / 1 B = 160-300 and 16 / 16 D = 256 B = 10 (18:48 UTC, ...-1848-...): up to 1.24 and 1.27, but contiguous
+// 8 / 1 B = 300 / 4k 0.945 (2 splits; 2.3 CTAs per SM unsplit, like B = 48's 2.9 above).
 // At most one CTA per SM (B <= 16 here) the rules above stay. FP8 caches (not measured) keep them too.
 constexpr int kSlotWaveSplitCounts[] = {1, 2, 3, 4, 6, 8};  // the counts measured
 constexpr int64_t kBalancedMinSplitKeys = 2048;
