@@ -457,6 +457,26 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
     ASSERT_TRUE(decode::make_decode_plan(q, kernel, h200(), &plan).ok());
     EXPECT_EQ(plan.num_splits, c.splits) << "B " << c.batch << " cache " << c.cache << (c.paged ? " paged" : "");
   }
+  // The sweep (B = 1, 4, 16, 64, 256 x 1k, 8k, 32k, both layouts): the split counts its measurements were taken
+  // at (bench/results/2026-12-01-1827-h200-decode-balanced-splits-ab-summary.txt, both plans). A rule change that moves
+  // one of them needs the sweep measured again.
+  const int batches[] = {1, 4, 16, 64, 256}, caches[] = {1024, 8192, 32768};
+  const int contiguous_splits[5][3] = {{8, 16, 16}, {4, 4, 4}, {1, 1, 1}, {1, 1, 1}, {1, 2, 2}};
+  const int paged_splits[5][3] = {{8, 16, 32}, {4, 8, 8}, {1, 2, 2}, {1, 1, 1}, {1, 1, 1}};
+  for (int bi = 0; bi < 5; ++bi)
+    for (int ci = 0; ci < 3; ++ci)
+      for (const bool paged : {false, true}) {
+        KvcacheParams q = decode_params(batches[bi], 1, 32, 8, 128, caches[ci]);
+        if (paged) {
+          q.page_block_size = 16;
+          q.num_blocks = batches[bi] * (caches[ci] / 16);
+          q.block_table = reinterpret_cast<const int32_t*>(uintptr_t(256));
+          q.block_table_batch_stride = caches[ci] / 16;
+        }
+        ASSERT_TRUE(decode::make_decode_plan(q, kernel, h200(), &plan).ok());
+        EXPECT_EQ(plan.num_splits, paged ? paged_splits[bi][ci] : contiguous_splits[bi][ci])
+            << "the issue's sweep, B " << batches[bi] << " cache " << caches[ci] << (paged ? " paged" : "");
+      }
   // Chunked prefill: 70 new tokens x 4 heads = 280 packed rows -> 18 m-blocks of 16.
   KvcacheParams prefill = decode_params(2, 70, 32, 8, 128, 4096);
   ASSERT_TRUE(decode::make_decode_plan(prefill, kernel, h200(), &plan).ok());
