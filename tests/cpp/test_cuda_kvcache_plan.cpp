@@ -422,6 +422,18 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
   // cache, every CTA slot (2 per SM) for a paged cache with room for >= 32 k keys (8-32 k below one wave, where the
   // splits keep >= 1024 keys); where the unsplit grid is 0.7-1 CTA per SM (B = 12-16), no split, or 2 for paged caches
   // of >= 8 k keys; two tiles per split at least.
+  // The issue's heads (32 / 8, D = 128, one new token) at batch x cache, contiguous or in pages of 16. The planner only
+  // looks at whether there is a table (never read) and at the capacity.
+  auto issue_shape = [](int batch, int cache, bool paged) {
+    KvcacheParams q = decode_params(batch, 1, 32, 8, 128, cache);
+    if (paged) {
+      q.page_block_size = 16;
+      q.num_blocks = batch * (cache / 16);
+      q.block_table = reinterpret_cast<const int32_t*>(uintptr_t(256));
+      q.block_table_batch_stride = cache / 16;
+    }
+    return q;
+  };
   struct Case {
     int batch, cache;
     bool paged;
@@ -447,14 +459,7 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
                         Case{128, 32768, false, 4}, Case{128, 8192, false, 2}, Case{128, 4096, false, 1},
                         Case{64, 32768, false, 1}, Case{512, 131072, false, 1}, Case{256, 32768, true, 1},
                         Case{128, 16384, true, 1}}) {
-    KvcacheParams q = decode_params(c.batch, 1, 32, 8, 128, c.cache);
-    if (c.paged) {  // the planner only looks at whether there is a table (never read) and at the capacity
-      q.page_block_size = 16;
-      q.num_blocks = c.batch * (c.cache / 16);
-      q.block_table = reinterpret_cast<const int32_t*>(uintptr_t(256));
-      q.block_table_batch_stride = c.cache / 16;
-    }
-    ASSERT_TRUE(decode::make_decode_plan(q, kernel, h200(), &plan).ok());
+    ASSERT_TRUE(decode::make_decode_plan(issue_shape(c.batch, c.cache, c.paged), kernel, h200(), &plan).ok());
     EXPECT_EQ(plan.num_splits, c.splits) << "B " << c.batch << " cache " << c.cache << (c.paged ? " paged" : "");
   }
   // The issue's sweep (B = 1, 4, 16, 64, 256 x 1k, 8k, 32k, both layouts): the split counts its measurements were taken
@@ -466,14 +471,7 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
   for (int bi = 0; bi < 5; ++bi)
     for (int ci = 0; ci < 3; ++ci)
       for (const bool paged : {false, true}) {
-        KvcacheParams q = decode_params(batches[bi], 1, 32, 8, 128, caches[ci]);
-        if (paged) {
-          q.page_block_size = 16;
-          q.num_blocks = batches[bi] * (caches[ci] / 16);
-          q.block_table = reinterpret_cast<const int32_t*>(uintptr_t(256));
-          q.block_table_batch_stride = caches[ci] / 16;
-        }
-        ASSERT_TRUE(decode::make_decode_plan(q, kernel, h200(), &plan).ok());
+        ASSERT_TRUE(decode::make_decode_plan(issue_shape(batches[bi], caches[ci], paged), kernel, h200(), &plan).ok());
         EXPECT_EQ(plan.num_splits, paged ? paged_splits[bi][ci] : contiguous_splits[bi][ci])
             << "the issue's sweep, B " << batches[bi] << " cache " << caches[ci] << (paged ? " paged" : "");
       }
