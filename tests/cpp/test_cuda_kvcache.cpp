@@ -603,12 +603,11 @@ TEST(CudaKvcache, DecodeContiguousAndPaged) {
   }
 }
 
-TEST(CudaKvcache, HeadDimsAndDtypes) {
-  SKIP_WITHOUT_GPU();
+// Head dims `dims` for both q dtypes, each case from make_case(dtype) (which gives the cache's type).
+void check_head_dims(KvCase (*make_case)(fa_dtype), std::initializer_list<int> dims, const std::string& tag) {
   for (const fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
-    for (const int d : {32, 64, 80, 96, 128, 192, 256}) {
-      KvCase c;
-      c.dtype = dtype;
+    for (const int d : dims) {
+      KvCase c = make_case(dtype);
       c.head_dim = d;
       c.cached = {1000, 127};
       c.capacity = 1030;
@@ -616,13 +615,18 @@ TEST(CudaKvcache, HeadDimsAndDtypes) {
       c.seqlen_q = 2;
       c.causal = true;
       c.block_size = 16;
-      check_case("head dims", c);
+      check_case(tag + "head dims", c);
     }
 }
 
-TEST(CudaKvcache, OptionsAndShapes) {
+TEST(CudaKvcache, HeadDimsAndDtypes) {
   SKIP_WITHOUT_GPU();
-  KvCase base;
+  check_head_dims([](fa_dtype dtype) { KvCase c; c.dtype = dtype; return c; }, {32, 64, 80, 96, 128, 192, 256}, "");
+}
+
+// The options and shapes every cache type runs: 12 cases from `base` (which gives the cache's type), one of them a
+// contiguous cache whose rows are padded by `row_pad` elements (the rows must stay 16-byte aligned).
+std::vector<KvCase> options_and_shapes(KvCase base, int row_pad) {
   base.seqlen_q = 7;
   base.seqlen_new = 7;
   base.block_size = 3;
@@ -651,10 +655,15 @@ TEST(CudaKvcache, OptionsAndShapes) {
   cases[9].capacity = 4200;
   cases[9].block_size = 16;
   cases[10].block_size = 0;  // a strided (row-padded) contiguous cache
-  cases[10].cache_row_pad = 24;
+  cases[10].cache_row_pad = row_pad;
   cases[11].seqlen_q = 5;  // speculative decoding: 5 new tokens, non-causal (all see all keys)
   cases[11].seqlen_new = 5;
-  for (const KvCase& c : cases) check_case("options", c);
+  return cases;
+}
+
+TEST(CudaKvcache, OptionsAndShapes) {
+  SKIP_WITHOUT_GPU();
+  for (const KvCase& c : options_and_shapes(KvCase{}, 24)) check_case("options", c);  // 48-byte row pad
 }
 
 TEST(CudaKvcache, RotaryHalvesAndInterleaved) {
@@ -682,50 +691,63 @@ TEST(CudaKvcache, RotaryHalvesAndInterleaved) {
   check_case("rotary window", windowed);
 }
 
-// The same keys in a contiguous cache and in paged caches of several block sizes give bit-identical results
-// with the same split count (the same arithmetic in the same order).
+// The same keys as a contiguous cache and as paged caches of block sizes 16, 256, 3 and 1 give bit-identical
+// results with `splits` splits (the same arithmetic in the same order), and the appended rows land in the right
+// blocks. `base` gives the cache's type (16-bit or FP8); `tag` prefixes the seed.
+void check_paged_equals_contiguous(const KvCase& base, int splits, const std::string& tag) {
+  KvCase c = base;
+  c.cached = {700, 1500};
+  c.capacity = 1536;
+  c.seqlen_new = 2;
+  c.seqlen_q = 2;
+  c.causal = true;
+  c.rotary = 1;
+  c.num_splits = splits;
+  auto rng = fa_test::make_rng(tag + "paged=contiguous");
+  const KvTensors source = make_kv(c, rng);
+  KvTensors contiguous = source;
+  ASSERT_TRUE(run_gpu(c, contiguous).ok());
+  for (const int block_size : {16, 256, 3, 1}) {  // 1: a block id per key, 64 ids per K/V tile
+    KvCase pc = c;
+    pc.block_size = block_size;
+    KvTensors paged = make_kv(pc, rng);  // its own shuffled block table; then the contiguous case's values
+    paged.q = source.q;
+    paged.k_new = source.k_new;
+    paged.v_new = source.v_new;
+    paged.cos = source.cos;
+    paged.sin = source.sin;
+    for (int b = 0; b < c.batch; ++b)
+      for (int j = 0; j < c.capacity; ++j)
+        for (int hk = 0; hk < c.heads_k; ++hk)
+          for (int x = 0; x < c.head_dim; ++x) {
+            paged.k_cache.set(cache_index(pc, paged, b, j, hk, x), source.k_cache.get(cache_index(c, source, b, j, hk, x)));
+            paged.v_cache.set(cache_index(pc, paged, b, j, hk, x), source.v_cache.get(cache_index(c, source, b, j, hk, x)));
+          }
+    ASSERT_TRUE(run_gpu(pc, paged).ok());
+    EXPECT_TRUE(same_bytes(paged.out, contiguous.out)) << tag << "block size " << block_size << ", " << splits << " splits: out";
+    EXPECT_TRUE(same_bytes(paged.lse, contiguous.lse)) << tag << "block size " << block_size << ", " << splits << " splits: lse";
+    for (int b = 0; b < c.batch; ++b)
+      for (int j = c.cached[size_t(b)]; j < c.cached[size_t(b)] + c.seqlen_new; ++j)
+        for (int x = 0; x < c.heads_k * c.head_dim; ++x)
+          ASSERT_EQ(paged.k_cache.get(cache_index(pc, paged, b, j, x / c.head_dim, x % c.head_dim)),
+                    contiguous.k_cache.get(cache_index(c, contiguous, b, j, x / c.head_dim, x % c.head_dim)))
+              << tag << "block size " << block_size << " sequence " << b << " row " << j;
+  }
+}
+
 TEST(CudaKvcache, PagedEqualsContiguousBitwise) {
   SKIP_WITHOUT_GPU();
-  for (const int splits : {1, 3}) {
-    KvCase c;
-    c.cached = {700, 1500};
-    c.capacity = 1536;
-    c.seqlen_new = 2;
-    c.seqlen_q = 2;
-    c.causal = true;
-    c.rotary = 1;
-    c.num_splits = splits;
-    auto rng = fa_test::make_rng("paged=contiguous");
-    const KvTensors source = make_kv(c, rng);
-    KvTensors contiguous = source;
-    ASSERT_TRUE(run_gpu(c, contiguous).ok());
-    for (const int block_size : {16, 256, 3, 1}) {  // 1: a block id per key, 64 ids per K/V tile
-      KvCase pc = c;
-      pc.block_size = block_size;
-      KvTensors paged = make_kv(pc, rng);  // its own shuffled block table; then the contiguous case's values
-      paged.q = source.q;
-      paged.k_new = source.k_new;
-      paged.v_new = source.v_new;
-      paged.cos = source.cos;
-      paged.sin = source.sin;
-      for (int b = 0; b < c.batch; ++b)
-        for (int j = 0; j < c.capacity; ++j)
-          for (int hk = 0; hk < c.heads_k; ++hk)
-            for (int x = 0; x < c.head_dim; ++x) {
-              paged.k_cache.set(cache_index(pc, paged, b, j, hk, x), source.k_cache.get(cache_index(c, source, b, j, hk, x)));
-              paged.v_cache.set(cache_index(pc, paged, b, j, hk, x), source.v_cache.get(cache_index(c, source, b, j, hk, x)));
-            }
-      ASSERT_TRUE(run_gpu(pc, paged).ok());
-      EXPECT_TRUE(same_bytes(paged.out, contiguous.out)) << "block size " << block_size << ", " << splits << " splits: out";
-      EXPECT_TRUE(same_bytes(paged.lse, contiguous.lse)) << "block size " << block_size << ", " << splits << " splits: lse";
-      for (int b = 0; b < c.batch; ++b)  // the appended rows landed in the right blocks
-        for (int j = c.cached[size_t(b)]; j < c.cached[size_t(b)] + c.seqlen_new; ++j)
-          for (int x = 0; x < c.heads_k * c.head_dim; ++x)
-            ASSERT_EQ(paged.k_cache.get(cache_index(pc, paged, b, j, x / c.head_dim, x % c.head_dim)),
-                      contiguous.k_cache.get(cache_index(c, contiguous, b, j, x / c.head_dim, x % c.head_dim)))
-                << "block size " << block_size << " sequence " << b << " row " << j;
-    }
-  }
+  for (const int splits : {1, 3}) check_paged_equals_contiguous(KvCase{}, splits, "");
+}
+
+// Runs case `c` with an explicit split count on a copy of `pristine`: the case in *sc, the tensors in *t, the call's
+// statistics in *stats, which must report that count.
+void run_at_splits(const KvCase& c, int splits, const KvTensors& pristine, KvCase* sc, KvTensors* t, fa_stats* stats) {
+  *sc = c;
+  sc->num_splits = splits;
+  *t = pristine;
+  ASSERT_TRUE(run_gpu(*sc, *t, stats).ok()) << splits << " splits";
+  EXPECT_EQ(stats->num_splits, splits);
 }
 
 // Every split count gives the oracle's attention within tolerance, and nearly the unsplit result. `base`
@@ -745,12 +767,10 @@ void check_every_split_count(const KvCase& base, const std::string& tag) {
     const Expected e = expected_for(c, pristine);
     HostTensor out1;
     for (const int splits : {1, 2, 3, 4, 5, 8, 13, 33, 64, 200}) {
-      KvCase sc = c;
-      sc.num_splits = splits;
-      KvTensors t = pristine;
+      KvCase sc;
+      KvTensors t;
       fa_stats stats{};
-      ASSERT_TRUE(run_gpu(sc, t, &stats).ok()) << splits;
-      EXPECT_EQ(stats.num_splits, splits);
+      ASSERT_NO_FATAL_FAILURE(run_at_splits(c, splits, pristine, &sc, &t, &stats));
       expect_matches(tag + "splits " + std::to_string(splits), sc, t, e, stats.kernel);
       if (splits == 1) {
         out1 = t.out;
@@ -779,12 +799,10 @@ TEST(CudaKvcache, SplitMergeRescalesAcrossSplitBatches) {
     ASSERT_GT(e.lse64[size_t(c.heads_q - 1)], 10.0) << "the inputs should make the last keys dominate";
     const std::vector<int> counts = capacity == 4096 ? std::vector<int>{16, 17, 33, 64} : std::vector<int>{544};
     for (const int splits : counts) {
-      KvCase sc = c;
-      sc.num_splits = splits;
-      KvTensors t = pristine;
+      KvCase sc;
+      KvTensors t;
       fa_stats stats{};
-      ASSERT_TRUE(run_gpu(sc, t, &stats).ok()) << splits;
-      EXPECT_EQ(stats.num_splits, splits);
+      ASSERT_NO_FATAL_FAILURE(run_at_splits(c, splits, pristine, &sc, &t, &stats));
       expect_matches("rising scores, " + std::to_string(capacity) + " keys, " + std::to_string(splits) + " splits", sc, t, e,
                      stats.kernel);
     }
@@ -1035,55 +1053,13 @@ TEST(CudaKvcacheFp8, DecodeContiguousAndPaged) {
 // Every D % 16 == 0 up to 256 runs in a compiled FP8 bucket (64, 128, 256), both q dtypes.
 TEST(CudaKvcacheFp8, HeadDimsAndDtypes) {
   SKIP_WITHOUT_GPU();
-  for (const fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
-    for (const int d : {32, 48, 64, 80, 112, 128, 192, 256}) {
-      KvCase c = fp8_case(dtype);
-      c.head_dim = d;
-      c.cached = {1000, 127};
-      c.capacity = 1030;
-      c.seqlen_new = 2;
-      c.seqlen_q = 2;
-      c.causal = true;
-      c.block_size = 16;
-      check_case("fp8 head dims", c);
-    }
+  check_head_dims([](fa_dtype dtype) { return fp8_case(dtype); }, {32, 48, 64, 80, 112, 128, 192, 256}, "fp8 ");
 }
 
 TEST(CudaKvcacheFp8, OptionsAndShapes) {
   SKIP_WITHOUT_GPU();
-  KvCase base = fp8_case();
-  base.seqlen_q = 7;
-  base.seqlen_new = 7;
-  base.block_size = 3;
-  std::vector<KvCase> cases(12, base);
-  cases[0].causal = true;
-  cases[1].window_left = 20;
-  cases[1].window_right = 0;
-  cases[2].softcap = 2.f;
-  cases[2].input_std = 4.0;
-  cases[3].alibi = true;
-  cases[3].causal = true;
-  cases[4].heads_k = 8;  // MHA
-  cases[4].input_std = 4.0;  // peaky
-  cases[5].heads_q = 16;  // GQA 16
-  cases[5].heads_k = 1;
-  cases[5].seqlen_q = 1;
-  cases[5].seqlen_new = 1;
-  cases[6].seqlen_q = 70;  // chunked prefill: many m-blocks
-  cases[6].seqlen_new = 70;
-  cases[6].causal = true;
-  cases[7].window_left = 5;
-  cases[7].window_right = 3;
-  cases[7].block_size = 0;
-  cases[8].softmax_scale = -0.2f;  // a negative scale flips the max
-  cases[9].cached = {0, 4097};      // a long one that splits
-  cases[9].capacity = 4200;
-  cases[9].block_size = 16;
-  cases[10].block_size = 0;  // a strided (row-padded) contiguous cache: 32 bytes of padding per row
-  cases[10].cache_row_pad = 32;
-  cases[11].seqlen_q = 5;  // speculative decoding
-  cases[11].seqlen_new = 5;
-  cases[11].dtype = FA_FLOAT16;
+  std::vector<KvCase> cases = options_and_shapes(fp8_case(), 32);  // 32 bytes of padding per row
+  cases[11].dtype = FA_FLOAT16;  // q in fp16 over the FP8 cache
   for (const KvCase& c : cases) check_case("fp8 options", c);
 }
 
@@ -1136,50 +1112,10 @@ TEST(CudaKvcacheFp8, AppendWritesTheCpuBytes) {
       }
 }
 
-// The same codes in a contiguous cache and in paged caches of several block sizes give bit-identical results
-// with the same split count.
+// The same codes, as contiguous and paged caches: bit-identical results.
 TEST(CudaKvcacheFp8, PagedEqualsContiguousBitwise) {
   SKIP_WITHOUT_GPU();
-  for (const int splits : {1, 2, 3, 5}) {
-    KvCase c = fp8_case();
-    c.cached = {700, 1500};
-    c.capacity = 1536;
-    c.seqlen_new = 2;
-    c.seqlen_q = 2;
-    c.causal = true;
-    c.rotary = 1;
-    c.num_splits = splits;
-    auto rng = fa_test::make_rng("fp8 paged=contiguous");
-    const KvTensors source = make_kv(c, rng);
-    KvTensors contiguous = source;
-    ASSERT_TRUE(run_gpu(c, contiguous).ok());
-    for (const int block_size : {16, 256, 3, 1}) {
-      KvCase pc = c;
-      pc.block_size = block_size;
-      KvTensors paged = make_kv(pc, rng);
-      paged.q = source.q;
-      paged.k_new = source.k_new;
-      paged.v_new = source.v_new;
-      paged.cos = source.cos;
-      paged.sin = source.sin;
-      for (int b = 0; b < c.batch; ++b)
-        for (int j = 0; j < c.capacity; ++j)
-          for (int hk = 0; hk < c.heads_k; ++hk)
-            for (int x = 0; x < c.head_dim; ++x) {
-              paged.k_cache.set(cache_index(pc, paged, b, j, hk, x), source.k_cache.get(cache_index(c, source, b, j, hk, x)));
-              paged.v_cache.set(cache_index(pc, paged, b, j, hk, x), source.v_cache.get(cache_index(c, source, b, j, hk, x)));
-            }
-      ASSERT_TRUE(run_gpu(pc, paged).ok());
-      EXPECT_TRUE(same_bytes(paged.out, contiguous.out)) << "block size " << block_size << ", " << splits << " splits: out";
-      EXPECT_TRUE(same_bytes(paged.lse, contiguous.lse)) << "block size " << block_size << ", " << splits << " splits: lse";
-      for (int b = 0; b < c.batch; ++b)
-        for (int j = c.cached[size_t(b)]; j < c.cached[size_t(b)] + c.seqlen_new; ++j)
-          for (int x = 0; x < c.heads_k * c.head_dim; ++x)
-            ASSERT_EQ(paged.k_cache.get(cache_index(pc, paged, b, j, x / c.head_dim, x % c.head_dim)),
-                      contiguous.k_cache.get(cache_index(c, contiguous, b, j, x / c.head_dim, x % c.head_dim)))
-                << "block size " << block_size << " sequence " << b << " row " << j;
-    }
-  }
+  for (const int splits : {1, 2, 3, 5}) check_paged_equals_contiguous(fp8_case(), splits, "fp8 ");
 }
 
 TEST(CudaKvcacheFp8, EverySplitCountAgrees) {
