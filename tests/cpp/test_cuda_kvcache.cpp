@@ -1004,6 +1004,40 @@ TEST(CudaKvcache, LongContiguousTile) {
 #endif
 }
 
+// The lower part of the one wave, contiguous (decode_plan.hpp's wants_one_wave_long_tile): where the unsplit grid fills
+// 0.7-0.75 of the SMs and the capacity has >= 8k keys, the heuristic runs 4 splits on the long_contiguous tile on
+// sm_90+ (one split on the general tile on sm_80); the kernel's name and the split count say which ran, the oracle
+// judges it. 8 K/V heads (MHA, one m-block each), lengths from 0 to the capacity with an append, NaN in every cache
+// row past a sequence's keys.
+TEST(CudaKvcache, OneWaveLongTileSplits) {
+  SKIP_WITHOUT_GPU();
+#if defined(FLASHATTN_WITH_CUDA)
+  int major = 0, sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  const int batch = (7 * sms + 79) / 80;  // the fewest sequences of 8 CTAs that fill >= 0.7 of the SMs (132: 12)
+  ASSERT_LE(8 * batch, 3 * sms / 4) << "no batch of 8 CTAs per sequence falls in 0.7-0.75 of " << sms << " SMs";
+  const int capacity = 8192;
+  const int lengths[] = {0, 1, 2047, 2048, 4095, 5000, capacity - 64, capacity - 1};
+  std::vector<int> cached(static_cast<size_t>(batch));
+  for (int b = 0; b < batch; ++b) cached[size_t(b)] = lengths[b % 8];
+  for (const fa_dtype dtype : {FA_BFLOAT16, FA_FLOAT16}) {
+    KvCase c = lengths_case(0, capacity, cached, 1, 0);
+    c.heads_q = c.heads_k = 8;
+    c.dtype = dtype;
+    const KvTensors pristine = kv_nan_past_keys(c, std::string("one wave ") + (dtype == FA_BFLOAT16 ? "bf16" : "f16"));
+    const Expected e = expected_for(c, pristine);
+    KvTensors t = pristine;
+    fa_stats stats{};
+    ASSERT_TRUE(run_gpu(c, t, &stats).ok());
+    const bool long_tile = std::string(stats.kernel).find("lc") != std::string::npos;
+    EXPECT_EQ(long_tile, major >= 9) << stats.kernel;
+    EXPECT_EQ(stats.num_splits, major >= 9 ? 4 : 1) << stats.kernel;
+    EXPECT_TRUE(judge("one wave, long tile", c, t, e)) << stats.kernel;
+  }
+#endif
+}
+
 // Read-only: a block table with repeated and out-of-order blocks (several sequences share blocks).
 TEST(CudaKvcache, RepeatedAndOutOfOrderBlocks) {
   SKIP_WITHOUT_GPU();

@@ -360,6 +360,39 @@ TEST(CudaKvcachePlan, LongContiguousTileRule) {
   EXPECT_FALSE(wants(decode_params(34, 4, 64, 1, 128, 8192), 1, h200()));  // 544
 }
 
+// The lower part of the one wave, contiguous (decode_plan.hpp, kOneWaveLongTileFill): 4 splits on the long tile where the
+// unsplit grid fills 0.7-0.75 of the SMs (B = 12 of 8 K/V heads: 96 CTAs on 132), the capacity has >= 8k keys and the
+// general row's plan is 1 split by the heuristic; sm_90+, 16-bit, contiguous.
+TEST(CudaKvcachePlan, OneWaveLongTileRule) {
+  auto wants = [](KvcacheParams p, const decode::DecodeDevice& device) {
+    decode::DecodePlan general;
+    EXPECT_TRUE(decode::make_decode_plan(p, decode_kernel_for(p, device), device, &general).ok());
+    return decode::wants_one_wave_long_tile(p, general, device);
+  };
+  EXPECT_TRUE(wants(decode_params(12, 1, 32, 8, 128, 8192), h200()));    // 96 CTAs: 0.727 of the SMs
+  EXPECT_TRUE(wants(decode_params(12, 1, 32, 8, 128, 32768), h200()));
+  EXPECT_TRUE(wants(decode_params(96, 1, 8, 1, 128, 16384), h200()));    // 8 / 1: 96 CTAs
+  EXPECT_TRUE(wants(decode_params(99, 1, 8, 1, 128, 8192), h200()));     // 0.75
+  EXPECT_FALSE(wants(decode_params(100, 1, 8, 1, 128, 8192), h200()));   // 0.758
+  EXPECT_FALSE(wants(decode_params(92, 1, 8, 1, 128, 8192), h200()));    // 0.697: below one wave
+  EXPECT_FALSE(wants(decode_params(13, 1, 32, 8, 128, 8192), h200()));   // 104 CTAs
+  EXPECT_FALSE(wants(decode_params(12, 1, 32, 8, 128, 8191), h200()));   // under 8k keys
+  EXPECT_FALSE(wants(decode_params(12, 1, 32, 8, 128, 8192), a100()));   // measured on sm_90 only
+  KvcacheParams asked = decode_params(12, 1, 32, 8, 128, 8192);
+  asked.num_splits = 1;  // an explicit split count is used as given
+  EXPECT_FALSE(wants(asked, h200()));
+  KvcacheParams paged = decode_params(12, 1, 32, 8, 128, 8192);
+  static int32_t table[1];
+  paged.block_table = table;
+  paged.page_block_size = 16;
+  paged.num_blocks = 12 * 512;
+  paged.block_table_batch_stride = 512;
+  EXPECT_FALSE(wants(paged, h200())) << "paged caches take 4 splits on the general tile (make_decode_plan)";
+  KvcacheParams fp8 = decode_params(12, 1, 32, 8, 128, 8192);
+  fp8.kv_dtype = FA_FLOAT8_E4M3;
+  EXPECT_FALSE(wants(fp8, h200()));
+}
+
 // The generated table's rows with a decode role: never chosen by choose_kernel, offered in place of their bucket's
 // general row by decode_alternative (the bf16 and fp16 D = 128 decode rows: a many_waves and a long_contiguous row),
 // none for other rows.
@@ -421,7 +454,7 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
   // The split counts measured fastest on the H200 (decode_plan.hpp): about one CTA per SM for a contiguous
   // cache, every CTA slot (2 per SM) for a paged cache with room for >= 32 k keys (8-32 k below one wave, where the
   // splits keep >= 1024 keys); where the unsplit grid is 0.7-1 CTA per SM (B = 12-16), no split, or 2 for paged caches
-  // of >= 8 k keys; two tiles per split at least.
+  // of >= 8 k keys, or 4 in the lower part of that range; two tiles per split at least.
   // The issue's heads (32 / 8, D = 128, one new token) at batch x cache, contiguous or in pages of 16. The planner only
   // looks at whether there is a table (never read) and at the capacity.
   auto issue_shape = [](int batch, int cache, bool paged) {
@@ -445,8 +478,13 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
                         // paged below one wave, 8k-32k: every slot where the splits keep >= 1024 keys
                         Case{4, 16384, true, 8}, Case{2, 16384, true, 16}, Case{2, 8192, true, 8}, Case{1, 16384, true, 16},
                         Case{8, 4096, true, 2},
-                        Case{12, 8192, false, 1}, Case{12, 8192, true, 2}, Case{14, 16384, true, 2},
-                        Case{12, 4096, true, 1}, Case{24, 131072, true, 4},
+                        // about one wave (0.7-1 CTAs per SM unsplit): paged caches of >= 8k keys take 4 splits up to
+                        // 0.9 (B = 12-14), else 2; contiguous ones 1 (the selection takes the long tile's 4 splits
+                        // at B = 12: OneWaveLongTileRule)
+                        Case{12, 8192, false, 1}, Case{12, 32768, false, 1}, Case{13, 8192, false, 1},
+                        Case{12, 8192, true, 4}, Case{13, 16384, true, 4}, Case{14, 16384, true, 4}, Case{15, 8192, true, 2},
+                        Case{16, 16384, true, 2}, Case{12, 4096, false, 1}, Case{12, 4096, true, 1},
+                        Case{12, 32768, true, 8}, Case{24, 131072, true, 4},
                         // between one CTA per SM and 3.5 waves of slots: the slot waves (balanced_splits)
                         Case{24, 8192, false, 4}, Case{20, 8192, false, 3}, Case{20, 2048, false, 1},
                         Case{36, 32768, true, 6}, Case{48, 8192, true, 2}, Case{40, 8192, false, 4},

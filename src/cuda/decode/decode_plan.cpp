@@ -175,8 +175,8 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
     const int64_t capacity_tiles = (int64_t(p.seqlen_k) + kernel.block_n - 1) / kernel.block_n;
     // CTAs per SM of the unsplit grid (decode_plan.hpp): between one per SM and many waves, 16-bit caches, the
     // slot waves (slot_wave_splits); every slot for paged caches that may hold long sequences; about one wave: 1
-    // split, or 2 for medium paged caches; just below that, 16-bit caches, the slot waves again; else about one CTA
-    // per SM.
+    // split, or 2 for medium paged caches, or 4 for paged ones in its lower part; just below that, 16-bit caches, the
+    // slot waves again; else about one CTA per SM.
     const double fill = double(ctas) / double(device.sm_count);
     const int64_t slots = int64_t(device.sm_count) * per_sm;
     const int full_slots_splits = paged ? choose_num_splits(ctas, slots, capacity_tiles) : 1;
@@ -186,7 +186,11 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
     } else if (paged && p.seqlen_k >= kPagedFullSlotsKeys) {
       splits = full_slots_splits;
     } else if (fill >= kOneWaveFill && fill <= 1.0) {
-      splits = paged && p.seqlen_k >= kPagedOneWaveSplitKeys && per_sm >= 2 && capacity_tiles >= 2 * kMinTilesPerSplit ? 2 : 1;
+      // (contiguous caches in the lower part take the long tile's 4 splits in the selection: wants_one_wave_long_tile)
+      const bool four_splits = paged && sixteen_bit && device.sm_major >= 9 && per_sm == 2 &&
+                               p.seqlen_k >= kOneWaveFourSplitsMinKeys && fill <= kOneWaveFourSplitsPagedFill;
+      if (four_splits) splits = kOneWaveFourSplits;
+      else splits = paged && p.seqlen_k >= kPagedOneWaveSplitKeys && per_sm >= 2 && capacity_tiles >= 2 * kMinTilesPerSplit ? 2 : 1;
     } else if (sixteen_bit && per_sm >= 2 && fill > kBelowWaveMinFill && fill < kOneWaveFill && p.seqlen_k >= kBelowWaveMinKeys) {
       splits = slot_wave_splits(ctas, slots, p.seqlen_k, kBelowWaveMinSplitKeys);  // just below one wave
     } else if (paged && p.seqlen_k >= kPagedOneWaveSplitKeys && p.seqlen_k >= kPagedFullSlotsMinSplitKeys * full_slots_splits) {

@@ -59,6 +59,30 @@ constexpr int64_t kPagedFullSlotsMinSplitKeys = 1024;
 //   B = 8 (64 CTAs, below one wave): the heuristic's 2 splits (paged 8k 72.0, every slot's 4: 73.9).
 constexpr double kOneWaveFill = 0.7;
 constexpr int64_t kPagedOneWaveSplitKeys = 8192;
+// Those counts were fitted with the kernels of 2026-11-30. With today's (2026-12-01), the lower part of the one wave
+// takes 4 splits, for 16-bit caches of >= kOneWaveFourSplitsMinKeys keys on sm_90+:
+// - paged, up to kOneWaveFourSplitsPagedFill, in a tile of 2 CTAs per SM (the general one; paged caches of >=
+//   kPagedFullSlotsKeys keep their every-slot plan, which comes first);
+// - contiguous, up to kOneWaveLongTileFill, and only on the long_contiguous tile (one CTA per SM; the selection takes
+//   it, wants_one_wave_long_tile below): 96 CTAs become 384, 2.9 waves of the 132 SMs. At 104 CTAs the fourth wave
+//   holds 0.15 of one and 4 splits lose (0.88-0.93); the general tile at 4 splits lost too (D = 64, no long tile:
+//   16k 0.926, 32k 0.934).
+// H200, 2026-12-01 20:21 UTC, bf16, D = 128, flashattn_decode_bench --splits 0,1,2,3,4,6,8, 2 rounds
+// (bench/results/2026-12-01-2021-h200-decode-splits-one-wave-summary.txt; 32 / 8 B = 12, 28 / 4 B = 24, 8 / 1 B = 96
+// and 32 / 32 B = 3 are all 96 CTAs and time alike), 4 splits against the counts before (1 contiguous, 2 paged):
+//   96 CTAs (0.73 per SM): contiguous 8k 1.027-1.056, 16k 1.081-1.095, 32k 1.104-1.112; paged 8k 1.092-1.100, 16k
+//     1.106-1.117; 4k: 0.97 contiguous, 1.00 paged (hence kOneWaveFourSplitsMinKeys);
+//   104 CTAs (0.79): paged 8k 1.061-1.067, 16k 1.073-1.080; contiguous 0.88-0.93 (1 split stays);
+//   112 CTAs (0.85, B = 14, 18:30 UTC, bench/results/2026-12-01-1830-h200-decode-splits-b9-b16-summary.txt): paged 8k
+//     1.022, 16k 1.047; 128 CTAs (0.97, B = 16): paged 0.96-0.99 against 2 splits (2 stays).
+// The library against the rules before, 3 alternating runs (20:35 UTC, ...-2035-h200-decode-one-wave-splits-ab-summary.txt),
+// where the count changed: 32 / 8 B = 12-14 geometric mean 1.080 (1.024-1.131; contiguous B = 12 / 32k 402.5 -> 356.0 us),
+// 8 / 1 B = 96-112 1.080 (1.023-1.110), D = 64 paged B = 12-14 1.036 (0.980 at B = 14 / 8k, to 1.092); the issue's
+// sweep keeps its counts (0.995-1.003).
+constexpr double kOneWaveFourSplitsPagedFill = 0.9;
+constexpr double kOneWaveLongTileFill = 0.75;
+constexpr int64_t kOneWaveFourSplitsMinKeys = 8192;
+constexpr int kOneWaveFourSplits = 4;
 // Contiguous caches at large batch: an unsplit grid of many waves still splits the long sequences, toward
 // kManyWavesTarget waves of CTA slots, each split keeping >= kManyWavesMinSplitKeys keys (16-bit caches; paged
 // caches do not gain). H200, 2026-11-30 23:58 UTC, bf16, Hq 32 / Hk 8, flashattn_decode_bench --splits 0,2,3,4,
@@ -297,6 +321,18 @@ inline bool wants_long_contiguous_tile(const KvcacheParams& p, const DecodePlan&
   const int64_t ctas = int64_t(p.batch) * p.heads_k * general.m_blocks * general.num_splits;
   return int64_t(p.seqlen_k) >= kLongTileMinSplitKeys * general.num_splits &&
          double(ctas) >= kLongTileMinCtasPerSm * device.sm_count && ctas <= int64_t(kLongTileMaxCtasPerSm) * device.sm_count;
+}
+
+// Whether a call takes kOneWaveFourSplits splits on the long_contiguous tile (the lower part of the one wave, see
+// kOneWaveLongTileFill): a contiguous 16-bit cache of >= kOneWaveFourSplitsMinKeys keys on sm_90+, the heuristic's split
+// count (no explicit one) at 1 split for the general row, whose unsplit grid fills kOneWaveFill to kOneWaveLongTileFill
+// of the SMs.
+inline bool wants_one_wave_long_tile(const KvcacheParams& p, const DecodePlan& general, const DecodeDevice& device) {
+  if (p.block_table != nullptr || p.kv_dtype == FA_FLOAT8_E4M3 || device.sm_major < 9 || device.sm_count <= 0 ||
+      p.num_splits > 0 || general.num_splits != 1)
+    return false;
+  const double fill = double(int64_t(p.batch) * p.heads_k * general.m_blocks) / double(device.sm_count);
+  return p.seqlen_k >= kOneWaveFourSplitsMinKeys && fill >= kOneWaveFill && fill <= kOneWaveLongTileFill;
 }
 
 // The layout of a call with a given split count on a kernel of block_m x block_n tiles (make_decode_plan's

@@ -44,6 +44,17 @@ Status select(const KvcacheParams& p, Selection* s) {
     if (alternative >= 0) s->index = alternative;
   }
   FA_RETURN_IF_ERROR(make_decode_plan(p, kernel_entry(s->index), device, &s->plan));
+  // Contiguous caches in the lower part of the one wave take kOneWaveFourSplits splits on the bucket's long_contiguous
+  // row where it is compiled (decode_plan.hpp); else the general row's plan stands.
+  if (wants_one_wave_long_tile(p, s->plan, device)) {
+    const int alternative = decode_alternative(s->index, DecodeRole::kLongContiguous, limits);
+    if (alternative >= 0) {
+      KvcacheParams planned = p;
+      planned.num_splits = kOneWaveFourSplits;
+      s->index = alternative;
+      return make_decode_plan(planned, kernel_entry(s->index), device, &s->plan);
+    }
+  }
   // Long contiguous caches at 1.5-4 CTAs per SM take the bucket's long_contiguous row, at the general row's split
   // count (decode_plan.hpp).
   if (wants_long_contiguous_tile(p, s->plan, device)) {
