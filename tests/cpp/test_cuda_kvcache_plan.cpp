@@ -500,6 +500,19 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
     ASSERT_TRUE(decode::make_decode_plan(issue_shape(c.batch, c.cache, c.paged), kernel, h200(), &plan).ok());
     EXPECT_EQ(plan.num_splits, c.splits) << "B " << c.batch << " cache " << c.cache << (c.paged ? " paged" : "");
   }
+  // FP8 (e4m3) caches take the slot-wave rules too (H200, 20:41 UTC: bench/results/2026-12-01-2041-h200-decode-fp8-
+  // splits-summary.txt): between one CTA per SM and many waves, and just below one wave (paged >= 32k aside).
+  for (const Case& c : {Case{20, 8192, false, 3}, Case{20, 8192, true, 3}, Case{20, 32768, false, 8}, Case{20, 32768, true, 8},
+                        Case{24, 8192, false, 4}, Case{36, 8192, true, 4}, Case{36, 32768, false, 6}, Case{36, 32768, true, 6},
+                        Case{48, 8192, false, 2}, Case{48, 32768, true, 2}, Case{9, 8192, false, 3}, Case{9, 8192, true, 3},
+                        Case{10, 32768, false, 3}, Case{10, 32768, true, 13}}) {
+    KvcacheParams q = issue_shape(c.batch, c.cache, c.paged);
+    q.kv_dtype = FA_FLOAT8_E4M3;
+    const KernelEntry& fp8_kernel = decode_kernel_for(q, h200());
+    ASSERT_TRUE(fp8_kernel.fp8_cache);
+    ASSERT_TRUE(decode::make_decode_plan(q, fp8_kernel, h200(), &plan).ok());
+    EXPECT_EQ(plan.num_splits, c.splits) << "FP8, B " << c.batch << " cache " << c.cache << (c.paged ? " paged" : "");
+  }
   // The issue's sweep (B = 1, 4, 16, 64, 256 x 1k, 8k, 32k, both layouts): the split counts its measurements were taken
   // at (bench/results/2026-12-01-1827-h200-decode-balanced-splits-ab-summary.txt, both plans). A rule change that moves
   // one of them needs the sweep measured again.

@@ -173,15 +173,15 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
     const bool paged = p.block_table != nullptr;
     const int per_sm = ctas_per_sm(kernel.smem_bytes, 32 * kernel.warps, device);
     const int64_t capacity_tiles = (int64_t(p.seqlen_k) + kernel.block_n - 1) / kernel.block_n;
-    // CTAs per SM of the unsplit grid (decode_plan.hpp): between one per SM and many waves, 16-bit caches, the
-    // slot waves (slot_wave_splits); every slot for paged caches that may hold long sequences; about one wave: 1
-    // split, or 2 for medium paged caches, or 4 for paged ones in its lower part; just below that, 16-bit caches, the
-    // slot waves again; else about one CTA per SM.
+    // CTAs per SM of the unsplit grid (decode_plan.hpp): between one per SM and many waves, the slot waves
+    // (slot_wave_splits); every slot for paged caches that may hold long sequences; about one wave: 1 split, or 2
+    // for medium paged caches, or 4 for paged 16-bit ones in its lower part; just below that, the slot waves again;
+    // else about one CTA per SM.
     const double fill = double(ctas) / double(device.sm_count);
     const int64_t slots = int64_t(device.sm_count) * per_sm;
     const int full_slots_splits = paged ? choose_num_splits(ctas, slots, capacity_tiles) : 1;
     const bool sixteen_bit = p.kv_dtype != FA_FLOAT8_E4M3;
-    if (sixteen_bit && fill > 1.0 && double(ctas) < kManyWavesMinWaves * double(slots)) {
+    if (fill > 1.0 && double(ctas) < kManyWavesMinWaves * double(slots)) {
       splits = slot_wave_splits(ctas, slots, p.seqlen_k, kBalancedMinSplitKeys);  // between one CTA per SM and many waves
     } else if (paged && p.seqlen_k >= kPagedFullSlotsKeys) {
       splits = full_slots_splits;
@@ -191,7 +191,7 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
                                p.seqlen_k >= kOneWaveFourSplitsMinKeys && fill <= kOneWaveFourSplitsPagedFill;
       if (four_splits) splits = kOneWaveFourSplits;
       else splits = paged && p.seqlen_k >= kPagedOneWaveSplitKeys && per_sm >= 2 && capacity_tiles >= 2 * kMinTilesPerSplit ? 2 : 1;
-    } else if (sixteen_bit && per_sm >= 2 && fill > kBelowWaveMinFill && fill < kOneWaveFill && p.seqlen_k >= kBelowWaveMinKeys) {
+    } else if (per_sm >= 2 && fill > kBelowWaveMinFill && fill < kOneWaveFill && p.seqlen_k >= kBelowWaveMinKeys) {
       splits = slot_wave_splits(ctas, slots, p.seqlen_k, kBelowWaveMinSplitKeys);  // just below one wave
     } else if (paged && p.seqlen_k >= kPagedOneWaveSplitKeys && p.seqlen_k >= kPagedFullSlotsMinSplitKeys * full_slots_splits) {
       splits = full_slots_splits;  // below one wave, medium paged caches: every slot where the splits stay long enough

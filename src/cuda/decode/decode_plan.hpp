@@ -99,7 +99,7 @@ constexpr int kOneWaveFourSplits = 4;
 constexpr double kManyWavesMinWaves = 3.5;      // unsplit grid of >= this many waves of every CTA slot
 constexpr int64_t kManyWavesTarget = 16;        // splits = floor(16 waves / unsplit waves)
 constexpr int64_t kManyWavesMinSplitKeys = 4096;
-// Between one CTA per SM and kManyWavesMinWaves waves of every CTA slot (16-bit caches, either layout): the unsplit
+// Between one CTA per SM and kManyWavesMinWaves waves of every CTA slot (any cache, either layout): the unsplit
 // grid's last round of CTAs can leave most slots idle (B = 20: 160 CTAs on 132 SMs of 2 slots; B = 36: 288 CTAs, a
 // second round of 24). The split count then comes from the slot waves: the smallest of kSlotWaveSplitCounts whose
 // waves of slots are within kWaveEfficiencyKept of the fullest, each split keeping >= kBalancedMinSplitKeys keys of
@@ -114,10 +114,14 @@ constexpr int64_t kManyWavesMinSplitKeys = 4096;
 // D = 256, B = 20 and 36 / 8k, 1.153 and 1.179; the sweep unchanged (the same split counts at its 30 points).
 // Also 8 / 1 B = 160-300 and 16 / 16 D = 256 B = 10 (18:48 UTC, ...-1848-...): up to 1.24 and 1.27, but contiguous
 // 8 / 1 B = 300 / 4k 0.945 (2 splits; 2.3 CTAs per SM unsplit, like B = 48's 2.9 above).
-// At most one CTA per SM (B <= 16 here) the rules above stay. FP8 caches (not measured) keep them too.
+// At most one CTA per SM (B <= 16 here) the rules above stay. FP8 caches take this rule and the one below too
+// (2026-12-01 20:41 UTC, --kv fp8 --splits 0,1,2,3,4,6,8, 2 rounds, 32 / 8 B = 9-48 x 8k / 32k; bench/results/
+// 2026-12-01-2041-h200-decode-fp8-splits-summary.txt): the counts they take against the rules before (which left FP8
+// out), B = 20-48: contiguous 1.07-1.29 (from 1 split), paged 1.00-1.45 (from 1-8; B = 36 / 32k: 844.4
+// -> 581.9 us); B = 9-10 (below one wave): 1.02-1.23.
 constexpr int kSlotWaveSplitCounts[] = {1, 2, 3, 4, 6, 8};  // the counts measured
 constexpr int64_t kBalancedMinSplitKeys = 2048;
-// Just below one wave (kBelowWaveMinFill to kOneWaveFill CTAs per SM unsplit; B = 9-11 of 8 K/V heads), 16-bit caches
+// Just below one wave (kBelowWaveMinFill to kOneWaveFill CTAs per SM unsplit; B = 9-11 of 8 K/V heads), caches
 // of >= kBelowWaveMinKeys keys in a tile of >= 2 CTAs per SM (the one measured): the slot waves too, each split keeping >= kBelowWaveMinSplitKeys keys. Paged caches of
 // >= kPagedFullSlotsKeys keep their every-slot plan. H200, 2026-12-01 18:30 UTC,
 // bf16, Hq 32 / Hk 8, --splits 0,1,2,3,4,6,8, 2 rounds (bench/results/2026-12-01-1830-h200-decode-splits-b9-b16-
