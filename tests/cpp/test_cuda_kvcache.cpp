@@ -967,6 +967,28 @@ TEST(CudaKvcache, ManyWavesTile) {
 #endif
 }
 
+// One call over `cached` lengths (one new token each) of 8 K/V heads (MHA: one m-block per sequence and head), every
+// cache row past a sequence's keys NaN, judged by the oracle; whether it ran in the long_contiguous tile must be
+// `long_tile`. The case, its inputs, the oracle's result and the call's statistics come back in *run.
+struct TileRun {
+  KvCase c;
+  KvTensors pristine;
+  Expected e;
+  fa_stats stats{};
+};
+void check_tile_run(const std::string& label, fa_dtype dtype, int capacity, const std::vector<int>& cached, int splits,
+                    bool long_tile, TileRun* run) {
+  run->c = lengths_case(0, capacity, cached, 1, splits);
+  run->c.heads_q = run->c.heads_k = 8;
+  run->c.dtype = dtype;
+  run->pristine = kv_nan_past_keys(run->c, label + (dtype == FA_BFLOAT16 ? " bf16" : " f16"));
+  run->e = expected_for(run->c, run->pristine);
+  KvTensors t = run->pristine;
+  ASSERT_TRUE(run_gpu(run->c, t, &run->stats).ok());
+  EXPECT_EQ(std::string(run->stats.kernel).find("lc") != std::string::npos, long_tile) << run->stats.kernel;
+  EXPECT_TRUE(judge(label, run->c, t, run->e)) << run->stats.kernel;
+}
+
 // Long contiguous caches run in the long_contiguous tile on sm_90+ (decode_plan.hpp's wants_long_contiguous_tile: at the
 // general tile's split count, >= 2048 keys of the capacity per split and 1.5 to 4 CTAs per SM): the kernel's name says
 // which ran, the oracle judges it; one split (bf16) and two (fp16), lengths from 0 to the capacity (partial 128-key
@@ -980,35 +1002,26 @@ TEST(CudaKvcache, LongContiguousTile) {
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
   std::vector<int> cached(size_t((3 * sms / 2 + 7) / 8 + 1));  // 8 K/V heads: >= 1.5 CTAs per SM, <= 4 with 2 splits
   for (const auto& [dtype, splits] : {std::pair{FA_BFLOAT16, 1}, std::pair{FA_FLOAT16, 2}}) {
-      const int capacity = 2050 * splits;  // >= 2048 keys per split
-      const int lengths[] = {0, 1, 127, 128, 129, 2049, capacity - 100, capacity - 1};
-      for (size_t b = 0; b < cached.size(); ++b) cached[b] = lengths[b % 8];
-      KvCase c = lengths_case(0, capacity, cached, 1, splits);
-      c.heads_q = c.heads_k = 8;
-      c.dtype = dtype;
-      const KvTensors pristine = kv_nan_past_keys(c, std::string("long tile ") + (dtype == FA_BFLOAT16 ? "bf16" : "f16"));
-      const Expected e = expected_for(c, pristine);
-      KvTensors t = pristine;
-      fa_stats stats{};
-      ASSERT_TRUE(run_gpu(c, t, &stats).ok());
-      const bool long_tile = std::string(stats.kernel).find("lc") != std::string::npos;
-      EXPECT_EQ(long_tile, major >= 9) << stats.kernel;
-      EXPECT_TRUE(judge("long contiguous tile", c, t, e)) << stats.kernel;
-      KvCase short_splits = c;  // under 2048 keys of the capacity per split: the general tile
-      short_splits.num_splits = 4;
-      KvTensors g = pristine;
-      ASSERT_TRUE(run_gpu(short_splits, g, &stats).ok());
-      EXPECT_EQ(std::string(stats.kernel).find("lc"), std::string::npos) << stats.kernel;
-      EXPECT_TRUE(judge("general tile, 4 splits", short_splits, g, e)) << stats.kernel;
-    }
+    const int capacity = 2050 * splits;  // >= 2048 keys per split
+    const int lengths[] = {0, 1, 127, 128, 129, 2049, capacity - 100, capacity - 1};
+    for (size_t b = 0; b < cached.size(); ++b) cached[b] = lengths[b % 8];
+    TileRun run;
+    ASSERT_NO_FATAL_FAILURE(check_tile_run("long tile", dtype, capacity, cached, splits, major >= 9, &run));
+    KvCase short_splits = run.c;  // under 2048 keys of the capacity per split: the general tile
+    short_splits.num_splits = 4;
+    KvTensors g = run.pristine;
+    fa_stats stats{};
+    ASSERT_TRUE(run_gpu(short_splits, g, &stats).ok());
+    EXPECT_EQ(std::string(stats.kernel).find("lc"), std::string::npos) << stats.kernel;
+    EXPECT_TRUE(judge("general tile, 4 splits", short_splits, g, run.e)) << stats.kernel;
+  }
 #endif
 }
 
 // The lower part of the one wave, contiguous (decode_plan.hpp's wants_one_wave_long_tile): where the unsplit grid fills
 // 0.7-0.75 of the SMs and the capacity has >= 8k keys, the heuristic runs 4 splits on the long_contiguous tile on
 // sm_90+ (one split on the general tile on sm_80); the kernel's name and the split count say which ran, the oracle
-// judges it. 8 K/V heads (MHA, one m-block each), lengths from 0 to the capacity with an append, NaN in every cache
-// row past a sequence's keys.
+// judges it. Both dtypes, lengths from 0 to the capacity with an append.
 TEST(CudaKvcache, OneWaveLongTileSplits) {
   SKIP_WITHOUT_GPU();
 #if defined(FLASHATTN_WITH_CUDA)
@@ -1022,18 +1035,9 @@ TEST(CudaKvcache, OneWaveLongTileSplits) {
   std::vector<int> cached(static_cast<size_t>(batch));
   for (int b = 0; b < batch; ++b) cached[size_t(b)] = lengths[b % 8];
   for (const fa_dtype dtype : {FA_BFLOAT16, FA_FLOAT16}) {
-    KvCase c = lengths_case(0, capacity, cached, 1, 0);
-    c.heads_q = c.heads_k = 8;
-    c.dtype = dtype;
-    const KvTensors pristine = kv_nan_past_keys(c, std::string("one wave ") + (dtype == FA_BFLOAT16 ? "bf16" : "f16"));
-    const Expected e = expected_for(c, pristine);
-    KvTensors t = pristine;
-    fa_stats stats{};
-    ASSERT_TRUE(run_gpu(c, t, &stats).ok());
-    const bool long_tile = std::string(stats.kernel).find("lc") != std::string::npos;
-    EXPECT_EQ(long_tile, major >= 9) << stats.kernel;
-    EXPECT_EQ(stats.num_splits, major >= 9 ? 4 : 1) << stats.kernel;
-    EXPECT_TRUE(judge("one wave, long tile", c, t, e)) << stats.kernel;
+    TileRun run;
+    ASSERT_NO_FATAL_FAILURE(check_tile_run("one wave", dtype, capacity, cached, 0, major >= 9, &run));
+    EXPECT_EQ(run.stats.num_splits, major >= 9 ? 4 : 1) << run.stats.kernel;
   }
 #endif
 }
