@@ -501,11 +501,16 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
     EXPECT_EQ(plan.num_splits, c.splits) << "B " << c.batch << " cache " << c.cache << (c.paged ? " paged" : "");
   }
   // FP8 (e4m3) caches take the slot-wave rules too (H200, 20:41 UTC: bench/results/2026-12-01-2041-h200-decode-fp8-
-  // splits-summary.txt): between one CTA per SM and many waves, and just below one wave (paged >= 32k aside).
+  // splits-summary.txt): between one CTA per SM and many waves, and just below one wave (paged >= 32k aside); about one
+  // wave, their own (decode_plan.hpp, kFp8PagedOneWaveSplitKeys).
   for (const Case& c : {Case{20, 8192, false, 3}, Case{20, 8192, true, 3}, Case{20, 32768, false, 8}, Case{20, 32768, true, 8},
                         Case{24, 8192, false, 4}, Case{36, 8192, true, 4}, Case{36, 32768, false, 6}, Case{36, 32768, true, 6},
                         Case{48, 8192, false, 2}, Case{48, 32768, true, 2}, Case{9, 8192, false, 3}, Case{9, 8192, true, 3},
-                        Case{10, 32768, false, 3}, Case{10, 32768, true, 13}}) {
+                        Case{10, 32768, false, 3}, Case{10, 32768, true, 13},
+                        // one wave: 2 splits for paged caches from 4k keys, contiguous ones from 32k up to 0.8 of the SMs
+                        Case{12, 4096, true, 2}, Case{16, 4096, true, 2}, Case{14, 2048, true, 1}, Case{12, 8192, true, 2},
+                        Case{12, 32768, false, 2}, Case{13, 131072, false, 2}, Case{14, 32768, false, 1},
+                        Case{16, 131072, false, 1}, Case{12, 16384, false, 1}}) {
     KvcacheParams q = issue_shape(c.batch, c.cache, c.paged);
     q.kv_dtype = FA_FLOAT8_E4M3;
     const KernelEntry& fp8_kernel = decode_kernel_for(q, h200());

@@ -175,8 +175,8 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
     const int64_t capacity_tiles = (int64_t(p.seqlen_k) + kernel.block_n - 1) / kernel.block_n;
     // CTAs per SM of the unsplit grid (decode_plan.hpp): between one per SM and many waves, the slot waves
     // (slot_wave_splits); every slot for paged caches that may hold long sequences; about one wave: 1 split, or 2
-    // for medium paged caches, or 4 for paged 16-bit ones in its lower part; just below that, the slot waves again;
-    // else about one CTA per SM.
+    // for medium paged caches (and long contiguous FP8 ones), or 4 for paged 16-bit ones in its lower part; just below
+    // that, the slot waves again; else about one CTA per SM.
     const double fill = double(ctas) / double(device.sm_count);
     const int64_t slots = int64_t(device.sm_count) * per_sm;
     const int full_slots_splits = paged ? choose_num_splits(ctas, slots, capacity_tiles) : 1;
@@ -189,8 +189,10 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
       // (contiguous caches in the lower part take the long tile's 4 splits in the selection: wants_one_wave_long_tile)
       const bool four_splits = paged && sixteen_bit && device.sm_major >= 9 && per_sm == 2 &&
                                p.seqlen_k >= kOneWaveFourSplitsMinKeys && fill <= kOneWaveFourSplitsPagedFill;
-      if (four_splits) splits = kOneWaveFourSplits;
-      else splits = paged && p.seqlen_k >= kPagedOneWaveSplitKeys && per_sm >= 2 && capacity_tiles >= 2 * kMinTilesPerSplit ? 2 : 1;
+      const int64_t two_splits_keys = paged ? (sixteen_bit ? kPagedOneWaveSplitKeys : kFp8PagedOneWaveSplitKeys)
+                                    : (sixteen_bit || fill > kFp8ContiguousOneWaveMaxFill ? INT64_MAX : kFp8ContiguousOneWaveSplitKeys);
+      const bool two_splits = p.seqlen_k >= two_splits_keys && per_sm >= 2 && capacity_tiles >= 2 * kMinTilesPerSplit;
+      splits = four_splits ? kOneWaveFourSplits : two_splits ? 2 : 1;
     } else if (per_sm >= 2 && fill > kBelowWaveMinFill && fill < kOneWaveFill && p.seqlen_k >= kBelowWaveMinKeys) {
       splits = slot_wave_splits(ctas, slots, p.seqlen_k, kBelowWaveMinSplitKeys);  // just below one wave
     } else if (paged && p.seqlen_k >= kPagedOneWaveSplitKeys && p.seqlen_k >= kPagedFullSlotsMinSplitKeys * full_slots_splits) {

@@ -83,6 +83,21 @@ constexpr double kOneWaveFourSplitsPagedFill = 0.9;
 constexpr double kOneWaveLongTileFill = 0.75;
 constexpr int64_t kOneWaveFourSplitsMinKeys = 8192;
 constexpr int kOneWaveFourSplits = 4;
+// FP8 (e4m3) caches at one wave: 2 splits for paged caches from kFp8PagedOneWaveSplitKeys keys (not 8k), and for
+// contiguous ones from kFp8ContiguousOneWaveSplitKeys up to kFp8ContiguousOneWaveMaxFill. H200, 2026-12-01 21:05 UTC,
+// --kv fp8 --splits 0,1,2,3,4,6,8, 2 rounds (bench/results/2026-12-01-2105-h200-decode-fp8-splits-one-wave-summary.txt):
+// 2 splits are the fastest count for paged 4k at B = 12-16 of 8 K/V heads; for contiguous 32k they are ahead of 1
+// (8 splits, not taken, were faster at 96-104 CTAs); contiguous 8k-16k, 0.96-1.06 against 1 by batch (1 stays).
+// Alternating runs of the library (21:09 UTC, 3 each, ...-2109-h200-decode-fp8-one-wave-ab-summary.txt; a build that
+// split contiguous 32k at every fill, of which this rule keeps the points up to 0.8), 2 splits against 1:
+//   paged 4k: 32 / 8 B = 12-16 1.062-1.234, 28 / 4 B = 24 and 28 1.208 and 1.118, 8 / 1 B = 96 and 104 1.202 and 1.168;
+//   contiguous 32k by fill: 0.73 (96 CTAs) 1.090-1.103, 0.79 (104) 1.035-1.054, 0.85 (112) 0.996-0.999, 0.97 (128)
+//   0.974, and 128k at 0.97 0.979: hence kFp8ContiguousOneWaveMaxFill. (At 96 CTAs contiguous 8 splits were faster
+//   still at 16k-32k in the sweep, 1.13-1.21 against 1: one batch size, not taken.) This build itself was not timed (no
+//   device was lent after 21:10 UTC); the plan test pins its counts.
+constexpr int64_t kFp8PagedOneWaveSplitKeys = 4096;
+constexpr int64_t kFp8ContiguousOneWaveSplitKeys = 32768;
+constexpr double kFp8ContiguousOneWaveMaxFill = 0.8;
 // Contiguous caches at large batch: an unsplit grid of many waves still splits the long sequences, toward
 // kManyWavesTarget waves of CTA slots, each split keeping >= kManyWavesMinSplitKeys keys (16-bit caches; paged
 // caches do not gain). H200, 2026-11-30 23:58 UTC, bf16, Hq 32 / Hk 8, flashattn_decode_bench --splits 0,2,3,4,
