@@ -186,13 +186,19 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
     } else if (paged && p.seqlen_k >= kPagedFullSlotsKeys) {
       splits = full_slots_splits;
     } else if (fill >= kOneWaveFill && fill <= 1.0) {
-      // (contiguous caches in the lower part take the long tile's 4 splits in the selection: wants_one_wave_long_tile)
-      const bool four_splits = paged && sixteen_bit && device.sm_major >= 9 && per_sm == 2 &&
-                               p.seqlen_k >= kOneWaveFourSplitsMinKeys && fill <= kOneWaveFourSplitsPagedFill;
-      const int64_t two_splits_keys = paged ? (sixteen_bit ? kPagedOneWaveSplitKeys : kFp8PagedOneWaveSplitKeys)
-                                    : (sixteen_bit || fill > kFp8ContiguousOneWaveMaxFill ? INT64_MAX : kFp8ContiguousOneWaveSplitKeys);
-      const bool two_splits = p.seqlen_k >= two_splits_keys && per_sm >= 2 && capacity_tiles >= 2 * kMinTilesPerSplit;
-      splits = four_splits ? kOneWaveFourSplits : two_splits ? 2 : 1;
+      // (contiguous 16-bit caches in the lower part take the long tile's 4 splits in the selection:
+      // wants_one_wave_long_tile)
+      const bool two_fit = per_sm >= 2 && capacity_tiles >= 2 * kMinTilesPerSplit;
+      if (paged && sixteen_bit && device.sm_major >= 9 && per_sm == 2 && p.seqlen_k >= kOneWaveFourSplitsMinKeys &&
+          fill <= kOneWaveFourSplitsPagedFill)
+        splits = kOneWaveFourSplits;
+      else if (paged && two_fit && p.seqlen_k >= (sixteen_bit ? kPagedOneWaveSplitKeys : kFp8PagedOneWaveSplitKeys))
+        splits = 2;
+      else if (!paged && !sixteen_bit && two_fit && p.seqlen_k >= kFp8ContiguousOneWaveSplitKeys &&
+               fill <= kFp8ContiguousOneWaveMaxFill)
+        splits = 2;  // long contiguous FP8 caches, up to 0.8 of the SMs
+      else
+        splits = 1;
     } else if (per_sm >= 2 && fill > kBelowWaveMinFill && fill < kOneWaveFill && p.seqlen_k >= kBelowWaveMinKeys) {
       splits = slot_wave_splits(ctas, slots, p.seqlen_k, kBelowWaveMinSplitKeys);  // just below one wave
     } else if (paged && p.seqlen_k >= kPagedOneWaveSplitKeys && p.seqlen_k >= kPagedFullSlotsMinSplitKeys * full_slots_splits) {
