@@ -577,30 +577,37 @@ TEST(CudaKvcacheHarness, JudgesTheCpuFlashBackend) {
   EXPECT_FALSE(judge("fp8 out without v_scale", fp8, unscaled, fp8_e));
 }
 
-TEST(CudaKvcache, DecodeContiguousAndPaged) {
-  SKIP_WITHOUT_GPU();
+// Contiguous and paged caches (block sizes 1, 3, 16, 256) at GQA 4, MQA 8 and MHA, with one appended token, then
+// causal over a longer cache; then blocks that are not runs of rows (heads-major: the general block addressing,
+// plain and checked tiles) of `heads_major_sizes`. Each case from make_case(heads_k) (which gives the dtypes).
+void check_layouts_and_heads(KvCase (*make_case)(int heads_k), std::initializer_list<int> heads_major_sizes,
+                             const std::string& tag) {
   for (const int block_size : {0, 1, 3, 16, 256})
     for (const int heads_k : {2, 1, 8}) {  // GQA 4, MQA 8, MHA
-      KvCase c;
+      KvCase c = make_case(heads_k);
       c.block_size = block_size;
       c.heads_k = heads_k;
       c.seqlen_new = 1;
-      check_case("decode", c);
+      check_case(tag + "decode", c);
       c.causal = true;
       c.cached = {1000, 17};
       c.capacity = 1100;
-      check_case("decode causal", c);
+      check_case(tag + "decode causal", c);
     }
-  // Blocks that are not runs of rows (heads-major): the general block addressing, plain and checked tiles.
-  for (const int block_size : {16, 64, 3}) {
-    KvCase c;
+  for (const int block_size : heads_major_sizes) {
+    KvCase c = make_case(2);
     c.block_size = block_size;
     c.heads_major_blocks = true;
     c.seqlen_new = 1;
     c.cached = {1000, 17};
     c.capacity = 1100;
-    check_case("decode heads-major blocks", c);
+    check_case(tag + "decode heads-major blocks", c);
   }
+}
+
+TEST(CudaKvcache, DecodeContiguousAndPaged) {
+  SKIP_WITHOUT_GPU();
+  check_layouts_and_heads([](int) { return KvCase{}; }, {16, 64, 3}, "");
 }
 
 // Head dims `dims` for both q dtypes, each case from make_case(dtype) (which gives the cache's type).
@@ -1067,25 +1074,7 @@ KvCase fp8_case(fa_dtype dtype = FA_BFLOAT16) {
 
 TEST(CudaKvcacheFp8, DecodeContiguousAndPaged) {
   SKIP_WITHOUT_GPU();
-  for (const int block_size : {0, 1, 3, 16, 256})
-    for (const int heads_k : {2, 1, 8}) {  // GQA 4, MQA 8, MHA
-      KvCase c = fp8_case(heads_k == 1 ? FA_FLOAT16 : FA_BFLOAT16);
-      c.block_size = block_size;
-      c.heads_k = heads_k;
-      c.seqlen_new = 1;
-      check_case("fp8 decode", c);
-      c.causal = true;
-      c.cached = {1000, 17};
-      c.capacity = 1100;
-      check_case("fp8 decode causal", c);
-    }
-  KvCase c = fp8_case();  // blocks that are not runs of rows: the general block addressing
-  c.block_size = 16;
-  c.heads_major_blocks = true;
-  c.seqlen_new = 1;
-  c.cached = {1000, 17};
-  c.capacity = 1100;
-  check_case("fp8 decode heads-major blocks", c);
+  check_layouts_and_heads([](int heads_k) { return fp8_case(heads_k == 1 ? FA_FLOAT16 : FA_BFLOAT16); }, {16}, "fp8 ");
 }
 
 // Every D % 16 == 0 up to 256 runs in a compiled FP8 bucket (64, 128, 256), both q dtypes.
