@@ -507,10 +507,12 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
                         Case{24, 8192, false, 4}, Case{36, 8192, true, 4}, Case{36, 32768, false, 6}, Case{36, 32768, true, 6},
                         Case{48, 8192, false, 2}, Case{48, 32768, true, 2}, Case{9, 8192, false, 3}, Case{9, 8192, true, 3},
                         Case{10, 32768, false, 3}, Case{10, 32768, true, 13},
-                        // one wave: 2 splits for paged caches from 4k keys, contiguous ones from 32k up to 0.8 of the SMs
+                        // one wave: 2 splits for paged caches from 4k keys; 8 for contiguous ones from 32k up to 0.8 of
+                        // the SMs (B = 13: 0.79) and from 16k up to 0.75 (B = 12: 0.73), else 1
                         Case{12, 4096, true, 2}, Case{16, 4096, true, 2}, Case{14, 2048, true, 1}, Case{12, 8192, true, 2},
-                        Case{12, 32768, false, 2}, Case{13, 131072, false, 2}, Case{14, 32768, false, 1},
-                        Case{16, 131072, false, 1}, Case{12, 16384, false, 1}}) {
+                        Case{12, 32768, false, 8}, Case{13, 131072, false, 8}, Case{13, 32768, false, 8},
+                        Case{12, 16384, false, 8}, Case{13, 16384, false, 1}, Case{12, 8192, false, 1}, Case{14, 16384, false, 1},
+                        Case{14, 32768, false, 1}, Case{16, 131072, false, 1}}) {
     KvcacheParams q = issue_shape(c.batch, c.cache, c.paged);
     q.kv_dtype = FA_FLOAT8_E4M3;
     const KernelEntry& fp8_kernel = decode_kernel_for(q, h200());

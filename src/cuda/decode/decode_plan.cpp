@@ -194,9 +194,9 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
         splits = kOneWaveFourSplits;
       else if (paged && two_fit && p.seqlen_k >= (sixteen_bit ? kPagedOneWaveSplitKeys : kFp8PagedOneWaveSplitKeys))
         splits = 2;
-      else if (!paged && !sixteen_bit && two_fit && p.seqlen_k >= kFp8ContiguousOneWaveSplitKeys &&
-               fill <= kFp8ContiguousOneWaveMaxFill)
-        splits = 2;  // long contiguous FP8 caches, up to 0.8 of the SMs
+      else if (!paged && !sixteen_bit && per_sm >= 2 && fill <= kFp8ContiguousOneWaveMaxFill &&
+               p.seqlen_k >= (fill <= kFp8ContiguousShortSplitMaxFill ? kFp8ContiguousShortSplitKeys : kFp8ContiguousOneWaveSplitKeys))
+        splits = kFp8ContiguousOneWaveSplits;  // long contiguous FP8 caches, up to 0.8 of the SMs (16k-32k: 0.75)
       else
         splits = 1;
     } else if (per_sm >= 2 && fill > kBelowWaveMinFill && fill < kOneWaveFill && p.seqlen_k >= kBelowWaveMinKeys) {

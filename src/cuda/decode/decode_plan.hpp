@@ -83,21 +83,34 @@ constexpr double kOneWaveFourSplitsPagedFill = 0.9;
 constexpr double kOneWaveLongTileFill = 0.75;
 constexpr int64_t kOneWaveFourSplitsMinKeys = 8192;
 constexpr int kOneWaveFourSplits = 4;
-// FP8 (e4m3) caches at one wave: 2 splits for paged caches from kFp8PagedOneWaveSplitKeys keys (not 8k), and for
-// contiguous ones from kFp8ContiguousOneWaveSplitKeys up to kFp8ContiguousOneWaveMaxFill. H200, 2026-12-01 21:05 UTC,
-// --kv fp8 --splits 0,1,2,3,4,6,8, 2 rounds (bench/results/2026-12-01-2105-h200-decode-fp8-splits-one-wave-summary.txt):
-// 2 splits are the fastest count for paged 4k at B = 12-16 of 8 K/V heads; for contiguous 32k they are ahead of 1
-// (8 splits, not taken, were faster at 96-104 CTAs); contiguous 8k-16k, 0.96-1.06 against 1 by batch (1 stays).
-// Alternating runs of the library (21:09 UTC, 3 each, ...-2109-h200-decode-fp8-one-wave-ab-summary.txt; a build that
-// split contiguous 32k at every fill, of which this rule keeps the points up to 0.8), 2 splits against 1:
-//   paged 4k: 32 / 8 B = 12-16 1.062-1.234, 28 / 4 B = 24 and 28 1.208 and 1.118, 8 / 1 B = 96 and 104 1.202 and 1.168;
-//   contiguous 32k by fill: 0.73 (96 CTAs) 1.090-1.103, 0.79 (104) 1.035-1.054, 0.85 (112) 0.996-0.999, 0.97 (128)
-//   0.974, and 128k at 0.97 0.979: hence kFp8ContiguousOneWaveMaxFill. (At 96 CTAs contiguous 8 splits were faster
-//   still at 16k-32k in the sweep, 1.13-1.21 against 1: one batch size, not taken.) This build itself was not timed (no
-//   device was lent after 21:10 UTC); the plan test pins its counts.
+// FP8 (e4m3) caches at one wave: paged caches of >= kFp8PagedOneWaveSplitKeys keys (not 8k) take 2 splits, and
+// contiguous ones of >= kFp8ContiguousOneWaveSplitKeys up to kFp8ContiguousOneWaveMaxFill, and of >=
+// kFp8ContiguousShortSplitKeys up to kFp8ContiguousShortSplitMaxFill, take kFp8ContiguousOneWaveSplits (2.9-3.2 waves of
+// the two CTA slots per SM, as the 16-bit long tile's 4 splits at one per SM). H200, --kv fp8 --splits, 2 rounds:
+// - 21:05 UTC (bench/results/2026-12-01-2105-h200-decode-fp8-splits-one-wave-summary.txt): 2 splits are the fastest
+//   count for paged 4k at B = 12-16 of 8 K/V heads. Alternating runs of the library (21:09 UTC, 3 each,
+//   ...-2109-h200-decode-fp8-one-wave-ab-summary.txt), 2 splits against 1: paged 4k 32 / 8 B = 12-16 1.062-1.234,
+//   28 / 4 B = 24 and 28 1.208 and 1.118, 8 / 1 B = 96 and 104 1.202 and 1.168. Contiguous 32k, 2 splits by fill: 0.73
+//   (96 CTAs) 1.090-1.103, 0.79 (104) 1.035-1.054, 0.85 (112) 0.996-0.999, 0.97 (128) 0.974, 128k at 0.97 0.979: hence
+//   kFp8ContiguousOneWaveMaxFill; from 0.85 no count beat 1 by more than ~4% (8: 0.92-1.00).
+// - 22:47 UTC (bench/results/2026-12-01-2247-h200-decode-fp8-splits-one-wave-contiguous-summary.txt, best us),
+//   contiguous, 8 splits against the rule before (1 split at 16k, 2 from 32k up to 0.8):
+//   96 CTAs (0.73 of the SMs): 32 / 8 B = 12 16k-128k 1.112-1.157 (32k 218.3 -> 193.9 us), 28 / 4 B = 24 1.133-1.175,
+//   8 / 1 B = 96 1.117-1.147, 64 / 8 B = 12 1.122-1.140, D = 64 1.086-1.249 (12-16 splits up to 1.31 at 16k), D = 256
+//   1.138-1.241; 104 CTAs (0.79): 32 / 8 B = 13 16k 1.018 (12 splits 1.053), 32k 1.069, 64k 1.134, 128k 1.075.
+//   At 8k, 8 splits were 1.065 at 96 CTAs but 0.958 at 104: 1 split stays there.
+//   The library with 8 splits from 16k up to 0.8 against main (23:01 UTC, 3 alternating runs, medians;
+//   bench/results/2026-12-01-2301-h200-decode-fp8-one-wave-eight-splits-ab-summary.txt): 96 CTAs (32 / 8 B = 12, 28 / 4
+//   B = 24, 8 / 1 B = 96, D = 64 and 256) 1.041-1.215; 104 CTAs 32k-128k 1.007-1.133, but 16k 0.976-1.003 (28 / 4
+//   B = 26, 8 / 1 B = 104, 32 / 8 B = 13): hence 16k-32k only up to 0.75 of the SMs. The kept rule against main
+//   (23:07 UTC, 3 alternating runs, ...-2307-h200-decode-fp8-one-wave-eight-splits-final-ab-summary.txt): where the
+//   count changed 1.009-1.169 (32 / 8 B = 12 / 32k 215.5 -> 194.2 us), every other point 0.994-1.008.
 constexpr int64_t kFp8PagedOneWaveSplitKeys = 4096;
 constexpr int64_t kFp8ContiguousOneWaveSplitKeys = 32768;
 constexpr double kFp8ContiguousOneWaveMaxFill = 0.8;
+constexpr int64_t kFp8ContiguousShortSplitKeys = 16384;
+constexpr double kFp8ContiguousShortSplitMaxFill = 0.75;
+constexpr int kFp8ContiguousOneWaveSplits = 8;
 // Contiguous caches at large batch: an unsplit grid of many waves still splits the long sequences, toward
 // kManyWavesTarget waves of CTA slots, each split keeping >= kManyWavesMinSplitKeys keys (16-bit caches; paged
 // caches do not gain). H200, 2026-11-30 23:58 UTC, bf16, Hq 32 / Hk 8, flashattn_decode_bench --splits 0,2,3,4,
