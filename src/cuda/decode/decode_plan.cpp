@@ -175,8 +175,8 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
     const int64_t capacity_tiles = (int64_t(p.seqlen_k) + kernel.block_n - 1) / kernel.block_n;
     // CTAs per SM of the unsplit grid (decode_plan.hpp): between one per SM and many waves, the slot waves
     // (slot_wave_splits); every slot for paged caches that may hold long sequences; about one wave: 1 split, or 2
-    // for medium paged caches (and long contiguous FP8 ones), or 4 for paged 16-bit ones in its lower part; just below
-    // that, the slot waves again; else about one CTA per SM.
+    // for medium paged caches, or 4 for paged 16-bit ones in its lower part, or 8 for long contiguous FP8 ones; just
+    // below that, the slot waves again; else about one CTA per SM.
     const double fill = double(ctas) / double(device.sm_count);
     const int64_t slots = int64_t(device.sm_count) * per_sm;
     const int full_slots_splits = paged ? choose_num_splits(ctas, slots, capacity_tiles) : 1;
@@ -189,13 +189,14 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
       // (contiguous 16-bit caches in the lower part take the long tile's 4 splits in the selection:
       // wants_one_wave_long_tile)
       const bool two_fit = per_sm >= 2 && capacity_tiles >= 2 * kMinTilesPerSplit;
+      // contiguous FP8: the shortest cache that takes kFp8ContiguousOneWaveSplits at this fill
+      const int64_t fp8_split_keys = fill <= kFp8ContiguousShortSplitMaxFill ? kFp8ContiguousShortSplitKeys : kFp8ContiguousOneWaveSplitKeys;
       if (paged && sixteen_bit && device.sm_major >= 9 && per_sm == 2 && p.seqlen_k >= kOneWaveFourSplitsMinKeys &&
           fill <= kOneWaveFourSplitsPagedFill)
         splits = kOneWaveFourSplits;
       else if (paged && two_fit && p.seqlen_k >= (sixteen_bit ? kPagedOneWaveSplitKeys : kFp8PagedOneWaveSplitKeys))
         splits = 2;
-      else if (!paged && !sixteen_bit && per_sm >= 2 && fill <= kFp8ContiguousOneWaveMaxFill &&
-               p.seqlen_k >= (fill <= kFp8ContiguousShortSplitMaxFill ? kFp8ContiguousShortSplitKeys : kFp8ContiguousOneWaveSplitKeys))
+      else if (!paged && !sixteen_bit && per_sm >= 2 && fill <= kFp8ContiguousOneWaveMaxFill && p.seqlen_k >= fp8_split_keys)
         splits = kFp8ContiguousOneWaveSplits;  // long contiguous FP8 caches, up to 0.8 of the SMs (16k-32k: 0.75)
       else
         splits = 1;
