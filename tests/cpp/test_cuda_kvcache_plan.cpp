@@ -393,6 +393,39 @@ TEST(CudaKvcachePlan, OneWaveLongTileRule) {
   EXPECT_FALSE(wants(fp8, h200()));
 }
 
+// The lower part of the one wave in a general tile of one CTA per SM (D = 256, 16-bit: decode_plan.hpp's
+// kOneWaveOneSlotMinKeys): 4 splits from 16k keys up to 0.75 of the SMs, either layout; D = 128 and 192 (two CTAs
+// per SM), FP8, sm_80, 104 CTAs and 8k keys keep their plans.
+TEST(CudaKvcachePlan, OneWaveOneSlotTileRule) {
+  auto splits = [](KvcacheParams p, const decode::DecodeDevice& device) {
+    decode::DecodePlan plan;
+    EXPECT_TRUE(decode::make_decode_plan(p, decode_kernel_for(p, device), device, &plan).ok());
+    return plan.num_splits;
+  };
+  auto paged = [](KvcacheParams p) {
+    static int32_t table[1];
+    p.block_table = table;
+    p.page_block_size = 16;
+    p.num_blocks = int(p.batch * (p.seqlen_k / 16));
+    p.block_table_batch_stride = p.seqlen_k / 16;
+    return p;
+  };
+  EXPECT_EQ(decode::ctas_per_sm(decode_kernel_for(decode_params(12, 1, 32, 8, 256, 16384), h200()).smem_bytes, 128, h200()), 1);
+  EXPECT_EQ(splits(decode_params(12, 1, 32, 8, 256, 16384), h200()), 4);          // 96 CTAs: 0.727 of the SMs
+  EXPECT_EQ(splits(decode_params(12, 1, 32, 8, 256, 131072), h200()), 4);
+  EXPECT_EQ(splits(paged(decode_params(12, 1, 32, 8, 256, 16384)), h200()), 4);
+  EXPECT_EQ(splits(decode_params(3, 1, 32, 32, 256, 16384), h200()), 4);          // MHA: 96 CTAs
+  EXPECT_EQ(splits(decode_params(99, 1, 8, 1, 256, 16384), h200()), 4);           // 0.75
+  EXPECT_EQ(splits(decode_params(100, 1, 8, 1, 256, 16384), h200()), 1);          // 0.758
+  EXPECT_EQ(splits(decode_params(13, 1, 32, 8, 256, 16384), h200()), 1);          // 104 CTAs
+  EXPECT_EQ(splits(decode_params(12, 1, 32, 8, 256, 16383), h200()), 1);          // under 16k keys
+  EXPECT_EQ(splits(decode_params(12, 1, 32, 8, 256, 16384), a100()), 1);          // measured on sm_90 only
+  EXPECT_EQ(splits(decode_params(12, 1, 32, 8, 192, 16384), h200()), 1);          // two CTAs per SM
+  KvcacheParams fp8 = decode_params(12, 1, 32, 8, 256, 8192);
+  fp8.kv_dtype = FA_FLOAT8_E4M3;
+  EXPECT_EQ(splits(fp8, h200()), 1) << "FP8 caches: their own one-wave rule (8 splits from 16k keys)";
+}
+
 // The generated table's rows with a decode role: never chosen by choose_kernel, offered in place of their bucket's
 // general row by decode_alternative (the bf16 and fp16 D = 128 decode rows: a many_waves and a long_contiguous row),
 // none for other rows.

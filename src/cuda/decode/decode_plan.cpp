@@ -175,8 +175,8 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
     const int64_t capacity_tiles = (int64_t(p.seqlen_k) + kernel.block_n - 1) / kernel.block_n;
     // CTAs per SM of the unsplit grid (decode_plan.hpp): between one per SM and many waves, the slot waves
     // (slot_wave_splits); every slot for paged caches that may hold long sequences; about one wave: 1 split, or 2
-    // for medium paged caches, or 4 for paged 16-bit ones in its lower part, or 8 for long contiguous FP8 ones; just
-    // below that, the slot waves again; else about one CTA per SM.
+    // for medium paged caches, or 4 in its lower part for paged 16-bit ones and for tiles of one CTA per SM, or 8 for
+    // long contiguous FP8 ones; just below that, the slot waves again; else about one CTA per SM.
     const double fill = double(ctas) / double(device.sm_count);
     const int64_t slots = int64_t(device.sm_count) * per_sm;
     const int full_slots_splits = paged ? choose_num_splits(ctas, slots, capacity_tiles) : 1;
@@ -194,6 +194,9 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
       if (paged && sixteen_bit && device.sm_major >= 9 && per_sm == 2 && p.seqlen_k >= kOneWaveFourSplitsMinKeys &&
           fill <= kOneWaveFourSplitsPagedFill)
         splits = kOneWaveFourSplits;
+      else if (sixteen_bit && device.sm_major >= 9 && per_sm == 1 && p.seqlen_k >= kOneWaveOneSlotMinKeys &&
+               fill <= kOneWaveLongTileFill)
+        splits = kOneWaveFourSplits;  // a tile of one CTA per SM (D = 256), either layout
       else if (paged && two_fit && p.seqlen_k >= (sixteen_bit ? kPagedOneWaveSplitKeys : kFp8PagedOneWaveSplitKeys))
         splits = 2;
       else if (!paged && !sixteen_bit && per_sm >= 2 && fill <= kFp8ContiguousOneWaveMaxFill && p.seqlen_k >= fp8_split_keys)

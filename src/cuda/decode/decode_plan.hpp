@@ -79,9 +79,19 @@ constexpr int64_t kPagedOneWaveSplitKeys = 8192;
 // where the count changed: 32 / 8 B = 12-14 geometric mean 1.080 (1.024-1.131; contiguous B = 12 / 32k 402.5 -> 356.0 us),
 // 8 / 1 B = 96-112 1.080 (1.023-1.110), D = 64 paged B = 12-14 1.036 (0.980 at B = 14 / 8k, to 1.092); the issue's
 // sweep keeps its counts (0.995-1.003).
+// - either layout, up to kOneWaveLongTileFill, in a general tile of one CTA per SM (D = 256: 128 KiB), from
+//   kOneWaveOneSlotMinKeys keys: the same 2.9 waves as the long tile's. H200, 23:36 UTC, --splits 0,1,2,4,8,12,16, 2
+//   rounds, best us (bench/results/2026-12-01-2336-h200-decode-splits-d64-d256-one-wave-summary.txt), 32 / 8 D = 256
+//   B = 12 (96 CTAs), 4 splits against 1: contiguous 16k 1.052, 32k 1.062; paged 16k 1.087 (32k: every slot's 4 stay);
+//   B = 13 (104 CTAs): 0.90-0.92 (1 stays). D = 64 (two CTAs per SM) gained nothing from 8-16 splits contiguous
+//   (0.93-1.00). The library against main, D = 256, 3 alternating runs (23:50 UTC,
+//   ...-2350-h200-decode-d256-one-wave-four-splits-ab-summary.txt): where the count changed (32 / 8 B = 12, 28 / 4
+//   B = 24, 8 / 1 B = 96, 32 / 32 B = 3 at 16k-128k) 1.041-1.106 (B = 12 / 16k paged 419.2 -> 382.7 us), every other
+//   point 0.997-1.004.
 constexpr double kOneWaveFourSplitsPagedFill = 0.9;
 constexpr double kOneWaveLongTileFill = 0.75;
 constexpr int64_t kOneWaveFourSplitsMinKeys = 8192;
+constexpr int64_t kOneWaveOneSlotMinKeys = 16384;
 constexpr int kOneWaveFourSplits = 4;
 // FP8 (e4m3) caches at one wave: paged caches of >= kFp8PagedOneWaveSplitKeys keys (not 8k) take 2 splits, and
 // contiguous ones of >= kFp8ContiguousOneWaveSplitKeys up to kFp8ContiguousOneWaveMaxFill, and of >=
