@@ -102,7 +102,7 @@ constexpr int kOneWaveFourSplits = 4;
 //   ...-2109-h200-decode-fp8-one-wave-ab-summary.txt), 2 splits against 1: paged 4k 32 / 8 B = 12-16 1.062-1.234,
 //   28 / 4 B = 24 and 28 1.208 and 1.118, 8 / 1 B = 96 and 104 1.202 and 1.168. Contiguous 32k, 2 splits by fill: 0.73
 //   (96 CTAs) 1.090-1.103, 0.79 (104) 1.035-1.054, 0.85 (112) 0.996-0.999, 0.97 (128) 0.974, 128k at 0.97 0.979: hence
-//   kFp8ContiguousOneWaveMaxFill; from 0.85 no count beat 1 by more than ~4% (8: 0.92-1.00).
+//   kFp8ContiguousOneWaveMaxFill. From 0.85, 8 splits were 0.85-1.00 against 1 in the sweep.
 // - 22:47 UTC (bench/results/2026-12-01-2247-h200-decode-fp8-splits-one-wave-contiguous-summary.txt, best us),
 //   contiguous, 8 splits against the rule before (1 split at 16k, 2 from 32k up to 0.8):
 //   96 CTAs (0.73 of the SMs): 32 / 8 B = 12 16k-128k 1.112-1.157 (32k 218.3 -> 193.9 us), 28 / 4 B = 24 1.133-1.175,
