@@ -44,24 +44,18 @@ Status select(const KvcacheParams& p, Selection* s) {
     if (alternative >= 0) s->index = alternative;
   }
   FA_RETURN_IF_ERROR(make_decode_plan(p, kernel_entry(s->index), device, &s->plan));
-  // Contiguous caches in the lower part of the one wave take kOneWaveFourSplits splits on the bucket's long_contiguous
-  // row where it is compiled (decode_plan.hpp); else the general row's plan stands.
-  if (wants_one_wave_long_tile(p, s->plan, device)) {
+  // Contiguous caches take the bucket's long_contiguous row where it is compiled (decode_plan.hpp): in the lower part
+  // of the one wave at kOneWaveFourSplits splits, at 1.5-4 CTAs per SM at the general row's split count; else (or
+  // without that row) the general row's plan stands. (The two rules never hold together: the first needs the general
+  // plan's 1 split at under 0.75 CTAs per SM, the second >= 1.5 CTAs per SM.)
+  const int long_tile_splits = wants_one_wave_long_tile(p, s->plan, device)     ? kOneWaveFourSplits
+                               : wants_long_contiguous_tile(p, s->plan, device) ? s->plan.num_splits
+                                                                                : 0;
+  if (long_tile_splits > 0) {
     const int alternative = decode_alternative(s->index, DecodeRole::kLongContiguous, limits);
     if (alternative >= 0) {
       KvcacheParams planned = p;
-      planned.num_splits = kOneWaveFourSplits;
-      s->index = alternative;
-      return make_decode_plan(planned, kernel_entry(s->index), device, &s->plan);
-    }
-  }
-  // Long contiguous caches at 1.5-4 CTAs per SM take the bucket's long_contiguous row, at the general row's split
-  // count (decode_plan.hpp).
-  if (wants_long_contiguous_tile(p, s->plan, device)) {
-    const int alternative = decode_alternative(s->index, DecodeRole::kLongContiguous, limits);
-    if (alternative >= 0) {
-      KvcacheParams planned = p;
-      planned.num_splits = s->plan.num_splits;
+      planned.num_splits = long_tile_splits;
       s->index = alternative;
       return make_decode_plan(planned, kernel_entry(s->index), device, &s->plan);
     }
