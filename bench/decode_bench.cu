@@ -29,7 +29,8 @@
 //                         such as m16n64w4s3, and e4m3_m16n128w4s3 for --kv fp8 ("all": every one for the
 //                         cache of --kv), launched directly with the knobs below and checked against "lib"'s
 //                         output; "tl_m16n64w4s3" is the library's tile with a timeline probe: after its timing,
-//                         the phases of every CTA of one graph launch (report_timeline)
+//                         the phases of every CTA of one graph launch (report_timeline; per call also the
+//                         distinct SMs its CTAs ran on, and "shared": its streaming CTAs that shared an SM)
 //   --pdl 0,1             variants: programmatic dependent launch (DecodeArgs::programmatic_launch)
 //   --min-tiles N         variants: DecodeArgs::min_tiles_per_split
 //   --cluster -1,0,1      variants: the splits merge in a thread-block cluster (1), through the combine kernel (0),
@@ -551,14 +552,16 @@ void report_timeline(std::vector<Copy>& copies, const CallFn& call, cudaStream_t
   std::printf("    timeline (us; per call: median / max over its CTAs that streamed tiles)\n");
   std::printf("    %4s %5s |", "call", "ctas");
   for (const char* n : names) std::printf(" %13s", n);
-  std::printf(" | %6s %6s %6s\n", "span", "gap", "SMs");
+  std::printf(" | %6s %6s %6s %6s\n", "span", "gap", "SMs", "shared");
   for (size_t ci = 0; ci < calls.size(); ++ci) {
     const CallTimes& c = calls[ci];
     std::vector<std::vector<double>> phase(kPhases);
     std::set<unsigned int> sms;
+    std::map<unsigned int, int> streaming_on_sm;  // CTAs that streamed tiles, per SM
     for (const TimelineRecord& r : c.ctas) {
       sms.insert(r.smid);
       if (r.t[5] == 0 || r.t[3] == 0) continue;  // returned early (no tiles)
+      ++streaming_on_sm[r.smid];
       const double t0 = double(c.first_start);
       phase[0].push_back((double(r.t[1]) - double(r.t[0])) * 1e-3);
       phase[1].push_back((double(r.t[2]) - double(r.t[1])) * 1e-3);
@@ -578,7 +581,9 @@ void report_timeline(std::vector<Copy>& copies, const CallFn& call, cudaStream_t
       call_medians[k].push_back(median(phase[k]));
       call_maxes[k].push_back(maxof(phase[k]));
     }
-    std::printf(" | %6.2f %6.2f %6zu\n", span, gap, sms.size());
+    int sharing = 0;  // streaming CTAs on an SM that another of the call's streaming CTAs also ran on
+    for (const auto& kv : streaming_on_sm) sharing += kv.second > 1 ? kv.second : 0;
+    std::printf(" | %6.2f %6.2f %6zu %6d\n", span, gap, sms.size(), sharing);
     call_medians[kPhases].push_back(span);
     if (gap >= 0) call_medians[kPhases + 1].push_back(gap);
   }

@@ -196,11 +196,17 @@ TEST(CudaKvcachePlan, SplitHeuristic) {
   EXPECT_EQ(decode::choose_num_splits(1 * 8, slots, 16), 8);
   EXPECT_EQ(decode::choose_num_splits(4 * 8, slots, 16), 8);
   // No split without tiles: one K/V head (8 query heads, B = 1) of a 4k cache (64 tiles) on 132 SMs takes 32 splits
-  // of 2 tiles, not 31, which would leave 9 empty (ceil(64 / 31) = 3 tiles each: 22 used); a 16k cache (256 tiles)
-  // takes 128, not 123 (86 used). Whatever the shape, the last split of the count chosen has tiles.
+  // of 2 tiles, not 31, which would leave 9 empty (ceil(64 / 31) = 3 tiles each: 22 used). Whatever the shape, the
+  // last split of the count chosen has tiles.
   EXPECT_EQ(decode::choose_num_splits(1, 132, 64), 32);
-  EXPECT_EQ(decode::choose_num_splits(1, 132, 256), 128);
   EXPECT_EQ(decode::choose_num_splits(4, 132, 64), 32);
+  // One CTA unsplit takes at most kMaxSplitsOneCta: a 16k cache (256 tiles) 86 splits of 3 tiles (108 asked would
+  // leave 22 empty), 32k 103 of 5, 64k 103 of 10; two CTAs keep kMaxSplits (256 tiles: 128 splits of 2).
+  EXPECT_EQ(decode::choose_num_splits(1, 132, 256), 86);
+  EXPECT_EQ(decode::choose_num_splits(1, 264, 512), 103);
+  EXPECT_EQ(decode::choose_num_splits(1, 264, 1024), 103);
+  EXPECT_EQ(decode::choose_num_splits(2, 264, 256), 128);
+  for (const int64_t tiles : {256, 1000, 4096, 1 << 20}) EXPECT_LE(decode::choose_num_splits(1, 264, tiles), decode::kMaxSplitsOneCta);
   EXPECT_EQ(decode::choose_num_splits(4, 132, 1024), 32);  // every split has tiles already
   for (const int64_t ctas : {1, 3, 4, 7, 40, 100})
     for (const int64_t tiles : {1, 10, 31, 64, 100, 256, 1000, 1024}) {
@@ -208,9 +214,9 @@ TEST(CudaKvcachePlan, SplitHeuristic) {
       const decode::SplitWork last = decode::split_work(0, int(tiles) * 64, 64, s, decode::kMinTilesPerSplit, s - 1);
       EXPECT_EQ(last.used, s) << ctas << " CTAs, " << tiles << " tiles: " << s << " splits";
     }
-  // Monotone in the batch: more sequences never need more splits.
+  // Monotone in the batch from two CTAs (one CTA has its own cap, above): more sequences never need more splits.
   int previous = decode::kMaxSplits;
-  for (int64_t ctas = 1; ctas <= 512; ctas *= 2) {
+  for (int64_t ctas = 2; ctas <= 512; ctas *= 2) {
     const int splits = decode::choose_num_splits(ctas, slots, 4096);
     EXPECT_LE(splits, previous) << ctas << " CTAs";
     previous = splits;

@@ -79,7 +79,25 @@ constexpr int kPrefetchTableEntries = 1024;
 // index of the plain load path (ids checked, rows below the key count) and a byte stride below 2^31 (strides
 // are non-negative: src/api/validate.cpp; the plain path takes strides_32bit only). Signed
 // 64-bit products cost 3-4 integer instructions each, and the paged path takes 4 per row (SASS, 2026-11-30).
-__device__ __forceinline__ uint64_t wide_product(uint32_t a, uint32_t b) { return uint64_t(a) * b; }
+// kPtx (16-bit caches): PTX's mul.wide.u32. In C++, `uint64_t(a) * b` with b widened once outside the tile loop
+// became a 64 x 64-bit multiply (SASS, sm_90a, 2026-12-01). FP8 caches keep the C++ form (see "lean copy
+// addresses" at decode_kernel below).
+template <bool kPtx>
+__device__ __forceinline__ uint64_t wide_product(uint32_t a, uint32_t b) {
+  if constexpr (kPtx) {
+    uint64_t product;
+    asm("mul.wide.u32 %0, %1, %2;" : "=l"(product) : "r"(a), "r"(b));
+    return product;
+  } else {
+    return uint64_t(a) * b;
+  }
+}
+// x itself, through a shuffle from the thread's own lane (every lane of the warp active): ptxas then keeps it in
+// registers instead of rebuilding it from the kernel parameters in every tile.
+__device__ __forceinline__ uint64_t opaque_u64(uint64_t x, int lane) {
+  const uint32_t lo = __shfl_sync(0xffffffffu, uint32_t(x), lane), hi = __shfl_sync(0xffffffffu, uint32_t(x >> 32), lane);
+  return uint64_t(hi) << 32 | lo;
+}
 
 // kPaged: the cache is paged (args.p.block_table != null); the launcher picks the instantiation.
 // Launch bounds: C::kMinCtasPerSm (decode_config.cuh) is 0, "no bound", for 16-bit caches (ptxas's own register
@@ -101,6 +119,18 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   constexpr int kPVSteps = kWarpKeys / 16;    // k16 steps of O += P V
   using QTile = SwizzledTile<kBlockM, kHeadDim>;
   constexpr bool kFp8 = C::kFp8Cache;
+  // Lean copy addresses (16-bit caches): the plain copies' row bases stay in registers (opaque_u64), their products
+  // are PTX mul.wide.u32 (wide_product<true>) and a paged pass's slot lane is worked out unsigned (pass_pool_row).
+  // ptxas then gives the D = 128 tile 149 registers instead of 128 and a 4-byte spill, and 4% fewer instructions
+  // (sm_90a). Affects speed only. H200, the library against main, 3 alternating runs, medians:
+  // - 2026-12-02 01:35 UTC (bench/results/2026-12-02-0135-h200-decode-lean-addresses-ab-summary.txt; with the
+  //   one-CTA split cap of decode_plan.hpp): 32 / 8 D = 128, the issue's points, contiguous 1.001-1.046 (B = 1 / 32k
+  //   36.72 -> 36.09 us, B = 4 / 8k 36.46 -> 35.68, B = 256 / 1k 250.9 -> 245.7), paged 0.987-1.019; 8 / 1 B = 1-4
+  //   0.996-1.094; FP8 (these plain forms) 0.983-1.007.
+  // - 01:23 UTC, every cache lean (...-0123-h200-decode-lean-all-caches-ab-summary.txt): D = 64 0.993-1.077, D = 256
+  //   0.998-1.040, 28 / 4 and MHA 0.996-1.036; FP8 paged 0.978-0.992 (mul.wide alone took the paged FP8 kernel from
+  //   185 to 195 registers), so FP8 caches keep the plain forms.
+  constexpr bool kLean = !kFp8;
   // The cache's element, and a K or V tile as streamed through the ring: the 16-bit tile itself, or (FP8) the
   // tile's codes, whose D bytes per row are stored as the D / 2 columns of a 16-bit tile.
   using CacheElement = std::conditional_t<kFp8, uint8_t, Element>;
@@ -195,6 +225,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // trips off the path to the first copy. One lane reads the length and broadcasts it: every thread of a warp
   // then works from the same guess. Affects speed only. ----
   constexpr int kSlots = kBlockN / 16;  // 16-row slots of a tile (one block id each; see the paged block ids below)
+  constexpr int kTilesPerIdBatch = 32 / kSlots;  // tiles whose slot ids one warp register holds (lane l: slot l)
+  static_assert(kBlockN % 16 == 0 && 32 % kSlots == 0, "16-row id slots, a whole number of tiles per warp register");
   // The first key of this lane's slot in an id batch that starts at tile `first_tile` (lane l: slot l % kSlots of
   // tile l / kSlots).
   auto lane_slot_key = [&](int first_tile) { return (first_tile + lane / kSlots) * kBlockN + (lane % kSlots) * 16; };
@@ -282,13 +314,25 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // within its slot is row_lane % 16 in every pass, and that row's offset is folded into the base once.
   constexpr bool kSlotRowInBase = kRowsPerPass % 16 == 0;
   const uint32_t base_slot_row = kPaged && kSlotRowInBase ? uint32_t(row_lane & 15) : 0u;
-  const uint64_t k_slot_row_base = uint64_t(k_bytes) + wide_product(base_slot_row, k_row_bytes);
-  const uint64_t v_slot_row_base = uint64_t(v_bytes) + wide_product(base_slot_row, v_row_bytes);
+  auto opaque_bases = [&](uint64_t x) { return kLean ? opaque_u64(x, lane) : x; };
+  const uint64_t k_slot_row_base = opaque_bases(uint64_t(k_bytes) + wide_product<kLean>(base_slot_row, k_row_bytes));
+  const uint64_t v_slot_row_base = opaque_bases(uint64_t(v_bytes) + wide_product<kLean>(base_slot_row, v_row_bytes));
   // args.paged_rows: the pool row of key j's slot when block `id` holds it (id * block size + row in block), and
   // the pool row of a pass's row of tile `tile_in_batch`, from the slot rows of a batch (lane l holds slot l's).
   auto slot_pool_row = [&](int32_t id, int j) { return (uint32_t(id) << args.page_shift) + uint32_t(j & page_mask); };
-  auto pass_pool_row = [&](uint32_t slot_rows, int tile_in_batch, int row) {
-    return __shfl_sync(0xffffffffu, slot_rows, tile_in_batch * kSlots + row / 16) + (kSlotRowInBase ? 0u : uint32_t(row & 15));
+  // `rel`: the tile's index from the split's first tile (its batch of ids: rel % kTilesPerIdBatch). kLean: the lane
+  // worked out unsigned, and (whole slots per pass) as pass 0's slot plus a compile-time step: a signed row / 16 per
+  // pass took three instructions more per pass (SASS, sm_90a, 2026-12-01).
+  const uint32_t row_lane_slot = uint32_t(row_lane) / 16u;  // the tile's slot that holds this thread's row in pass 0
+  auto pass_pool_row = [&](uint32_t slot_rows, int rel, int pass) {
+    if constexpr (!kLean) {
+      const int row = row_lane + pass * kRowsPerPass;
+      return __shfl_sync(0xffffffffu, slot_rows, rel % kTilesPerIdBatch * kSlots + row / 16) + (kSlotRowInBase ? 0u : uint32_t(row & 15));
+    } else {
+      const uint32_t row = uint32_t(row_lane) + uint32_t(pass * kRowsPerPass);  // of the tile
+      const uint32_t slot = kSlotRowInBase ? row_lane_slot + uint32_t(pass * (kRowsPerPass / 16)) : row / 16u;
+      return __shfl_sync(0xffffffffu, slot_rows, int(uint32_t(rel) % kTilesPerIdBatch * kSlots + slot)) + (kSlotRowInBase ? 0u : row & 15u);
+    }
   };
 
   // ---- early tiles (args.early_tiles; a contiguous 16-bit cache, no rotary, no left window, full-width heads):
@@ -321,11 +365,11 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   };
   // The same for key j of a contiguous cache, and for a pool row of a paged one (args.paged_rows).
   auto copy_cache_row = [&](uint32_t k_tile, uint32_t v_tile, int pass, int j) {
-    copy_pass(k_tile, v_tile, pass, k_bytes + wide_product(j, k_row_bytes), v_bytes + wide_product(j, v_row_bytes));
+    copy_pass(k_tile, v_tile, pass, k_bytes + wide_product<kLean>(j, k_row_bytes), v_bytes + wide_product<kLean>(j, v_row_bytes));
   };
   auto copy_pool_row = [&](uint32_t k_tile, uint32_t v_tile, int pass, uint32_t pool_row) {
-    copy_pass(k_tile, v_tile, pass, reinterpret_cast<const char*>(k_slot_row_base + wide_product(pool_row, k_row_bytes)),
-              reinterpret_cast<const char*>(v_slot_row_base + wide_product(pool_row, v_row_bytes)));
+    copy_pass(k_tile, v_tile, pass, reinterpret_cast<const char*>(k_slot_row_base + wide_product<kLean>(pool_row, k_row_bytes)),
+              reinterpret_cast<const char*>(v_slot_row_base + wide_product<kLean>(pool_row, v_row_bytes)));
   };
   // Q and the kStages - 1 whole tiles from tile `first_tile`, one commit group each: the stages, groups and copies
   // of the prologue's plain path (the early and the speculative tiles). Paged: lane l of `slot_rows` holds the pool
@@ -338,9 +382,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       const uint32_t k_tile = kv_smem + uint32_t(n) * 2u * StageTile::kBytes + load_lane;
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass) {
-        const int row = row_lane + pass * kRowsPerPass;
-        if constexpr (kPaged) copy_pool_row(k_tile, k_tile + StageTile::kBytes, pass, pass_pool_row(slot_rows, n, row));
-        else copy_cache_row(k_tile, k_tile + StageTile::kBytes, pass, (first_tile + n) * kBlockN + row);
+        if constexpr (kPaged) copy_pool_row(k_tile, k_tile + StageTile::kBytes, pass, pass_pool_row(slot_rows, n, pass));
+        else copy_cache_row(k_tile, k_tile + StageTile::kBytes, pass, (first_tile + n) * kBlockN + row_lane + pass * kRowsPerPass);
       }
       cp_async_commit();
     }
@@ -576,9 +619,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // a tile (16-aligned rows: one block), kTilesPerIdBatch tiles per warp register (lane l: slot l % kSlots
   // of tile l / kSlots of the batch), read a whole batch ahead, so the table's latency (a DRAM round trip
   // under full load, ~1-2 us) never delays a tile's copies; each thread picks its slot's id with a shuffle.
-  // Other block sizes look up every row's id one tile ahead (per_row_ids).
-  constexpr int kTilesPerIdBatch = 32 / kSlots;
-  static_assert(kBlockN % 16 == 0 && 32 % kSlots == 0, "16-row id slots, a whole number of tiles per warp register");
+  // Other block sizes look up every row's id one tile ahead (per_row_ids). kTilesPerIdBatch: with kSlots, above.
   const bool slot_ids = kPaged && args.page_shift >= 4;
   int32_t ids_now = 0, ids_next = 0;  // slot_ids: the id batches of the tile being issued and of the next one
   int j_next = 0;                      // the first key of this lane's slot in the next batch
@@ -641,7 +682,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       // per row of K and of V, as for a contiguous cache.
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass) {
-        copy_pool_row(k_tile, v_tile, pass, pass_pool_row(rows_now, rel % kTilesPerIdBatch, row_lane + pass * kRowsPerPass));
+        copy_pool_row(k_tile, v_tile, pass, pass_pool_row(rows_now, rel, pass));
       }
     } else if (__builtin_expect(plain, 1)) {
 #pragma unroll
@@ -653,11 +694,11 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
         if constexpr (kPaged) {
           const uint32_t id = __shfl_sync(0xffffffffu, ids_now, (rel % kTilesPerIdBatch) * kSlots + row / 16);
           const uint32_t slot = j & page_mask;
-          k_src = k_bytes + (wide_product(id, k_block_bytes) + wide_product(slot, k_row_bytes));
-          v_src = v_bytes + (wide_product(id, v_block_bytes) + wide_product(slot, v_row_bytes));
+          k_src = k_bytes + (wide_product<kLean>(id, k_block_bytes) + wide_product<kLean>(slot, k_row_bytes));
+          v_src = v_bytes + (wide_product<kLean>(id, v_block_bytes) + wide_product<kLean>(slot, v_row_bytes));
         } else {
-          k_src = k_bytes + wide_product(j, k_row_bytes);
-          v_src = v_bytes + wide_product(j, v_row_bytes);
+          k_src = k_bytes + wide_product<kLean>(j, k_row_bytes);
+          v_src = v_bytes + wide_product<kLean>(j, v_row_bytes);
         }
         copy_pass(k_tile, v_tile, pass, k_src, v_src);
       }

@@ -101,7 +101,7 @@ int choose_num_splits(int64_t ctas, int64_t slots, int64_t capacity_tiles) {
   if (ctas <= 0 || slots <= 0) return 1;
   if (double(ctas) >= kFullOccupancy * double(slots)) return 1;
   const int64_t by_length = capacity_tiles / kMinTilesPerSplit;
-  const int max_splits = int(std::min<int64_t>(kMaxSplits, std::max<int64_t>(1, by_length)));
+  const int max_splits = int(std::min<int64_t>(ctas == 1 ? kMaxSplitsOneCta : kMaxSplits, std::max<int64_t>(1, by_length)));
   auto efficiency = [&](int s) { return wave_efficiency(ctas, s, slots); };
   double best = 0;
   for (int s = 1; s <= max_splits; ++s) best = std::max(best, efficiency(s));

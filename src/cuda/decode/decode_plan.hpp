@@ -172,6 +172,18 @@ constexpr double kBelowWaveMinFill = 0.5;
 constexpr int64_t kBelowWaveMinKeys = 4096;  // capacities of at least this many keys (the ones measured)
 constexpr int64_t kBelowWaveMinSplitKeys = 1024;
 constexpr int kMaxSplits = 128;            // the heuristic's cap (an explicit num_splits may be larger)
+// The cap where the whole call is one CTA unsplit (B = 1, one K/V head, one m-block: e.g. 8 query heads of one K/V
+// head, a tensor-parallel shard of a GQA model). Affects speed only. H200 (132 SMs), bf16, D = 128, 8 / 1, B = 1,
+// --splits sweeps (bench/results/2026-12-02-0103-h200-decode-splits-one-cta-summary.txt, -0111-...-splits-cliff-...):
+// at 16k and 64k keys, 118-128 splits ran 4-10% slower than 96-116: paged with either build of the kernel, contiguous
+// with the lean copy addresses (decode_kernel.cuh; 16k, 01:11 UTC: contiguous 116 splits 8.56 us, 118 9.32, 120 9.44;
+// paged, main's kernel, 116 9.47, 118 9.97). Asked 116 and 118 both run 86 working splits of 3 tiles at 16k: the
+// slowdown follows the grid, not the work. Why was not found: the timeline probe (-0109-...) showed the same phases and
+// no two streaming CTAs on one SM, and the largest shared-memory carveout for the combine kernel changed nothing
+// (-0116-..., not kept). Two CTAs unsplit keep kMaxSplits (-0119-...: paged 64k, 128 splits 24.07 us against
+// 24.46-24.88 at 96-116). The library against main (01:35 UTC, -0135-...): 8 / 1 B = 1 / 16k paged 10.29 -> 9.40 us
+// (128 -> 86 splits), 64k 17.10 -> 16.26 (103), contiguous 1.031-1.038.
+constexpr int kMaxSplitsOneCta = 112;
 constexpr double kFullOccupancy = 0.8;     // at >= 80% of one wave of CTA slots without splitting: no split
 constexpr double kWaveEfficiencyKept = 0.96;  // smallest split count whose last-wave efficiency is within 96% of the best
                                               // (B = 1: 32 of 264 slots; 0.97 would jump B = 4 from 8 to 33 splits)
@@ -324,8 +336,8 @@ int ctas_per_sm(int64_t smem_bytes, int threads, const DecodeDevice& device);
 // once (make_decode_plan: one per SM, or SMs x CTAs per SM for long paged caches);
 // `capacity_tiles` = key tiles of the longest possible sequence. Returns 1 when the unsplit grid already
 // fills the device; else the smallest split count whose waves are nearly as full as the best one, capped
-// by kMaxSplits and by capacity_tiles / kMinTilesPerSplit, and then a count at which every split gets tiles of
-// the capacity (decode_plan.cpp says which).
+// by kMaxSplits (kMaxSplitsOneCta for one CTA) and by capacity_tiles / kMinTilesPerSplit, and then a count at
+// which every split gets tiles of the capacity (decode_plan.cpp says which).
 int choose_num_splits(int64_t ctas, int64_t slots, int64_t capacity_tiles);
 
 // The fraction of CTA-slot time that `ctas` x `splits` equal CTAs keep busy over waves of `slots`: waves / ceil(waves).
