@@ -119,8 +119,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   constexpr int kPVSteps = kWarpKeys / 16;    // k16 steps of O += P V
   using QTile = SwizzledTile<kBlockM, kHeadDim>;
   constexpr bool kFp8 = C::kFp8Cache;
-  // Lean copy addresses (16-bit caches): the plain copies' row bases stay in registers (opaque_u64), their products
-  // are PTX mul.wide.u32 (wide_product<true>) and a paged pass's slot lane is worked out unsigned (pass_pool_row).
+  // Lean copy addresses (16-bit caches): the plain copies' row bases stay in registers (opaque_u64) and their products
+  // are PTX mul.wide.u32 (wide_product<true>); with them, every cache works a paged pass's slot lane out unsigned
+  // (pass_pool_row; FP8 caches too: 0.994-1.014x against main, 2026-12-02 02:06 UTC,
+  // ...-0206-h200-decode-fp8-unsigned-slot-lane-ab-summary.txt).
   // ptxas then gives the D = 128 tile 149 registers instead of 128 and a 4-byte spill, and 4% fewer instructions
   // (sm_90a). Affects speed only. H200, the library against main, 3 alternating runs, medians:
   // - 2026-12-02 01:35 UTC (bench/results/2026-12-02-0135-h200-decode-lean-addresses-ab-summary.txt; with the
@@ -320,19 +322,14 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // args.paged_rows: the pool row of key j's slot when block `id` holds it (id * block size + row in block), and
   // the pool row of a pass's row of tile `tile_in_batch`, from the slot rows of a batch (lane l holds slot l's).
   auto slot_pool_row = [&](int32_t id, int j) { return (uint32_t(id) << args.page_shift) + uint32_t(j & page_mask); };
-  // `rel`: the tile's index from the split's first tile (its batch of ids: rel % kTilesPerIdBatch). kLean: the lane
-  // worked out unsigned, and (whole slots per pass) as pass 0's slot plus a compile-time step: a signed row / 16 per
-  // pass took three instructions more per pass (SASS, sm_90a, 2026-12-01).
+  // `rel`: the tile's index from the split's first tile (its batch of ids: rel % kTilesPerIdBatch). The lane is worked
+  // out unsigned, and (whole slots per pass) as pass 0's slot plus a compile-time step: a signed row / 16 per pass took
+  // three instructions more per pass (SASS, sm_90a, 2026-12-01).
   const uint32_t row_lane_slot = uint32_t(row_lane) / 16u;  // the tile's slot that holds this thread's row in pass 0
   auto pass_pool_row = [&](uint32_t slot_rows, int rel, int pass) {
-    if constexpr (!kLean) {
-      const int row = row_lane + pass * kRowsPerPass;
-      return __shfl_sync(0xffffffffu, slot_rows, rel % kTilesPerIdBatch * kSlots + row / 16) + (kSlotRowInBase ? 0u : uint32_t(row & 15));
-    } else {
-      const uint32_t row = uint32_t(row_lane) + uint32_t(pass * kRowsPerPass);  // of the tile
-      const uint32_t slot = kSlotRowInBase ? row_lane_slot + uint32_t(pass * (kRowsPerPass / 16)) : row / 16u;
-      return __shfl_sync(0xffffffffu, slot_rows, int(uint32_t(rel) % kTilesPerIdBatch * kSlots + slot)) + (kSlotRowInBase ? 0u : row & 15u);
-    }
+    const uint32_t row = uint32_t(row_lane) + uint32_t(pass * kRowsPerPass);  // of the tile
+    const uint32_t slot = kSlotRowInBase ? row_lane_slot + uint32_t(pass * (kRowsPerPass / 16)) : row / 16u;
+    return __shfl_sync(0xffffffffu, slot_rows, int(uint32_t(rel) % kTilesPerIdBatch * kSlots + slot)) + (kSlotRowInBase ? 0u : row & 15u);
   };
 
   // ---- early tiles (args.early_tiles; a contiguous 16-bit cache, no rotary, no left window, full-width heads):
