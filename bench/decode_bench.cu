@@ -19,6 +19,9 @@
 // buffers, timed like the calls (a graph of one read per copy), best of four grid sizes. The 4 GiB rate is a
 // large-transfer asymptote; a 4 MiB read cannot reach it (launch, ramp-up, drain), and "vs floor" says how
 // close a call comes to the time those bytes need at all.
+// Layout floor ("layout us"): per point, a read-only kernel that reads the cache in its layout as attention must
+// (per sequence and K/V head, that head's row of every key, through the block table when paged; read_slices_kernel),
+// best of the split counts 1-64. Its paged / contiguous ratio is what the scattered blocks cost any such reader.
 //
 // Order: per point (B, S), every layout in turn, --rounds times (fresh inputs each time), so that paged / contiguous
 // compares measurements seconds apart; bench/compare_decode.py takes the median of the rounds.
@@ -116,6 +119,56 @@ __global__ void read_pair_kernel(const uint4* k, const uint4* v, int64_t words, 
     }
 #pragma unroll
     for (int u = 0; u < kReadUnroll; ++u) acc.x ^= x[u].x, acc.y ^= x[u].y, acc.z ^= x[u].z, acc.w ^= x[u].w;
+  }
+  if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9E3779B9u) *sink = acc.x;
+}
+
+// The layout floor of a point: a read-only kernel that reads K and V as an attention kernel must, one CTA per
+// (split of the keys, K/V head, sequence) reading that head's row of every key (D 16-bit elements, 256 bytes at
+// D = 128, one K/V row stride apart), through the block table for a paged cache (its ids staged in shared memory
+// first, kSliceIds at a time), with no arithmetic. Timed for both layouts, it tells how much of a paged call's gap to a
+// contiguous one the scattered blocks cost any reader of these bytes in this order (bench/compare_decode.py's
+// "layout floor" column). Assumes the bench's own layouts: contiguous [B, S, Hk, D], paged [blocks, page, Hk, D]
+// with a power-of-two page; every load is a 16-byte word, kSliceUnroll rows of K and of V in flight per thread.
+constexpr int kSliceThreads = 256, kSliceUnroll = 8, kSliceIds = 2048;
+__global__ void read_slices_kernel(const uint4* k, const uint4* v, const int32_t* table, int64_t table_stride,
+                                   int page_shift, int64_t cache, int heads_k, int row_words, int64_t rows_per_split,
+                                   unsigned int* sink) {
+  __shared__ int32_t ids_smem[kSliceIds];
+  const int h = int(blockIdx.y);
+  const int64_t b = blockIdx.z;
+  const int64_t begin = int64_t(blockIdx.x) * rows_per_split, end = cache < begin + rows_per_split ? cache : begin + rows_per_split;
+  const int rows_per_step = kSliceThreads / row_words;  // row_words divides kSliceThreads (the caller checks)
+  const int t_row = int(threadIdx.x) / row_words, t_word = int(threadIdx.x) % row_words;
+  const int64_t page_mask = (int64_t(1) << page_shift) - 1;
+  const int64_t chunk_rows = table != nullptr ? int64_t(kSliceIds) << page_shift : (end > begin ? end - begin : 1);
+  uint4 acc = make_uint4(0, 0, 0, 0);
+  for (int64_t c0 = begin; c0 < end; c0 += chunk_rows) {  // begin is a multiple of the page (the caller's rows_per_split)
+    const int64_t c1 = end < c0 + chunk_rows ? end : c0 + chunk_rows;
+    if (table != nullptr) {
+      __syncthreads();  // the previous chunk's ids are no longer read
+      const int64_t first_block = c0 >> page_shift, blocks = ((c1 - 1) >> page_shift) - first_block + 1;
+      for (int64_t i = threadIdx.x; i < blocks; i += kSliceThreads) ids_smem[i] = table[b * table_stride + first_block + i];
+      __syncthreads();
+    }
+    for (int64_t r0 = c0 + t_row; r0 < c1; r0 += int64_t(kSliceUnroll) * rows_per_step) {
+      uint4 x[2 * kSliceUnroll];
+#pragma unroll
+      for (int u = 0; u < kSliceUnroll; ++u) {  // all loads issued before any is used
+        const int64_t r = r0 + int64_t(u) * rows_per_step;
+        if (r < c1) {
+          const int64_t pool_row = table != nullptr ? (int64_t(ids_smem[(r - c0) >> page_shift]) << page_shift) + (r & page_mask)
+                                                    : b * cache + r;
+          const int64_t w = (pool_row * heads_k + h) * row_words + t_word;
+          x[2 * u] = __ldcs(k + w);
+          x[2 * u + 1] = __ldcs(v + w);
+        } else {
+          x[2 * u] = x[2 * u + 1] = make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 2 * kSliceUnroll; ++u) acc.x ^= x[u].x, acc.y ^= x[u].y, acc.z ^= x[u].z, acc.w ^= x[u].w;
+    }
   }
   if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x9E3779B9u) *sink = acc.x;
 }
@@ -284,6 +337,8 @@ struct Knobs {
 struct Result {
   double us_graph = -1, us_eager = -1, kv_tbs = -1;
   double us_read_floor = -1;  // the same-size read floor of the shape (time_read_floor)
+  double us_layout_floor = -1;  // the layout floor of the shape (time_layout_floor; -1: not measured)
+  int layout_floor_splits = 0;  // its fastest split count
   double check = -1;  // variants: relative L2 difference of out from the library's (lib: -1)
   int splits = 0, copies = 0;
   std::string kernel, error;
@@ -685,6 +740,43 @@ double time_read_floor(const Shape& s, std::vector<Copy>& copies, int reps, cuda
   return best_us;
 }
 
+// The layout floor (read_slices_kernel) over every copy's cache in the point's layout, timed like time_calls (a
+// CUDA graph of one read per copy); the best of the split counts 1, 2, 4, ..., 64 that keep at most 16 CTAs per SM
+// and at least one page per split. Microseconds per copy (-1 where the shape is not one it reads: a page that is
+// not a power of two, or rows that are not a divisor of its CTA's threads in 16-byte words).
+double time_layout_floor(const Shape& s, std::vector<Copy>& copies, int reps, cudaStream_t stream, int sms, int* best_splits) {
+  const int64_t row_bytes = int64_t(s.dim) * (s.fp8_cache ? 1 : 2);
+  const int row_words = int(row_bytes / 16);
+  int page_shift = 0;
+  while (s.paged && (int64_t(1) << page_shift) < s.page) ++page_shift;
+  if (row_bytes % 16 != 0 || row_words == 0 || kSliceThreads % row_words != 0 || (s.paged && (int64_t(1) << page_shift) != s.page))
+    return -1;
+  const int64_t per_seq_blocks = (s.cache + s.page - 1) / s.page;
+  Buffer sink(64);
+  double best_us = -1;
+  for (int64_t splits = 1; splits <= 64; splits *= 2) {
+    const int64_t ctas = splits * s.heads_k * s.batch;
+    const int64_t rows_per_split = ((s.cache + splits - 1) / splits + s.page - 1) / s.page * s.page;
+    if (splits > 1 && (ctas > int64_t(16) * sms || rows_per_split * (splits - 1) >= s.cache)) break;
+    const dim3 grid(unsigned(splits), unsigned(s.heads_k), unsigned(s.batch));
+    auto launch_all = [&] {
+      for (Copy& c : copies)
+        read_slices_kernel<<<grid, kSliceThreads, 0, stream>>>(
+            static_cast<const uint4*>(c.k.data), static_cast<const uint4*>(c.v.data),
+            s.paged ? static_cast<const int32_t*>(c.table.data) : nullptr, per_seq_blocks, page_shift, s.cache, s.heads_k,
+            row_words, rows_per_split, static_cast<unsigned int*>(sink.data));
+    };
+    launch_all();
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    CapturedGraph graph(stream, launch_all);
+    graph.instantiate();
+    const double ms = flashattn::bench::median_event_ms(stream, 1, reps, [&] { graph.launch(); });
+    const double us = 1000 * ms / double(copies.size());
+    if (best_us < 0 || us < best_us) best_us = us, *best_splits = int(splits);
+  }
+  return best_us;
+}
+
 // Every knob combination on one shape: the inputs are made once (copies until they exceed 2x the L2).
 std::vector<std::pair<Knobs, Result>> run_shape(const Shape& s, const std::vector<Knobs>& configs, int reps, int64_t l2_bytes,
                                                 cudaStream_t stream, const cudaDeviceProp& prop) {
@@ -788,7 +880,13 @@ std::vector<std::pair<Knobs, Result>> run_shape(const Shape& s, const std::vecto
     results.emplace_back(k, r);
   }
   const double floor_us = time_read_floor(s, copies, reps, stream, prop.multiProcessorCount);
-  for (auto& kr : results) kr.second.us_read_floor = floor_us;
+  int layout_splits = 0;
+  const double layout_us = time_layout_floor(s, copies, reps, stream, prop.multiProcessorCount, &layout_splits);
+  for (auto& kr : results) {
+    kr.second.us_read_floor = floor_us;
+    kr.second.us_layout_floor = layout_us;
+    kr.second.layout_floor_splits = layout_splits;
+  }
   return results;
 }
 
@@ -950,8 +1048,8 @@ int main(int argc, char** argv) {
     }
   }
 #endif
-  std::printf("%-10s %4s %6s | %-11s %2s | %6s %9s %9s %8s %7s %9s %8s %8s | %s\n", "layout", "B", "S", "runner", "pd",
-              "splits", "us/call", "us eager", "K/V TB/s", "vs read", "floor us", "vs floor", "check", "kernel");
+  std::printf("%-10s %4s %6s | %-11s %2s | %6s %9s %9s %8s %7s %9s %8s %9s %8s | %s\n", "layout", "B", "S", "runner", "pd",
+              "splits", "us/call", "us eager", "K/V TB/s", "vs read", "floor us", "vs floor", "layout us", "check", "kernel");
 
   std::string json = "{\n \"tool\": \"flashattn_decode_bench\",\n \"date\": \"" + std::string(date) + "\",\n \"gpu\": \"" +
                      prop.name + "\",\n";
@@ -995,9 +1093,9 @@ int main(int argc, char** argv) {
         }
         for (const auto& [k, r] : results) {
           const double vs_floor = r.us_graph > 0 && r.us_read_floor > 0 ? r.us_read_floor / r.us_graph : -1;
-          std::printf("%-10s %4lld %6lld | %-11s %2d | %6d %9.2f %9.2f %8.3f %6.1f%% %9.2f %7.1f%% %8.1e | %s%s%s\n",
+          std::printf("%-10s %4lld %6lld | %-11s %2d | %6d %9.2f %9.2f %8.3f %6.1f%% %9.2f %7.1f%% %9.2f %8.1e | %s%s%s\n",
                       layout.c_str(), (long long)batch, (long long)cache, k.runner.c_str(), k.pdl, r.splits, r.us_graph,
-                      r.us_eager, r.kv_tbs, 100 * r.kv_tbs / stream_tbs, r.us_read_floor, 100 * vs_floor, r.check,
+                      r.us_eager, r.kv_tbs, 100 * r.kv_tbs / stream_tbs, r.us_read_floor, 100 * vs_floor, r.us_layout_floor, r.check,
                       r.kernel.c_str(), k.tag().c_str(), r.error.c_str());
           std::fflush(stdout);
           std::snprintf(line, sizeof(line),
@@ -1005,12 +1103,13 @@ int main(int argc, char** argv) {
                         "\"splits_asked\": %d, \"pdl\": %d, \"min_tiles\": %d, \"cluster\": %d, \"cluster_policy\": %d, "
                         "\"smem_pad\": %d, \"early\": %d, \"prefetch\": %d, \"speculate\": %d, \"splits\": %d, \"copies\": %d, "
                         "\"us_per_call\": %.3f, \"us_eager\": %.3f, \"kv_tbs\": %.4f, \"fraction_of_stream_read\": %.4f, "
-                        "\"us_read_floor\": %.3f, \"fraction_of_read_floor\": %.4f, \"round\": %d, "
+                        "\"us_read_floor\": %.3f, \"fraction_of_read_floor\": %.4f, \"us_layout_floor\": %.3f, "
+                        "\"layout_floor_splits\": %d, \"round\": %d, "
                         "\"check_rel_l2\": %.3g, \"kernel\": \"%s\", \"timeline\": \"%s\", \"error\": \"%s\"}",
                         first ? "" : ",", layout.c_str(), (long long)batch, (long long)cache, (long long)s.kv_bytes(),
                         k.runner.c_str(), k.splits, k.pdl, k.min_tiles, k.cluster, k.cluster_policy, k.smem_pad, k.early, k.prefetch, k.spec, r.splits,
                         r.copies, r.us_graph, r.us_eager,
-                        r.kv_tbs, r.kv_tbs / stream_tbs, r.us_read_floor, vs_floor, round, r.check, r.kernel.c_str(),
+                        r.kv_tbs, r.kv_tbs / stream_tbs, r.us_read_floor, vs_floor, r.us_layout_floor, r.layout_floor_splits, round, r.check, r.kernel.c_str(),
                         r.timeline.c_str(), json_safe(r.error).c_str());
           json += std::string(first ? "" : "\n") + line;
           first = false;
