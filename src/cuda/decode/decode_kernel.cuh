@@ -250,7 +250,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
         const int j = lane_slot_key(guess.tile_begin);
         if (split < guess.used && lane < (kStages - 1) * kSlots && j < guess_seqlen_k)
           guess_ids = p.block_table[b * p.block_table_batch_stride + (j >> args.page_shift)];
-        if (args.speculative_tiles == 3 && p.num_blocks > 1) guess_ids = int32_t((uint32_t(guess_ids) + 1u) % uint32_t(p.num_blocks));  // tests: wrong ids
       }
     }
   }
@@ -260,6 +259,11 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   wait_for_previous_grids();
   allow_next_grid_launch();
   C::stamp(C::kStampWaited, p.out);
+  // Tests: wrong guessed ids. After the wait, where the guessed ids are first used: nothing before the wait reads the
+  // guessed ids' load. Beside that load, ptxas had put this line's (predicated) read of it ahead of the grid wait
+  // (sm_90a SASS). Moved here: 0.99-1.01x on the H200 (2026-12-02 03:28 UTC,
+  // bench/results/2026-12-02-0328-h200-decode-guess-hook-after-wait-summary.txt).
+  if (kPaged && args.speculative_tiles == 3 && p.num_blocks > 1) guess_ids = int32_t((uint32_t(guess_ids) + 1u) % uint32_t(p.num_blocks));
   if (args.prefetch_inputs == 0) prefetch_table_lines();  // beside the length's load instead
   // The split's first batch of block ids (see the paged block ids below), read beside cache_seqlens instead of one
   // dependent round trip after it, at the tile where the split starts under the guessed length (part 1 above), or
