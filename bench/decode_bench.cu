@@ -714,6 +714,17 @@ Result time_calls(const Shape& s, std::vector<Copy>& copies, const CallFn& call,
   return r;
 }
 
+// Microseconds per copy of `launch_all` (one launch per copy) run once, then timed as one CUDA graph, as time_calls
+// times the library's calls.
+double graph_us_per_copy(cudaStream_t stream, int reps, size_t copies, const std::function<void()>& launch_all) {
+  launch_all();
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  CapturedGraph graph(stream, launch_all);
+  graph.instantiate();
+  const double ms = flashattn::bench::median_event_ms(stream, 1, reps, [&] { graph.launch(); });
+  return 1000 * ms / double(copies);
+}
+
 // The same-size read floor (read_pair_kernel) over every copy's K and V, timed like time_calls (a CUDA graph of
 // one read per copy); the best of a few grid sizes. Microseconds per copy.
 double time_read_floor(const Shape& s, std::vector<Copy>& copies, int reps, cudaStream_t stream, int sms) {
@@ -723,18 +734,12 @@ double time_read_floor(const Shape& s, std::vector<Copy>& copies, int reps, cuda
   for (const int blocks_per_sm : {2, 4, 8, 16}) {
     const int64_t needed = (2 * words + kStreamThreads - 1) / kStreamThreads;
     const int blocks = int(std::max<int64_t>(1, std::min<int64_t>(int64_t(sms) * blocks_per_sm, needed)));
-    auto launch_all = [&] {
+    const double us = graph_us_per_copy(stream, reps, copies.size(), [&] {
       for (Copy& c : copies)
         read_pair_kernel<<<blocks, kStreamThreads, 0, stream>>>(static_cast<const uint4*>(c.k.data),
                                                                  static_cast<const uint4*>(c.v.data), words,
                                                                  static_cast<unsigned int*>(sink.data));
-    };
-    launch_all();
-    CHECK_CUDA(cudaStreamSynchronize(stream));
-    CapturedGraph graph(stream, launch_all);
-    graph.instantiate();
-    const double ms = flashattn::bench::median_event_ms(stream, 1, reps, [&] { graph.launch(); });
-    const double us = 1000 * ms / double(copies.size());
+    });
     if (best_us < 0 || us < best_us) best_us = us;
   }
   return best_us;
@@ -759,19 +764,13 @@ double time_layout_floor(const Shape& s, std::vector<Copy>& copies, int reps, cu
     const int64_t rows_per_split = ((s.cache + splits - 1) / splits + s.page - 1) / s.page * s.page;
     if (splits > 1 && (ctas > int64_t(16) * sms || rows_per_split * (splits - 1) >= s.cache)) break;
     const dim3 grid(unsigned(splits), unsigned(s.heads_k), unsigned(s.batch));
-    auto launch_all = [&] {
+    const double us = graph_us_per_copy(stream, reps, copies.size(), [&] {
       for (Copy& c : copies)
         read_slices_kernel<<<grid, kSliceThreads, 0, stream>>>(
             static_cast<const uint4*>(c.k.data), static_cast<const uint4*>(c.v.data),
             s.paged ? static_cast<const int32_t*>(c.table.data) : nullptr, per_seq_blocks, page_shift, s.cache, s.heads_k,
             row_words, rows_per_split, static_cast<unsigned int*>(sink.data));
-    };
-    launch_all();
-    CHECK_CUDA(cudaStreamSynchronize(stream));
-    CapturedGraph graph(stream, launch_all);
-    graph.instantiate();
-    const double ms = flashattn::bench::median_event_ms(stream, 1, reps, [&] { graph.launch(); });
-    const double us = 1000 * ms / double(copies.size());
+    });
     if (best_us < 0 || us < best_us) best_us = us, *best_splits = int(splits);
   }
   return best_us;
