@@ -128,7 +128,7 @@ __global__ void read_pair_kernel(const uint4* k, const uint4* v, int64_t words, 
 // D = 128, one K/V row stride apart), through the block table for a paged cache (its ids staged in shared memory
 // first, kSliceIds at a time), with no arithmetic. Timed for both layouts, it tells how much of a paged call's gap to a
 // contiguous one the scattered blocks cost any reader of these bytes in this order (bench/compare_decode.py's
-// "layout floor" column). Assumes the bench's own layouts: contiguous [B, S, Hk, D], paged [blocks, page, Hk, D]
+// "lay p/c" column). Assumes the bench's own layouts: contiguous [B, S, Hk, D], paged [blocks, page, Hk, D]
 // with a power-of-two page; every load is a 16-byte word, kSliceUnroll rows of K and of V in flight per thread.
 constexpr int kSliceThreads = 256, kSliceUnroll = 8, kSliceIds = 2048;
 __global__ void read_slices_kernel(const uint4* k, const uint4* v, const int32_t* table, int64_t table_stride,
@@ -747,7 +747,7 @@ double time_read_floor(const Shape& s, std::vector<Copy>& copies, int reps, cuda
 
 // The layout floor (read_slices_kernel) over every copy's cache in the point's layout, timed like time_calls (a
 // CUDA graph of one read per copy); the best of the split counts 1, 2, 4, ..., 64 that keep at most 16 CTAs per SM
-// and at least one page per split. Microseconds per copy (-1 where the shape is not one it reads: a page that is
+// and give every split rows (whole pages each). Microseconds per copy (-1 where the shape is not one it reads: a page that is
 // not a power of two, or rows that are not a divisor of its CTA's threads in 16-byte words).
 double time_layout_floor(const Shape& s, std::vector<Copy>& copies, int reps, cudaStream_t stream, int sms, int* best_splits) {
   const int64_t row_bytes = int64_t(s.dim) * (s.fp8_cache ? 1 : 2);
