@@ -1283,31 +1283,34 @@ TEST(CudaKvcache, InvalidIndicesDefaultMode) {
 // Default mode, a bad block id inside a sequence (not its last tile): whole key tiles take the kernel's plain
 // load path, which checks the ids of 16-row slots a batch of tiles ahead; the sequence's rows must still come
 // out NaN, and the other sequence exactly as without the bad entry. Block sizes 16 and 64 (slot ids) and 3
-// (an id per row), one split and several.
+// (an id per row), one split and several; the bad key in the first 64-key tile (copied before the tile loop) and
+// in later ones (with one split, copied inside the loop, whose ids come a batch ahead).
 TEST(CudaKvcache, InteriorBadBlockIdDefaultMode) {
   SKIP_WITHOUT_GPU();
   for (const int block_size : {16, 64, 3})
-    for (const int splits : {1, 3}) {
-      KvCase c;
-      c.batch = 2;
-      c.cached = {300, 390};
-      c.capacity = 400;
-      c.block_size = block_size;
-      c.num_splits = splits;
-      auto rng = fa_test::make_rng("interior-bad");
-      const KvTensors valid = make_kv(c, rng);
-      KvTensors good = valid, bad = valid;
-      const int64_t columns = bad.block_table.shape()[1];
-      bad.block_table.set_int(1 * columns + 40 / block_size, int32_t(1) << 30);  // key 40: in the first 64-key tile
-      ASSERT_TRUE(run_gpu(c, good).ok());
-      ASSERT_TRUE(run_gpu(c, bad).ok()) << c.to_string();
-      const int64_t per_seq = int64_t(c.seqlen_q) * c.heads_q * c.head_dim;
-      for (int64_t x = 0; x < per_seq; ++x) {
-        ASSERT_EQ(bad.out.get(x), good.out.get(x)) << "sequence 0 changed at " << x << ", " << c.to_string();
-        ASSERT_TRUE(std::isnan(bad.out.get(per_seq + x))) << "sequence 1 (bad block id) not NaN at " << x << ", " << c.to_string();
+    for (const int splits : {1, 3})
+      for (const int bad_key : {40, 200, 330}) {
+        KvCase c;
+        c.batch = 2;
+        c.cached = {300, 390};
+        c.capacity = 400;
+        c.block_size = block_size;
+        c.num_splits = splits;
+        auto rng = fa_test::make_rng("interior-bad");
+        const KvTensors valid = make_kv(c, rng);
+        KvTensors good = valid, bad = valid;
+        const int64_t columns = bad.block_table.shape()[1];
+        bad.block_table.set_int(1 * columns + bad_key / block_size, int32_t(1) << 30);
+        const std::string where = c.to_string() + ", bad id at key " + std::to_string(bad_key);
+        ASSERT_TRUE(run_gpu(c, good).ok());
+        ASSERT_TRUE(run_gpu(c, bad).ok()) << where;
+        const int64_t per_seq = int64_t(c.seqlen_q) * c.heads_q * c.head_dim;
+        for (int64_t x = 0; x < per_seq; ++x) {
+          ASSERT_EQ(bad.out.get(x), good.out.get(x)) << "sequence 0 changed at " << x << ", " << where;
+          ASSERT_TRUE(std::isnan(bad.out.get(per_seq + x))) << "sequence 1 (bad block id) not NaN at " << x << ", " << where;
+        }
+        for (int h = 0; h < c.heads_q; ++h) EXPECT_TRUE(std::isnan(bad.lse.get(c.heads_q + h))) << where;
       }
-      for (int h = 0; h < c.heads_q; ++h) EXPECT_TRUE(std::isnan(bad.lse.get(c.heads_q + h))) << c.to_string();
-    }
 }
 
 // Checked mode: a clear error naming the entry, before any write (caches and the poisoned out untouched).

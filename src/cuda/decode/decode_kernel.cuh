@@ -326,14 +326,17 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // args.paged_rows: the pool row of key j's slot when block `id` holds it (id * block size + row in block), and
   // the pool row of a pass's row of tile `tile_in_batch`, from the slot rows of a batch (lane l holds slot l's).
   auto slot_pool_row = [&](int32_t id, int j) { return (uint32_t(id) << args.page_shift) + uint32_t(j & page_mask); };
-  // `rel`: the tile's index from the split's first tile (its batch of ids: rel % kTilesPerIdBatch). The lane is worked
-  // out unsigned, and (whole slots per pass) as pass 0's slot plus a compile-time step: a signed row / 16 per pass took
-  // three instructions more per pass (SASS, sm_90a, 2026-12-01).
+  // The lane of an id batch that holds slot `slot` of tile `rel`, the tile's index from the split's first tile (its
+  // batch of ids: rel % kTilesPerIdBatch). Worked out unsigned, and in pass_pool_row (whole slots per pass) from pass
+  // 0's slot plus a compile-time step: a signed row / 16 per pass took three instructions more per pass (SASS,
+  // sm_90a, 2026-12-01). The other paths pass their row / 16 as computed (signed, >= 0): an unsigned one there gave
+  // the FP8 paged kernel 196 registers instead of 184 (ptxas, sm_90a, 2026-12-02).
+  auto slot_lane = [&](int rel, uint32_t slot) { return int(uint32_t(rel) % kTilesPerIdBatch * kSlots + slot); };
   const uint32_t row_lane_slot = uint32_t(row_lane) / 16u;  // the tile's slot that holds this thread's row in pass 0
   auto pass_pool_row = [&](uint32_t slot_rows, int rel, int pass) {
     const uint32_t row = uint32_t(row_lane) + uint32_t(pass * kRowsPerPass);  // of the tile
     const uint32_t slot = kSlotRowInBase ? row_lane_slot + uint32_t(pass * (kRowsPerPass / 16)) : row / 16u;
-    return __shfl_sync(0xffffffffu, slot_rows, int(uint32_t(rel) % kTilesPerIdBatch * kSlots + slot)) + (kSlotRowInBase ? 0u : row & 15u);
+    return __shfl_sync(0xffffffffu, slot_rows, slot_lane(rel, slot)) + (kSlotRowInBase ? 0u : row & 15u);
   };
 
   // ---- early tiles (args.early_tiles; a contiguous 16-bit cache, no rotary, no left window, full-width heads):
@@ -673,7 +676,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
           rotate_id_batches();
           load_id_batch(rel / kTilesPerIdBatch + 1);
         }
-        tile_bad_ids = (bad_now >> ((rel % kTilesPerIdBatch) * kSlots)) & ((1u << kSlots) - 1);
+        tile_bad_ids = (bad_now >> slot_lane(rel, 0u)) & ((1u << kSlots) - 1);
       }
     }
     const bool plain =
@@ -693,7 +696,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
         const char* k_src;
         const char* v_src;
         if constexpr (kPaged) {
-          const uint32_t id = __shfl_sync(0xffffffffu, ids_now, (rel % kTilesPerIdBatch) * kSlots + row / 16);
+          const uint32_t id = __shfl_sync(0xffffffffu, ids_now, slot_lane(rel, row / 16));
           const uint32_t slot = j & page_mask;
           k_src = k_bytes + (wide_product<kLean>(id, k_block_bytes) + wide_product<kLean>(slot, k_row_bytes));
           v_src = v_bytes + (wide_product<kLean>(id, v_block_bytes) + wide_product<kLean>(slot, v_row_bytes));
@@ -715,7 +718,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
         int64_t k_offset, v_offset;     // elements from k_rows / v_rows to the row's chunk
         if constexpr (kPaged) {
           const int32_t id =
-              slot_ids ? __shfl_sync(0xffffffffu, ids_now, (rel % kTilesPerIdBatch) * kSlots + row / 16) : per_row_ids[pass];
+              slot_ids ? __shfl_sync(0xffffffffu, ids_now, slot_lane(rel, row / 16)) : per_row_ids[pass];
           if (row_valid && uint32_t(id) >= uint32_t(p.num_blocks)) {  // also catches negative ids
             bad_block_id = true;
             row_valid = false;
