@@ -214,8 +214,9 @@ constexpr bool kPrefetchInputs = true;
 // is as wide).
 constexpr bool kSpeculativeTiles = true;
 // Whole K/V tiles of 16-bit caches stream by bulk tensor copies (TMA) on sm_90 (DecodeArgs::tma_copies,
-// cache_tensor_maps.hpp, decode_kernel.cuh). Affects speed only.
-constexpr bool kTmaCopies = true;
+// cache_tensor_maps.hpp, decode_kernel.cuh). Affects speed only. Off until measured against the cp.async copies
+// (flashattn_decode_bench --runners m16n64w4s3 --tma 0,1; docs/PERFORMANCE.md, 2026-12-02 13:xx UTC).
+constexpr bool kTmaCopies = false;
 constexpr bool kProgrammaticLaunch = true; // sm_90+: launch the decode kernels as programmatic dependents
 // sm_90+: the splits of an m-block form a thread-block cluster and merge their partials through distributed
 // shared memory, instead of a combine kernel after the attention kernel (up to kMaxClusterSplits splits;
