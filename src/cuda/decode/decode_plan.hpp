@@ -214,8 +214,9 @@ constexpr bool kPrefetchInputs = true;
 // is as wide).
 constexpr bool kSpeculativeTiles = true;
 // Whole K/V tiles of 16-bit caches stream by bulk tensor copies (TMA) on sm_90 (DecodeArgs::tma_copies,
-// cache_tensor_maps.hpp, decode_kernel.cuh). Affects speed only. Off until measured against the cp.async copies
-// (flashattn_decode_bench --runners m16n64w4s3 --tma 0,1; docs/PERFORMANCE.md, 2026-12-02 13:xx UTC).
+// cache_tensor_maps.hpp, decode_kernel.cuh). Affects speed only. Off: slower than the cp.async copies on the H200
+// (2026-12-02 14:10 UTC, flashattn_decode_tiles --runners m16n64w4s3 --tma 0,1, bf16 32 / 8 D = 128, cp.async / bulk:
+// contiguous 0.75-0.88 beyond 1k keys, paged 0.86-1.00; bench/results/2026-12-02-1410-h200-decode-tma-ab-summary.txt).
 constexpr bool kTmaCopies = false;
 constexpr bool kProgrammaticLaunch = true; // sm_90+: launch the decode kernels as programmatic dependents
 // sm_90+: the splits of an m-block form a thread-block cluster and merge their partials through distributed
