@@ -44,14 +44,13 @@
 //   --early -1,0,1        variants: DecodeArgs::early_tiles (-1: the library's, kEarlyTiles)
 //   --prefetch -1,0,1     variants: DecodeArgs::prefetch_inputs (-1: the library's, kPrefetchInputs)
 //   --speculate -1,0,1,2,3 variants: DecodeArgs::speculative_tiles (-1: the library's; 2, 3: wrong guesses, for the check)
-//   --tma -1,0,1          variants: DecodeArgs::tma_copies, bulk tensor copies of whole tiles (-1: the library's, kTmaCopies; sm_90)
 //
 // Usage: flashattn_decode_bench [--json FILE] [--batches 1,4,16,64,256] [--caches 1024,...,131072]
 //                               [--heads 32:8] [--dim 128] [--page 16] [--dtype bf16|f16] [--kv 16|fp8]
 //                               [--layouts contiguous,paged,paged-seq,paged-local] [--budget-gib 32] [--reps 10] [--rounds 1]
 //                               [--splits 0,...] [--runners lib,...] [--pdl 0,1] [--min-tiles N]
 //                               [--cluster -1,0,1] [--cluster-policy 0,1,2] [--smem-pad 0,N] [--early -1,0,1]
-//                               [--prefetch -1,0,1] [--speculate -1,0,1,2,3] [--tma -1,0,1]
+//                               [--prefetch -1,0,1] [--speculate -1,0,1,2,3]
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -321,7 +320,7 @@ struct Knobs {
   std::string runner = "lib";
   int splits = 0;  // 0: the heuristic's
   int pdl = -1, min_tiles = -1;
-  int cluster = -1, cluster_policy = 0, smem_pad = 0, early = -1, prefetch = -1, spec = -1, tma = -1;  // variants: see the header
+  int cluster = -1, cluster_policy = 0, smem_pad = 0, early = -1, prefetch = -1, spec = -1;  // variants: see the header
   // The variant knobs that differ from their defaults, for the printed rows ("" when none).
   std::string tag() const {
     std::string t;
@@ -331,7 +330,6 @@ struct Knobs {
     if (early >= 0) t += " early" + std::to_string(early);
     if (prefetch >= 0) t += " pf" + std::to_string(prefetch);
     if (spec >= 0) t += " sp" + std::to_string(spec);
-    if (tma >= 0) t += " tma" + std::to_string(tma);
     return t;
   }
 };
@@ -521,7 +519,6 @@ struct VariantCall {
     if (k.early >= 0) a.early_tiles = k.early;
     if (k.prefetch >= 0) a.prefetch_inputs = k.prefetch;
     if (k.spec >= 0) a.speculative_tiles = k.spec;
-    if ((k.tma < 0 ? dec::tma_copies_wanted() : k.tma != 0) && programmatic) dec::set_cache_tensor_maps(p, 128, &a);
     cu::DecodeLaunchTuning tuning;
     tuning.extra_smem_bytes = k.smem_pad;
     tuning.cluster_policy = k.cluster_policy;
@@ -898,7 +895,7 @@ int main(int argc, char** argv) {
   std::string json_path, batches_arg = "1,4,16,64,256", caches_arg = "1024,4096,16384,65536,131072", heads_arg = "32:8",
                          dtype_arg = "bf16", layouts_arg = "contiguous,paged", splits_arg = "0", runners_arg = "lib",
                          pdl_arg = "-1", kv_arg = "16", cluster_arg = "-1", policy_arg = "0", pad_arg = "0",
-                         early_arg = "-1", prefetch_arg = "-1", spec_arg = "-1", tma_arg = "-1";
+                         early_arg = "-1", prefetch_arg = "-1", spec_arg = "-1";
   int dim = 128, page = 16, reps = 10, min_tiles = -1, rounds = 1;
   double budget_gib = 32;
   for (int a = 1; a < argc; ++a) {
@@ -931,7 +928,6 @@ int main(int argc, char** argv) {
     else if (arg == "--early") early_arg = next();
     else if (arg == "--prefetch") prefetch_arg = next();
     else if (arg == "--speculate") spec_arg = next();
-    else if (arg == "--tma") tma_arg = next();
     else if (arg == "--kv") kv_arg = next();
     else {
       std::fprintf(stderr, "unknown argument %s (see the header of bench/decode_bench.cu)\n", arg.c_str());
@@ -996,7 +992,6 @@ int main(int argc, char** argv) {
       times(early_arg, &Knobs::early);
       times(prefetch_arg, &Knobs::prefetch);
       times(spec_arg, &Knobs::spec);
-      times(tma_arg, &Knobs::tma);
       configs.insert(configs.end(), combos.begin(), combos.end());
     }
   if (configs.empty()) {

@@ -214,8 +214,7 @@ class Kernel:
             return t.block_m * self.head_dim * 2 + 2 * t.stages * t.block_n * self.head_dim
         if self.kind in ("fwd", "dec"):  # Q, then stages x (K, V), then (warp groups) P and row statistics
             exchange = t.block_m * t.block_n * 2 + t.block_m * t.group_warps * 4 if t.group_warps > 1 else 0
-            barriers = 64 if self.kind == "dec" else 0  # the bulk copies' mbarriers (decode_config.cuh)
-            return (t.block_m + 2 * t.stages * t.block_n) * self.head_dim * 2 + exchange + barriers
+            return (t.block_m + 2 * t.stages * t.block_n) * self.head_dim * 2 + exchange
         # backward: mirrors backward_smem_bytes (src/cuda/sm80/backward_plan.hpp)
         warps_d = t.warps // (t.block_n // t.warp_keys)
         return (2 * t.block_n * self.head_dim * 2 + 2 * t.stages * t.block_m * self.head_dim * 2

@@ -23,10 +23,6 @@ struct DecodeConfig {
   // Dynamic shared memory (decode_kernel.cuh's layout; the manifest computes the same): Q in 16-bit, then
   // kStages x (K, V) in the cache's element (FP8: 1 byte).
   static constexpr int kSmemBytes = kBlockM * kHeadDim * 2 + 2 * kStages * kBlockN * kHeadDim * (kFp8Cache ? 1 : 2);
-  // 16-bit caches: after that, the ring's kStages mbarriers of the bulk tensor copies (DecodeArgs::tma_copies, sm_90).
-  // The launch's dynamic shared memory is kLaunchSmemBytes (the manifest computes the same).
-  static constexpr int kTmaBarrierBytes = kFp8Cache ? 0 : 64;
-  static constexpr int kLaunchSmemBytes = kSmemBytes + kTmaBarrierBytes;
   // Launch bounds' minimum CTAs per SM: 0 (none: ptxas's own register choice) for 16-bit caches. FP8 caches: as
   // many as an H200 SM's shared memory holds (227 KiB), 2 or 3, so that registers never limit them more
   // (ptxas's own choice for a 68 KiB D = 128 tile, 194-220 registers, allowed 2 where shared memory allowed 3;
@@ -54,7 +50,6 @@ struct DecodeConfig {
   static_assert(kBlockM % 16 == 0, "packed rows come in m16 tiles");
   static_assert(kWarpKeys % 16 == 0, "each warp's key slice is whole k16 steps of P V");
   static_assert(kStages >= 2 && kStages <= 4, "2 to 4 K/V stages");
-  static_assert(kFp8Cache || 8 * kStages <= kTmaBarrierBytes, "one 8-byte mbarrier per stage");
   static_assert(!kFp8Cache || kHeadDim % 64 == 0, "an fp8 staging tile is a 16-bit SwizzledTile of kHeadDim / 2 columns");
 };
 

@@ -58,7 +58,6 @@
 #include "core/params.hpp"
 #include "cuda/common/ptx.cuh"
 #include "cuda/common/smem_tile.cuh"
-#include "cuda/common/tma.cuh"
 #include "cuda/decode/cache_rows.cuh"
 #include "cuda/decode/decode_config.cuh"
 #include "cuda/decode/decode_work.hpp"
@@ -170,24 +169,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   extern __shared__ __align__(128) uint8_t smem[];
   const uint32_t q_smem = smem_address(smem);
   const uint32_t kv_smem = q_smem + QTile::kBytes;  // stage s: K at kv_smem + 2 s StageTile::kBytes, V after it
-  // Bulk tensor copies (args.tma_copies: the host encoded args.k_map / v_map; the sm_90 image, 16-bit caches of
-  // 64-column blocks): a whole tile's K and V rows land as boxes of 16 rows x 64 columns issued by lanes of warp 0,
-  // counted on the stage's mbarrier, instead of each thread's cp.async copies. The maps' 128-byte swizzle puts chunk c
-  // of row r at c ^ (r % 8) within each 1024-byte group of 8 rows: StageTile's layout when the ring starts on a
-  // 1024-byte boundary (checked: else the cp.async copies). Barriers: kStages of 8 bytes after the ring
-  // (C::kTmaBarrierBytes). Affects speed only.
-  constexpr bool kTma = kTmaArch && !kFp8 && StageTile::kBlockCols == 64;
-  const uint32_t tma_bars = q_smem + uint32_t(C::kSmemBytes);  // stage s's barrier at tma_bars + 8 s
-  const bool tma = kTma && args.tma_copies != 0 && (kv_smem & 1023u) == 0;
-  if (tma) {
-    if (threadIdx.x == 0) {
-      for (int s = 0; s < kStages; ++s) mbarrier_init(tma_bars + 8u * uint32_t(s), 1);  // one arrival: the arming lane's
-      fence_mbarrier_init();
-    }
-    __syncwarp();  // warp 0's lanes issue copies that complete on them (other warps first wait after a __syncthreads)
-  }
-  uint32_t tma_pending = 0;  // bit s: stage s's fill in flight is a bulk copy (CTA-uniform)
-  uint32_t tma_parity = 0;   // bit s: the parity of stage s's next phase
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -682,37 +663,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   }
 
 
-  // A whole tile by bulk tensor copies (tma): lane l of warp 0 copies boxes l, l + 32, ... of the tile: box
-  // ((kv * kSlots) + slot) * kColBlocks + column block, 16 rows x 64 columns of K (kv 0) or V at the slot's block
-  // (paged: its id and first row in the block; contiguous: the sequence and the key), after lane 0 armed the stage's
-  // barrier with the tile's bytes (an mbarrier's transaction count may go below zero meanwhile: the order of the
-  // arming and the copies is free).
-  auto issue_tile_tma = [&](int rel, int n, int stage) {
-    if (warp != 0) return;
-    constexpr int kBoxes = 2 * kSlots * kColBlocks;
-    const uint32_t bar = tma_bars + 8u * uint32_t(stage);
-    const uint32_t stage_smem = kv_smem + uint32_t(stage) * 2u * StageTile::kBytes;
-    if (lane == 0) mbarrier_arrive_expect_tx(bar, 2u * StageTile::kBytes);
-#pragma unroll
-    for (int box0 = 0; box0 < kBoxes; box0 += 32) {
-      const int box = box0 + lane;
-      const int kv = box / (kSlots * kColBlocks), slot = box / kColBlocks % kSlots, block = box % kColBlocks;
-      const int key = n * kBlockN + slot * 16;
-      int row = key, index = b;  // contiguous: {column, key, hk, b}
-      if constexpr (kPaged) {    // {column, row in the block, hk, block id}
-        index = __shfl_sync(0xffffffffu, ids_now, slot_lane(rel, uint32_t(slot)));
-        row = key & page_mask;
-      }
-      if (kBoxes % 32 == 0 || box < kBoxes)
-        tma_load_4d(stage_smem + uint32_t(kv) * StageTile::kBytes + uint32_t(block * StageTile::kBlockBytes + slot * 16 * StageTile::kBlockCols * 2),
-                    kv != 0 ? &args.v_map : &args.k_map, bar, block * StageTile::kBlockCols, row, hk, index);
-    }
-  };
-
   // Copies the rows of the split's tile `rel` (relative index) into `stage`. Called for rel = 0, 1, 2, ...
-  // in order, by every thread (the shuffles need whole warps). may_tma: a whole tile may take the bulk copies
-  // (not in a prologue after early or speculative tiles: warps that kept theirs do not take part).
-  auto issue_tile = [&](int rel, int stage, bool may_tma) {
+  // in order, by every thread (the shuffles need whole warps).
+  auto issue_tile = [&](int rel, int stage) {
     const int n = work.tile_begin + rel;
     const uint32_t k_tile = kv_smem + uint32_t(stage) * 2u * StageTile::kBytes + load_lane;
     const uint32_t v_tile = k_tile + StageTile::kBytes;
@@ -728,13 +681,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     }
     const bool plain =
         (n + 1) * kBlockN <= seqlen_k && full_width && strides_32bit && (!kPaged || slot_ids) && tile_bad_ids == 0;
-    if constexpr (kTma) {
-      if (tma && may_tma && plain) {  // CTA-uniform
-        issue_tile_tma(rel, n, stage);
-        tma_pending |= 1u << stage;
-        return;
-      }
-    }
     if (kPaged && __builtin_expect(plain && args.paged_rows, 1)) {
       // The pool row of the slot (one shuffle) plus the thread's row in it (in the base): one wide multiply-add
       // per row of K and of V, as for a contiguous cache.
@@ -801,7 +747,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // issue_tile's code instead of kStages - 1 (code size; affects speed only) ----
 #pragma unroll 1
   for (int s = 0; s < kStages - 1 && !first_kept; ++s) {  // (kept: issued before cache_seqlens arrived)
-    if (s < num_tiles) issue_tile(s, s, first_copied < 0);
+    if (s < num_tiles) issue_tile(s, s);
     cp_async_commit();
   }
 
@@ -863,21 +809,14 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // samples stalled on "no instruction"). Code size only: both copies compute the same.
   auto tile_loop = [&](auto with_transform) {
     for (int it = 0; it < num_tiles; ++it) {
-      const int stage = it % kStages;
       cp_async_wait<kStages - 2>();  // this thread's copies of tile `it` (and Q) have landed
-      if constexpr (kTma) {
-        if ((tma_pending >> stage) & 1u) {  // and the bulk copies of it (acquire: their bytes are visible to this thread)
-          mbarrier_wait_parity(tma_bars + 8u * uint32_t(stage), (tma_parity >> stage) & 1u);
-          tma_parity ^= 1u << stage;
-          tma_pending &= ~(1u << stage);
-        }
-      }
       __syncthreads();               // everyone's have; and every warp is done with tile it - 1, whose stage is refilled now
       if (it == 0) C::stamp(C::kStampFirstTile, p.out);
       const int ahead = it + kStages - 1;
-      if (ahead < num_tiles) issue_tile(ahead, ahead % kStages, true);
+      if (ahead < num_tiles) issue_tile(ahead, ahead % kStages);
       cp_async_commit();
 
+      const int stage = it % kStages;
       const uint32_t k_tile = kv_smem + uint32_t(stage) * 2u * StageTile::kBytes;
       const uint32_t v_tile = k_tile + StageTile::kBytes;
       const int slice0 = (work.tile_begin + it) * kBlockN + warp * kWarpKeys;  // first key of this warp's slice

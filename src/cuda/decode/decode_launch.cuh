@@ -10,14 +10,11 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
-#include <cstdio>
-#include <cstring>
 #include <cstdint>
 
 #include "core/params.hpp"
 #include "core/status.hpp"
 #include "cuda/common/check.hpp"
-#include "cuda/decode/cache_tensor_maps.hpp"
 #include "cuda/decode/decode_aux.hpp"
 #include "cuda/decode/decode_kernel.cuh"
 #include "cuda/decode/decode_plan.hpp"
@@ -28,7 +25,7 @@ namespace flashattn::cuda {
 // Dynamic shared memory of the decode kernel (decode_config.cuh). The manifest computes the same.
 template <typename C>
 constexpr int decode_smem_bytes() {
-  return C::kLaunchSmemBytes;
+  return C::kSmemBytes;
 }
 
 // Once per device and kernel: raise its shared-memory limit (sticky), allow clusters of up to 16 CTAs on
@@ -136,12 +133,6 @@ Status launch_kvcache_sm80(const KvcacheParams& p, cudaStream_t stream) {
   const decode::DecodePlan plan = decode::decode_layout(p, C::kBlockM, C::kBlockN, p.num_splits);
   decode::DecodeArgs args = decode::make_decode_args(p, plan, p.workspace);
   args.programmatic_launch = decode::kProgrammaticLaunch && sm90 ? 1 : 0;
-  if (sm90 && decode::tma_copies_wanted()) decode::set_cache_tensor_maps(p, C::kHeadDim, &args);
-  // The stats (written by the caller before the launch) say which copies stream the tiles.
-  if (p.stats != nullptr && args.tma_copies != 0) {
-    const size_t used = std::strlen(p.stats->kernel);
-    std::snprintf(p.stats->kernel + used, sizeof(p.stats->kernel) - used, " copies=tma");
-  }
   // Splits merged inside a thread-block cluster where that pays (decode_plan.hpp) and the device has clusters
   // that fit; else (sm_80, long or many splits) the combine kernel. The plan's workspace is the same either way.
   const bool paged = p.block_table != nullptr;

@@ -222,15 +222,9 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
 
 namespace {
 std::atomic<int> g_speculation_for_tests{-1};  // set_speculation_for_tests
-std::atomic<int> g_tma_copies_for_tests{-1};   // set_tma_copies_for_tests
 }  // namespace
 
 void set_speculation_for_tests(int mode) { g_speculation_for_tests.store(mode, std::memory_order_relaxed); }
-void set_tma_copies_for_tests(int mode) { g_tma_copies_for_tests.store(mode, std::memory_order_relaxed); }
-bool tma_copies_wanted() {
-  const int forced = g_tma_copies_for_tests.load(std::memory_order_relaxed);
-  return forced >= 0 ? forced != 0 : kTmaCopies;
-}
 
 DecodeArgs make_decode_args(const KvcacheParams& p, const DecodePlan& plan, void* workspace) {
   DecodeArgs a{};

@@ -213,11 +213,6 @@ constexpr bool kPrefetchInputs = true;
 // +0-1.5%. Below 1: contiguous B = 2 / 1k 0.995, B = 4 / 1k-2k 0.993-0.997 (3-4 splits in clusters; their spread
 // is as wide).
 constexpr bool kSpeculativeTiles = true;
-// Whole K/V tiles of 16-bit caches stream by bulk tensor copies (TMA) on sm_90 (DecodeArgs::tma_copies,
-// cache_tensor_maps.hpp, decode_kernel.cuh). Affects speed only. Off: slower than the cp.async copies on the H200
-// (2026-12-02 14:10 UTC, flashattn_decode_tiles --runners m16n64w4s3 --tma 0,1, bf16 32 / 8 D = 128, cp.async / bulk:
-// contiguous 0.75-0.88 beyond 1k keys, paged 0.86-1.00; bench/results/2026-12-02-1410-h200-decode-tma-ab-summary.txt).
-constexpr bool kTmaCopies = false;
 constexpr bool kProgrammaticLaunch = true; // sm_90+: launch the decode kernels as programmatic dependents
 // sm_90+: the splits of an m-block form a thread-block cluster and merge their partials through distributed
 // shared memory, instead of a combine kernel after the attention kernel (up to kMaxClusterSplits splits;
@@ -410,10 +405,5 @@ DecodeArgs make_decode_args(const KvcacheParams& p, const DecodePlan& plan, void
 // 1 on, 2 / 3 wrong guesses: decode_work.hpp) instead of kSpeculativeTiles; -1 restores the library's. A process-wide
 // switch, so that the oracle tests can run the kernels' wrong-guess paths through the public API.
 void set_speculation_for_tests(int mode);
-
-// Whether launches take the bulk tensor copies where the device and the cache allow them: kTmaCopies, unless tests
-// forced it with set_tma_copies_for_tests (0 off, 1 on; -1 restores the library's; process-wide).
-bool tma_copies_wanted();
-void set_tma_copies_for_tests(int mode);
 
 }  // namespace flashattn::cuda::decode

@@ -21,7 +21,6 @@
 #include "core/host_device.hpp"
 #include "core/mask.hpp"
 #include "core/params.hpp"
-#include "cuda/common/tensor_map_bytes.hpp"
 
 namespace flashattn::cuda::decode {
 
@@ -52,10 +51,6 @@ struct DecodeArgs {
   int cluster_merge;        // 1 = the num_splits CTAs of one (m-block, K/V head, sequence) are a thread-block
                             // cluster (grid.x split-fastest) that merges its partials through distributed
                             // shared memory, with no combine kernel (sm_90+, <= kMaxClusterSplits; the launcher)
-  int tma_copies;           // 1 = whole K/V tiles stream through k_map / v_map by bulk tensor copies (sm_90+, 16-bit
-                            // caches; set with the maps by cache_tensor_maps.cpp; decode_kernel.cuh; speed only)
-  TensorMapBytes k_map;     // tma_copies: K and V as 4-d tensors {D, rows of a block (paged) or of a sequence, Hk,
-  TensorMapBytes v_map;     // blocks or sequences}, boxes of 16 rows x 64 columns, 128-byte swizzle
   float* partial_lse;       // [num_splits][B * Hq * Sq] natural-log LSE per split; null when num_splits == 1
   float* partial_out;       // [num_splits][B * Hq * Sq][Dv] per-split output, already normalised
 };

@@ -140,11 +140,6 @@ Status run_kvcache(const KvcacheParams& p) {
     run.workspace = owned;
     run.workspace_bytes = s.plan.workspace_bytes;
   }
-  if (p.stats != nullptr) {  // before the launch, which may add to the kernel's description (decode_launch.cuh)
-    p.stats->scratch_bytes_peak = owned != nullptr ? s.plan.workspace_bytes : 0;
-    p.stats->num_splits = s.plan.num_splits;
-    std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s splits=%d", entry.name, s.plan.num_splits);
-  }
   const Status launched = launch(run, stream);
   if (owned != nullptr) {
     const cudaError_t freed = cudaFreeAsync(owned, stream);
@@ -152,6 +147,11 @@ Status run_kvcache(const KvcacheParams& p) {
     FA_CUDA_RETURN_IF_ERROR(freed);
   }
   FA_RETURN_IF_ERROR(launched);
+  if (p.stats != nullptr) {
+    p.stats->scratch_bytes_peak = owned != nullptr ? s.plan.workspace_bytes : 0;
+    p.stats->num_splits = s.plan.num_splits;
+    std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s splits=%d", entry.name, s.plan.num_splits);
+  }
   return Status();
 }
 
