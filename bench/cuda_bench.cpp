@@ -13,6 +13,11 @@
 // Usage: flashattn_cuda_bench [--json FILE] [--dtypes bf16,f16] [--dims 64,128,256]
 //                             [--seqlens 512,...] [--causal 0,1] [--reps 10] [--fwd-reps N] [--warmup-ms T] [--no-backward]
 //                             [--library-workspace]  (the backward allocates its own workspace per call)
+//                             [--paged 0,16,64,256]
+//   --paged: the forward also over K / V as a paged cache of that block size (0: dense, the default): the same bytes
+//   viewed as (B * S / block, block, H, D) blocks, which a block table (B, S / block) of one random permutation of the
+//   block ids hands out to the sequences (the variable-length prefill of a serving step reads K / V so). Forward
+//   only (the backward takes dense K / V); the block size must divide S.
 //   --fwd-reps: timed forward calls (default --reps); bench/clock_probe.py runs the backward for seconds with
 //   --reps large and --fwd-reps small, so that the card's clock it logs belongs to the backward.
 //   --warmup-ms T: after the 3 warm-up calls, more calls until T ms have passed (default 0). The H200 runs these
@@ -196,7 +201,7 @@ int memory_sweep(const std::string& json_path) {
 
 int main(int argc, char** argv) {
   std::string json_path, dtypes_arg = "bf16,f16", dims_arg = "64,128,256", seqlens_arg = "512,1024,2048,4096,8192,16384",
-                         causal_arg = "0,1";
+                         causal_arg = "0,1", paged_arg = "0";
   int reps = 10, fwd_reps = -1, warmup = 3;
   double warmup_ms = 0;
   bool backward = true, memory = false, library_workspace = false;
@@ -220,9 +225,11 @@ int main(int argc, char** argv) {
     else if (arg == "--no-backward") backward = false;
     else if (arg == "--memory") memory = true;
     else if (arg == "--library-workspace") library_workspace = true;
+    else if (arg == "--paged") paged_arg = next();
     else {
       std::fprintf(stderr, "usage: %s [--json FILE] [--dtypes bf16,f16] [--dims 64,128,256] [--seqlens 512,...] "
-                   "[--causal 0,1] [--reps N] [--fwd-reps N] [--warmup-ms T] [--no-backward] [--library-workspace]\n", argv[0]);
+                   "[--causal 0,1] [--reps N] [--fwd-reps N] [--warmup-ms T] [--no-backward] [--library-workspace] "
+                   "[--paged 0,16,...]\n", argv[0]);
       return 2;
     }
   }
@@ -231,6 +238,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (fwd_reps < 0) fwd_reps = reps;
+  const std::vector<int> paged_blocks = flashattn::bench::parse_ints(paged_arg);
+  for (int block : paged_blocks)
+    if (block < 0) {
+      std::fprintf(stderr, "--paged: block sizes must be >= 1 (0: dense), got %d\n", block);
+      return 2;
+    }
   if (fa_cuda_device_count() == 0) {
     std::fprintf(stderr, "flashattn_cuda_bench: no CUDA device\n");
     return 1;
@@ -247,13 +260,14 @@ int main(int argc, char** argv) {
   Buffer q(elements * 2), k(elements * 2), v(elements * 2), out(elements * 2), dout(elements * 2), dq(elements * 2),
       dk(elements * 2), dv(elements * 2);
   Buffer lse(kTokens * kHidden / 32 * 4);  // B * H * S floats; H = 2048 / D <= 64 heads at D >= 32
+  Buffer table(kTokens * 4);               // --paged: the block table, at most B * S = kTokens ids (block size 1)
 
   std::string json = "{\n \"env\": {\"gpu\": \"" + std::string(prop.name) + "\", \"sms\": " +
                      std::to_string(prop.multiProcessorCount) + ", \"date\": \"" + date + "\", \"flashattn\": \"" +
                      fa_version() + "\", \"warmup_ms\": " + std::to_string(warmup_ms) + "},\n \"points\": [\n";
   bool first = true;
-  std::printf("%-5s %4s %6s %3s %3s %6s | %9s %9s | %9s %9s\n", "dtype", "D", "S", "B", "H", "causal", "fwd ms", "fwd TF/s",
-              "bwd ms", "bwd TF/s");
+  std::printf("%-5s %4s %6s %3s %3s %6s %5s | %9s %9s | %9s %9s\n", "dtype", "D", "S", "B", "H", "causal", "paged", "fwd ms",
+              "fwd TF/s", "bwd ms", "bwd TF/s");
   std::unique_ptr<Buffer> workspace;  // the backward's, grown to the largest point so far
   int64_t workspace_capacity = 0;
   for (const std::string& dtype_name : parse_words(dtypes_arg)) {
@@ -264,67 +278,83 @@ int main(int argc, char** argv) {
     fill_random(dout.data, elements, dtype, 4);
     for (int d : flashattn::bench::parse_ints(dims_arg))
       for (int s : flashattn::bench::parse_ints(seqlens_arg))
-        for (int causal : flashattn::bench::parse_ints(causal_arg)) {
-          const int64_t b = kTokens / s, h = kHidden / d;
-          fa_forward_args fwd{};
-          fwd.q = view(q.data, b, s, h, d, dtype);
-          fwd.k = view(k.data, b, s, h, d, dtype);
-          fwd.v = view(v.data, b, s, h, d, dtype);
-          fwd.out = view(out.data, b, s, h, d, dtype);
-          const int64_t lse_shape[3] = {b, h, s};
-          fwd.lse = fa_tensor_contiguous(lse.data, 3, lse_shape, FA_FLOAT32, FA_DEVICE_CUDA, 0);
-          fa_options options;
-          fa_options_init(&options);
-          options.backend = FA_BACKEND_CUDA;
-          options.causal = causal;
-          fa_stats stats{};
-          options.stats = &stats;
-          const double flops = 4.0 * double(b) * double(h) * double(s) * double(s) * double(d) * (causal ? 0.5 : 1.0);
-          std::string fwd_error, bwd_error;
-          const double fwd_ms = median_ms(warmup, warmup_ms, fwd_reps, [&] { return flashattn::forward(fwd, options); }, &fwd_error);
-          const std::string kernel = stats.kernel;
-          double bwd_ms = -1;
-          // ---- backward timing (the backward engineer's kernel; same sweep, 2.5x the forward FLOPs) ----
-          if (backward && fwd_ms > 0) {
-            fa_backward_args bwd{};
-            bwd.q = fwd.q;
-            bwd.k = fwd.k;
-            bwd.v = fwd.v;
-            bwd.out = fwd.out;
-            bwd.lse = fwd.lse;
-            bwd.dout = view(dout.data, b, s, h, d, dtype);
-            bwd.dq = view(dq.data, b, s, h, d, dtype);
-            bwd.dk = view(dk.data, b, s, h, d, dtype);
-            bwd.dv = view(dv.data, b, s, h, d, dtype);
-            int64_t workspace_bytes = 0;
-            const flashattn::Status sized = flashattn::backward_workspace_size(bwd, options, &workspace_bytes);
-            if (sized.ok() && workspace_bytes > workspace_capacity) {
-              workspace.reset();
-              workspace = std::make_unique<Buffer>(workspace_bytes);
-              workspace_capacity = workspace_bytes;
+        for (int causal : flashattn::bench::parse_ints(causal_arg))
+          for (int block : paged_blocks) {
+            const int64_t b = kTokens / s, h = kHidden / d;
+            if (block > 0 && s % block != 0) {
+              std::fprintf(stderr, "--paged %d: the block size must divide S = %d\n", block, s);
+              return 2;
             }
-            if (sized.ok() && workspace_bytes > 0 && !library_workspace) {
-              const int64_t ws_shape[1] = {workspace_bytes};
-              bwd.workspace = fa_tensor_contiguous(workspace->data, 1, ws_shape, FA_UINT8, FA_DEVICE_CUDA, 0);
+            fa_forward_args fwd{};
+            fwd.q = view(q.data, b, s, h, d, dtype);
+            fwd.k = view(k.data, b, s, h, d, dtype);
+            fwd.v = view(v.data, b, s, h, d, dtype);
+            fwd.out = view(out.data, b, s, h, d, dtype);
+            if (block > 0) {  // the same K / V bytes as blocks, handed out in a random order
+              const int64_t blocks = b * s / block, per_seq = s / block;
+              fwd.k = view(k.data, blocks, block, h, d, dtype);
+              fwd.v = view(v.data, blocks, block, h, d, dtype);
+              std::vector<int32_t> ids(static_cast<size_t>(blocks));
+              for (int64_t n = 0; n < blocks; ++n) ids[size_t(n)] = int32_t(n);
+              std::shuffle(ids.begin(), ids.end(), std::mt19937_64(uint64_t(block) * 1000003u + uint64_t(s)));
+              CHECK_CUDA(cudaMemcpy(table.data, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+              const int64_t table_shape[2] = {b, per_seq};
+              fwd.block_table = fa_tensor_contiguous(table.data, 2, table_shape, FA_INT32, FA_DEVICE_CUDA, 0);
             }
-            bwd_ms = median_ms(warmup, warmup_ms, reps, [&] { return flashattn::backward(bwd, options); }, &bwd_error);
+            const int64_t lse_shape[3] = {b, h, s};
+            fwd.lse = fa_tensor_contiguous(lse.data, 3, lse_shape, FA_FLOAT32, FA_DEVICE_CUDA, 0);
+            fa_options options;
+            fa_options_init(&options);
+            options.backend = FA_BACKEND_CUDA;
+            options.causal = causal;
+            fa_stats stats{};
+            options.stats = &stats;
+            const double flops = 4.0 * double(b) * double(h) * double(s) * double(s) * double(d) * (causal ? 0.5 : 1.0);
+            std::string fwd_error, bwd_error;
+            const double fwd_ms = median_ms(warmup, warmup_ms, fwd_reps, [&] { return flashattn::forward(fwd, options); }, &fwd_error);
+            const std::string kernel = stats.kernel;
+            double bwd_ms = -1;
+            // ---- backward timing (the backward engineer's kernel; same sweep, 2.5x the forward FLOPs) ----
+            if (backward && block == 0 && fwd_ms > 0) {
+              fa_backward_args bwd{};
+              bwd.q = fwd.q;
+              bwd.k = fwd.k;
+              bwd.v = fwd.v;
+              bwd.out = fwd.out;
+              bwd.lse = fwd.lse;
+              bwd.dout = view(dout.data, b, s, h, d, dtype);
+              bwd.dq = view(dq.data, b, s, h, d, dtype);
+              bwd.dk = view(dk.data, b, s, h, d, dtype);
+              bwd.dv = view(dv.data, b, s, h, d, dtype);
+              int64_t workspace_bytes = 0;
+              const flashattn::Status sized = flashattn::backward_workspace_size(bwd, options, &workspace_bytes);
+              if (sized.ok() && workspace_bytes > workspace_capacity) {
+                workspace.reset();
+                workspace = std::make_unique<Buffer>(workspace_bytes);
+                workspace_capacity = workspace_bytes;
+              }
+              if (sized.ok() && workspace_bytes > 0 && !library_workspace) {
+                const int64_t ws_shape[1] = {workspace_bytes};
+                bwd.workspace = fa_tensor_contiguous(workspace->data, 1, ws_shape, FA_UINT8, FA_DEVICE_CUDA, 0);
+              }
+              bwd_ms = median_ms(warmup, warmup_ms, reps, [&] { return flashattn::backward(bwd, options); }, &bwd_error);
+            }
+            const double fwd_tflops = fwd_ms > 0 ? flops / (fwd_ms * 1e-3) / 1e12 : 0;
+            const double bwd_tflops = bwd_ms > 0 ? 2.5 * flops / (bwd_ms * 1e-3) / 1e12 : 0;
+            std::printf("%-5s %4d %6d %3lld %3lld %6d %5d | %9.3f %9.1f | %9.3f %9.1f %s%s\n", dtype_name.c_str(), d, s,
+                        (long long)b, (long long)h, causal, block, fwd_ms, fwd_tflops, bwd_ms, bwd_tflops,
+                        fwd_error.empty() ? "" : ("fwd: " + fwd_error).c_str(),
+                        bwd_error.empty() ? "" : (" bwd: " + bwd_error.substr(0, 80)).c_str());
+            std::fflush(stdout);
+            char line[512];
+            std::snprintf(line, sizeof(line),
+                          "  {\"dtype\": \"%s\", \"D\": %d, \"S\": %d, \"B\": %lld, \"H\": %lld, \"causal\": %s, \"paged\": %d, "
+                          "\"fwd_ms\": %.4f, \"fwd_tflops\": %.1f, \"bwd_ms\": %.4f, \"bwd_tflops\": %.1f, \"kernel\": \"%s\"}",
+                          dtype_name.c_str(), d, s, (long long)b, (long long)h, causal ? "true" : "false", block, fwd_ms, fwd_tflops,
+                          bwd_ms, bwd_tflops, kernel.c_str());
+            json += std::string(first ? "" : ",\n") + line;
+            first = false;
           }
-          const double fwd_tflops = fwd_ms > 0 ? flops / (fwd_ms * 1e-3) / 1e12 : 0;
-          const double bwd_tflops = bwd_ms > 0 ? 2.5 * flops / (bwd_ms * 1e-3) / 1e12 : 0;
-          std::printf("%-5s %4d %6d %3lld %3lld %6d | %9.3f %9.1f | %9.3f %9.1f %s%s\n", dtype_name.c_str(), d, s,
-                      (long long)b, (long long)h, causal, fwd_ms, fwd_tflops, bwd_ms, bwd_tflops,
-                      fwd_error.empty() ? "" : ("fwd: " + fwd_error).c_str(),
-                      bwd_error.empty() ? "" : (" bwd: " + bwd_error.substr(0, 80)).c_str());
-          std::fflush(stdout);
-          char line[512];
-          std::snprintf(line, sizeof(line),
-                        "  {\"dtype\": \"%s\", \"D\": %d, \"S\": %d, \"B\": %lld, \"H\": %lld, \"causal\": %s, "
-                        "\"fwd_ms\": %.4f, \"fwd_tflops\": %.1f, \"bwd_ms\": %.4f, \"bwd_tflops\": %.1f, \"kernel\": \"%s\"}",
-                        dtype_name.c_str(), d, s, (long long)b, (long long)h, causal ? "true" : "false", fwd_ms, fwd_tflops,
-                        bwd_ms, bwd_tflops, kernel.c_str());
-          json += std::string(first ? "" : ",\n") + line;
-          first = false;
-        }
   }
   json += "\n ]\n}\n";
   if (!json_path.empty()) {

@@ -386,6 +386,52 @@ TEST(CudaForward, PagedKv) {
     }
 }
 
+// One continuous-batching step in one call: variable-length queries (decode tokens, a prefill chunk, a whole
+// prompt, an empty request) over a paged cache whose lengths come from cu_seqlens_k, the blocks scattered. Block
+// sizes 16 and 256 (the shift path of the row lookup) and 7 (the division path).
+TEST(CudaForward, VarlenQueriesOverPagedKv) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_varlen_paged");
+  const std::vector<int> lengths_q = {1, 37, 0, 120, 1}, lengths_k = {300, 37, 9, 250, 1};
+  const int batch = 5, hq = 8, hk = 2, total_q = 159;
+  for (int d : {64, 128})
+    for (int block_size : {16, 7, 256}) {
+      const int max_blocks = (300 + block_size - 1) / block_size;
+      const int num_blocks = batch * max_blocks + 2;
+      Call c;
+      c.q = HostTensor({total_q, hq, d}, FA_BFLOAT16);
+      c.k = HostTensor({num_blocks, block_size, hk, d}, FA_BFLOAT16);
+      c.v = HostTensor({num_blocks, block_size, hk, d}, FA_BFLOAT16);
+      c.q.fill_normal(rng);
+      c.k.fill_normal(rng);
+      c.v.fill_normal(rng);
+      c.out = HostTensor({total_q, hq, d}, FA_BFLOAT16);
+      c.lse = HostTensor({hq, total_q}, FA_FLOAT32);
+      std::vector<int> ids(num_blocks);
+      std::iota(ids.begin(), ids.end(), 0);
+      std::shuffle(ids.begin(), ids.end(), rng);
+      c.block_table = HostTensor({batch, max_blocks}, FA_INT32);
+      for (int n = 0; n < batch * max_blocks; ++n) c.block_table.set_int(n, ids[n]);
+      c.cu_seqlens_q = HostTensor({batch + 1}, FA_INT32);
+      c.cu_seqlens_k = HostTensor({batch + 1}, FA_INT32);
+      c.cu_seqlens_q.set_int(0, 0);
+      c.cu_seqlens_k.set_int(0, 0);
+      for (int b = 0; b < batch; ++b) {
+        c.cu_seqlens_q.set_int(b + 1, c.cu_seqlens_q.get_int(b) + lengths_q[b]);
+        c.cu_seqlens_k.set_int(b + 1, c.cu_seqlens_k.get_int(b) + lengths_k[b]);
+      }
+      ASSERT_EQ(c.cu_seqlens_q.get_int(batch), total_q);
+      c.max_seqlen_q = 120;
+      c.max_seqlen_k = 300;
+      for (int causal : {0, 1}) {
+        c.options.causal = causal;
+        check_against_oracle("varlen q, paged D=" + std::to_string(d) + " block_size=" + std::to_string(block_size) +
+                                 (causal ? " causal" : ""),
+                             c);
+      }
+    }
+}
+
 TEST(CudaForward, StridedTensors) {
   SKIP_WITHOUT_GPU();
   auto rng = fa_test::make_rng("cuda_forward_strided");
