@@ -239,11 +239,17 @@ int main(int argc, char** argv) {
   }
   if (fwd_reps < 0) fwd_reps = reps;
   const std::vector<int> paged_blocks = flashattn::bench::parse_ints(paged_arg);
-  for (int block : paged_blocks)
+  for (int block : paged_blocks) {  // checked before any point runs
     if (block < 0) {
       std::fprintf(stderr, "--paged: block sizes must be >= 1 (0: dense), got %d\n", block);
       return 2;
     }
+    for (int s : flashattn::bench::parse_ints(seqlens_arg))
+      if (block > 0 && s % block != 0) {
+        std::fprintf(stderr, "--paged %d: the block size must divide every S of --seqlens, not %d\n", block, s);
+        return 2;
+      }
+  }
   if (fa_cuda_device_count() == 0) {
     std::fprintf(stderr, "flashattn_cuda_bench: no CUDA device\n");
     return 1;
@@ -281,10 +287,6 @@ int main(int argc, char** argv) {
         for (int causal : flashattn::bench::parse_ints(causal_arg))
           for (int block : paged_blocks) {
             const int64_t b = kTokens / s, h = kHidden / d;
-            if (block > 0 && s % block != 0) {
-              std::fprintf(stderr, "--paged %d: the block size must divide S = %d\n", block, s);
-              return 2;
-            }
             fa_forward_args fwd{};
             fwd.q = view(q.data, b, s, h, d, dtype);
             fwd.k = view(k.data, b, s, h, d, dtype);
