@@ -149,7 +149,7 @@ Status choose_kernel(KernelKind kind, const AttentionParams& p, const DeviceLimi
                  fp8_cache ? ", float8_e4m3 cache" : "", join_ints(compiled).c_str(), fp8_cache ? 16 : 8);
   // Rows of the bucket come in the manifest's order of preference: the first whose shared memory fits, among
   // those whose call condition holds (a short-causal row: causal and at most causal_max_seqlen_q query rows; a
-  // short-call row: at most max_seqlen_q query rows).
+  // short-call row: at most max_seqlen_q query rows; a paged-K/V row: a block_table).
   int smallest = -1;
   for (int r = 0; r < count; ++r) {
     const KernelEntry& e = table[r];
@@ -157,6 +157,7 @@ Status choose_kernel(KernelKind kind, const AttentionParams& p, const DeviceLimi
       continue;
     if (e.causal_max_seqlen_q > 0 && !(p.causal && p.seqlen_q <= e.causal_max_seqlen_q)) continue;
     if (e.max_seqlen_q > 0 && p.seqlen_q > e.max_seqlen_q) continue;
+    if (e.paged_kv && !p.is_paged()) continue;  // the paged instantiation: calls with a block_table only
     if (e.decode_role != DecodeRole::kGeneral) continue;  // offered by decode_alternative to the decode selection only
     if (e.smem_bytes <= device.smem_per_block_optin) {
       *index = r;

@@ -34,6 +34,8 @@ struct KernelEntry {
   int max_seqlen_q = 0;  // forward: > 0 = taken only for calls (any mask) of at most this many query rows; 0 = any
   DecodeRole decode_role = DecodeRole::kGeneral;  // kvcache: a role's row is taken only where decode_plan.hpp's rule for
                                                   // it holds (choose_kernel skips it; decode_alternative offers it)
+  bool paged_kv = false;  // forward: compiled for paged K/V (kPagedKv): taken only for calls with a block_table, which
+                          // find it ahead of the bucket's other rows
 };
 
 // The launch functions of one row (exactly one is set, by kind). `stream` is a cudaStream_t.

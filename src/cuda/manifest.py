@@ -71,6 +71,8 @@ class Tile:
                          # query rows (a short-call alternative listed before the general row); speed only
     compact_epilogue: bool = False  # forward only: the epilogue's stores in a rolled loop from one base
                                     # (forward_kernel.cuh, kCompactEpilogue: short calls gain); speed only
+    paged_kv: bool = False  # forward only: the instantiation for paged K/V (forward_kernel.cuh, kPagedKv), taken only
+                            # for calls with a block_table, and by them ahead of the bucket's other rows; speed only
     decode_role: str = ""  # decode only: "" = the bucket's general row; a role's row is taken only for the calls that
                            # decode_plan.hpp's rule for it accepts (choose_kernel skips it, the decode selection offers
                            # it; speed only): "many_waves" (wants_many_waves_tile: short contiguous caches at many waves
@@ -82,24 +84,29 @@ class Tile:
 # smem = (block_m + 2 * stages * block_n) * D * 2 bytes. sm_80 allows 163 KiB per CTA, sm_90 227 KiB.
 # Keyed (head-dim bucket, dropout): dropout's Philox state costs registers, so its tiles may be smaller.
 # A list is an order of preference: dispatch takes the first tile whose shared memory fits the device.
+# paged_kv rows (no dropout): each bucket's general tile compiled for paged K/V (kPagedKv), listed first, so calls with a
+# block_table take it and no other call does; paged calls with dropout run the general kernels' per-row lookup.
 FORWARD_TILES = {
-    (32, False): Tile(128, 128, 4, 2),   # 40 KiB; 32 query rows per warp amortise the K fragments
+    (32, False): [Tile(128, 128, 4, 2, paged_kv=True),
+                  Tile(128, 128, 4, 2)],   # 40 KiB; 32 query rows per warp amortise the K fragments
     (32, True): Tile(128, 64, 4, 2),     # 24 KiB; N = 128 spills with Philox's registers
     # D = 64: N = 128 halves the per-tile overhead (barrier, row max, load issue) per key; spill-free since the
     # lazy rescale and whole-tile loads (was 112 bytes). bench/forward_tiles.cu, H200, 2026-11-30 05:07 UTC,
     # S = 16k: 325.5 vs 293.5 (N = 64) TFLOP/s non-causal, 314.2 vs 282.9 causal.
-    (64, False): Tile(128, 128, 4, 2),   # 80 KiB
+    (64, False): [Tile(128, 128, 4, 2, paged_kv=True), Tile(128, 128, 4, 2)],   # 80 KiB
     (64, True): Tile(128, 64, 4, 2),     # 48 KiB; S fragments halve to leave registers for Philox
-    (96, False): Tile(128, 64, 4, 2),    # 72 KiB
+    (96, False): [Tile(128, 64, 4, 2, paged_kv=True), Tile(128, 64, 4, 2)],    # 72 KiB
     (96, True): Tile(128, 64, 4, 2),
     # D = 128, 96 KiB: two CTAs (8 warps) per SM; 372.4 TFLOP/s at S = 16k (s1: 370.2, m64 w4: 297.9, m128 n128 w8:
     # 321.3; H200, 2026-11-30). Calls of at most 1k query rows take the same tile with the compact epilogue
     # (forward_kernel.cuh): bf16 / fp16, S = 512 non-causal +1.8% / +2.5%, causal +3.7% / +4.7%; 1k +0.3% to +1.0%;
     # 2k -1.2% to +0.4%, 16k -1.3% to -1.9% (H200, 2026-12-01 03:38 UTC, bench/flashattn_cuda_bench, 5 alternating
     # runs, medians; bench/results/2026-12-01-0338-h200-fwd-compact-epilogue-ab.json).
-    (128, False): [Tile(128, 64, 4, 2, max_seqlen=1024, compact_epilogue=True), Tile(128, 64, 4, 2)],
+    (128, False): [Tile(128, 64, 4, 2, paged_kv=True), Tile(128, 64, 4, 2, max_seqlen=1024, compact_epilogue=True),
+                   Tile(128, 64, 4, 2)],
     (128, True): Tile(128, 64, 4, 2),
-    (192, False): Tile(128, 64, 8, 2),   # 144 KiB; 16 rows per warp keep O at 96 registers
+    (192, False): [Tile(128, 64, 8, 2, paged_kv=True), Tile(128, 64, 8, 2)],   # 144 KiB; 16 rows per warp keep O at 96
+                                                                                # registers
     (192, True): Tile(128, 64, 8, 2),
     # D = 256: O is 128 registers per thread, so a warp holds 16 rows x 256 columns, or, in a pair
     # (group_warps = 2), 32 rows x 128 columns: the pair splits the keys of S and the columns of O and trades P
@@ -113,7 +120,8 @@ FORWARD_TILES = {
     # bench/forward_tiles.cu, bf16, 4 alternating runs, medians, causal TFLOP/s 16-row / pairs: S = 512 195.9 / 190.0,
     # 768 220.9 / 219.2, 1k 238.2 / 236.4, 1.5k 252.8 / 256.2, 2k 264.9 / 271.5; non-causal 512 268.5 / 267.5, 1k
     # 296.6 / 303.5; bench/results/2026-12-01-0020-h200-fwd-d256-short-causal.json).
-    (256, False): [Tile(64, 64, 4, 1, causal_max_seqlen=1024), Tile(64, 64, 4, 1, group_warps=2)],
+    (256, False): [Tile(64, 64, 4, 1, group_warps=2, paged_kv=True), Tile(64, 64, 4, 1, causal_max_seqlen=1024),
+                   Tile(64, 64, 4, 1, group_warps=2)],
     (256, True): [Tile(128, 64, 8, 2), Tile(128, 64, 8, 1)],
 }
 
@@ -202,6 +210,7 @@ class Kernel:
         keys = f"k{t.warp_keys}" if t.warp_keys != 16 else ""
         groups = f"g{t.group_warps}" if t.group_warps != 1 else ""
         epilogue = "ce" if t.compact_epilogue else ""
+        epilogue += "pk" if t.paged_kv else ""
         role = DECODE_ROLES[t.decode_role][0]
         cache = "_e4m3" if self.fp8_cache else ""
         return (f"{self.kind}_sm80_{self.dtype}{cache}_d{self.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}"
@@ -259,6 +268,9 @@ def kernels():
                     assert (tile.max_seqlen == 0 and not tile.compact_epilogue) or kind == "fwd", \
                         f"{kind} d{head_dim}: max_seqlen and compact_epilogue are forward tile fields"
                     assert tile.max_seqlen == 0 or tile.causal_max_seqlen == 0, f"{kind} d{head_dim}: one call condition per row"
+                    assert not tile.paged_kv or (kind == "fwd" and not dropout and not tile.max_seqlen and
+                                                 not tile.causal_max_seqlen and not tile.compact_epilogue), \
+                        f"{kind} d{head_dim}: paged_kv is a forward field of its own rows (no dropout, no other condition)"
                     assert tile.decode_role in DECODE_ROLES, f"{kind} d{head_dim}: unknown decode_role {tile.decode_role!r}"
                     assert not tile.decode_role or (kind == "dec" and not fp8_cache), f"{kind} d{head_dim}: decode_role is a 16-bit decode field"
                     if fp8_cache:
@@ -279,6 +291,8 @@ def kernel_cu(k):
               f"{'true' if k.dropout else 'false'}{extra}>")
     if t.compact_epilogue:
         config = f"sm80::WithCompactEpilogue<{config}>"
+    if t.paged_kv:
+        config = f"sm80::WithPagedKv<{config}>"
     return f"""// {BANNER}
 #include "{header}"
 
@@ -297,7 +311,7 @@ def kernel_table_hpp(rows):
              "namespace flashattn::cuda::generated {", "",
              "inline constexpr KernelEntry kKernelTable[] = {",
              "    // kind, dtype, head dim, block_m, block_n, warps, stages, dropout, smem bytes, name, warp keys, group warps, fp8 cache,",
-             "    // causal max seqlen, max seqlen, decode role"]
+             "    // causal max seqlen, max seqlen, decode role, paged kv"]
     for k in rows:
         _, fa_dtype = DTYPES[k.dtype]
         kind = {"fwd": "KernelKind::kForward", "bwd": "KernelKind::kBackward", "dec": "KernelKind::kKvcache"}[k.kind]
@@ -305,7 +319,7 @@ def kernel_table_hpp(rows):
         lines.append(f"    {{{kind}, {fa_dtype}, {k.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
                      f"{'true' if k.dropout else 'false'}, {k.smem_bytes}, \"{k.name}\", {t.warp_keys}, {t.group_warps}, "
                      f"{'true' if k.fp8_cache else 'false'}, {t.causal_max_seqlen}, {t.max_seqlen}, "
-                     f"{DECODE_ROLES[t.decode_role][1]}}},")
+                     f"{DECODE_ROLES[t.decode_role][1]}, {'true' if t.paged_kv else 'false'}}},")
     if not rows:
         lines.append("    {}")
     lines += ["};", f"inline constexpr int kKernelCount = {len(rows)};", "",

@@ -273,6 +273,41 @@ TEST(CudaDispatch, ShortCallRowIsTakenOnlyForShortCalls) {
       }
 }
 
+TEST(CudaDispatch, PagedRowIsTakenOnlyForPagedCalls) {
+  KernelEntry paged{KernelKind::kForward, FA_BFLOAT16, 128, 128, 64, 4, 2, false, 96 * 1024, "fwd_d128_paged"};
+  paged.paged_kv = true;
+  const KernelEntry table[2] = {
+      paged,
+      {KernelKind::kForward, FA_BFLOAT16, 128, 128, 64, 4, 2, false, 96 * 1024, "fwd_d128_general"},
+  };
+  static const int32_t kTable = 0;  // never read: dispatch looks only at whether a table is there
+  auto pick = [&](const KernelEntry* rows, int count, int d, bool with_table, float dropout, fa_dtype dtype) -> std::string {
+    Case c;
+    c.d = d;
+    c.dtype = dtype;
+    c.dropout = dropout;
+    AttentionParams p = params_for(c);
+    if (with_table) p.block_table = &kTable;
+    int index = -1;
+    const Status s = choose_kernel(KernelKind::kForward, p, h200(), rows, count, kArchs, &index);
+    EXPECT_TRUE(s.ok()) << s.message();
+    return s.ok() ? std::string(rows[index].name) : std::string();
+  };
+  EXPECT_EQ(pick(table, 2, 128, true, 0.f, FA_BFLOAT16), "fwd_d128_paged");
+  EXPECT_EQ(pick(table, 2, 128, false, 0.f, FA_BFLOAT16), "fwd_d128_general");
+  // The generated table: every bucket without dropout has a paged row, taken by paged calls only; paged calls with
+  // dropout run the general kernels.
+  namespace gen = flashattn::cuda::generated;
+  for (fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
+    for (int d : {32, 64, 96, 128, 192, 256})
+      for (float dropout : {0.f, 0.1f})
+        for (bool with_table : {false, true}) {
+          const std::string name = pick(gen::kKernelTable, gen::kKernelCount, d, with_table, dropout, dtype);
+          const bool paged_row = name.find("pk") != std::string::npos;
+          EXPECT_EQ(paged_row, with_table && dropout == 0.f) << name << " D " << d << " dropout " << dropout;
+        }
+}
+
 TEST(CudaDispatch, GeneratedTableIsConsistent) {
   namespace gen = flashattn::cuda::generated;
   ASSERT_GT(gen::kKernelCount, 0);
@@ -294,10 +329,12 @@ TEST(CudaDispatch, GeneratedTableIsConsistent) {
     }
     EXPECT_TRUE((e.causal_max_seqlen_q == 0 && e.max_seqlen_q == 0) || e.kind == KernelKind::kForward) << e.name;
     EXPECT_TRUE(e.causal_max_seqlen_q == 0 || e.max_seqlen_q == 0) << e.name << ": one call condition per row";
+    EXPECT_TRUE(!e.paged_kv || (e.kind == KernelKind::kForward && !e.dropout && e.causal_max_seqlen_q == 0 && e.max_seqlen_q == 0))
+        << e.name << ": a paged row is a forward row without dropout or another condition";
     // A conditional row (short causal, short call, a decode role) is taken only for some calls: dispatch then reads on.
     EXPECT_TRUE(e.decode_role == DecodeRole::kGeneral || (e.kind == KernelKind::kKvcache && !e.fp8_cache)) << e.name;
     auto conditional = [](const KernelEntry& k) {
-      return k.causal_max_seqlen_q > 0 || k.max_seqlen_q > 0 || k.decode_role != DecodeRole::kGeneral;
+      return k.causal_max_seqlen_q > 0 || k.max_seqlen_q > 0 || k.decode_role != DecodeRole::kGeneral || k.paged_kv;
     };
     bool general_follows = false;  // a conditional row needs a general row after it (any other call)
     for (int s = 0; s < gen::kKernelCount; ++s) {

@@ -352,37 +352,112 @@ TEST(CudaForward, SequsedK) {
   check_against_oracle("seqused_k causal", c);
 }
 
+// A paged cache of `block_size` keys per block holding `batch` sequences of up to max_keys keys, every block id once
+// in random order (scattered, out of order), plus `spare` blocks no sequence uses; with `repeat`, column 1 of
+// sequence 2 names the block of column 0 of sequence 0 (a block shared by two tables, as after a fork).
+void make_paged_cache(Call& c, std::mt19937_64& rng, int batch, int max_keys, int block_size, int hk, int d, fa_dtype dtype,
+                      bool repeat, int spare = 3) {
+  const int max_blocks = (max_keys + block_size - 1) / block_size;
+  const int num_blocks = batch * max_blocks + spare;
+  c.k = HostTensor({num_blocks, block_size, hk, d}, dtype);
+  c.v = HostTensor({num_blocks, block_size, hk, d}, dtype);
+  c.k.fill_normal(rng);
+  c.v.fill_normal(rng);
+  std::vector<int> ids(num_blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  c.block_table = HostTensor({batch, max_blocks}, FA_INT32);
+  for (int n = 0; n < batch * max_blocks; ++n) c.block_table.set_int(n, ids[n]);
+  if (repeat && batch > 2 && max_blocks > 1) c.block_table.set_int(2 * max_blocks + 1, c.block_table.get_int(0));
+}
+
+// Paged K/V for every head-dim bucket (and D = 72, between buckets), block sizes of the slot-id path (powers of two
+// >= 16) and of the per-row lookup (1, 3, 5, 8), causal or not, one empty and one one-key sequence. Without dropout
+// the call must run the paged instantiation (kernel name ...pk).
 TEST(CudaForward, PagedKv) {
   SKIP_WITHOUT_GPU();
   auto rng = fa_test::make_rng("cuda_forward_paged");
-  for (int d : {64, 256})
-    for (int block_size : {16, 5, 64}) {
-      const int batch = 3, hq = 4, hk = 2, sq = 70;
-      const int max_blocks = (250 + block_size - 1) / block_size;
-      const int num_blocks = batch * max_blocks + 3;
+  const int batch = 4, hq = 4, hk = 2, sq = 70;
+  const std::vector<int> used = {250, 1, 131, 0};
+  struct Shape {
+    int d, block_size;
+    fa_dtype dtype;
+  };
+  std::vector<Shape> shapes;
+  for (int d : {32, 64, 96, 128, 192, 256})
+    for (int block_size : {16, 5, 64, 256}) shapes.push_back({d, block_size, d % 64 == 0 ? FA_BFLOAT16 : FA_FLOAT16});
+  for (int block_size : {1, 3, 8, 32, 128}) shapes.push_back({128, block_size, FA_BFLOAT16});
+  shapes.push_back({72, 16, FA_BFLOAT16});
+  shapes.push_back({72, 5, FA_FLOAT16});
+  for (const Shape& shape : shapes) {
+    Call c;
+    c.q = HostTensor({batch, sq, hq, shape.d}, shape.dtype);
+    c.q.fill_normal(rng);
+    make_paged_cache(c, rng, batch, 250, shape.block_size, hk, shape.d, shape.dtype, /*repeat=*/shape.block_size >= 16);
+    c.out = HostTensor({batch, sq, hq, shape.d}, shape.dtype);
+    c.lse = HostTensor({batch, hq, sq}, FA_FLOAT32);
+    c.seqused_k = HostTensor({batch}, FA_INT32);
+    for (int b = 0; b < batch; ++b) c.seqused_k.set_int(b, used[b]);
+    for (int causal : {0, 1}) {
+      c.options.causal = causal;
+      const std::string what = std::string("paged ") + short_name(shape.dtype) + " D=" + std::to_string(shape.d) +
+                               " block_size=" + std::to_string(shape.block_size) + (causal ? " causal" : "");
+      check_against_oracle(what, c);
+      fa_stats stats{};
+      Call again = c;
+      ASSERT_TRUE(run_gpu(again, &stats).ok()) << what;
+      EXPECT_NE(std::string(stats.kernel).find("pk"), std::string::npos) << what << " ran " << stats.kernel;
+    }
+  }
+}
+
+// A block id outside [0, num_blocks) in a device block table (which the host cannot check) is never dereferenced: the
+// CTAs that meet it write NaN to their out and lse rows, and every other sequence's rows are exact. Both lookups
+// (slot ids, block size 16; per row, 5), ids past the end and negative, in the middle of a sequence.
+TEST(CudaForward, PagedBadBlockIdGivesNanNotARead) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_paged_bad_id");
+  const int batch = 3, hq = 4, hk = 2, sq = 70, d = 128;
+  for (int block_size : {16, 5})
+    for (int bad : {1 << 20, -1}) {
       Call c;
       c.q = HostTensor({batch, sq, hq, d}, FA_BFLOAT16);
       c.q.fill_normal(rng);
-      c.k = HostTensor({num_blocks, block_size, hk, d}, FA_BFLOAT16);
-      c.v = HostTensor({num_blocks, block_size, hk, d}, FA_BFLOAT16);
-      c.k.fill_normal(rng);
-      c.v.fill_normal(rng);
+      make_paged_cache(c, rng, batch, 200, block_size, hk, d, FA_BFLOAT16, false);
       c.out = HostTensor({batch, sq, hq, d}, FA_BFLOAT16);
       c.lse = HostTensor({batch, hq, sq}, FA_FLOAT32);
-      // every block id once, shuffled: sequences read scattered blocks
-      std::vector<int> ids(num_blocks);
-      std::iota(ids.begin(), ids.end(), 0);
-      std::shuffle(ids.begin(), ids.end(), rng);
-      c.block_table = HostTensor({batch, max_blocks}, FA_INT32);
-      for (int n = 0; n < batch * max_blocks; ++n) c.block_table.set_int(n, ids[n]);
-      c.seqused_k = HostTensor({batch}, FA_INT32);
-      c.seqused_k.set_int(0, 250);
-      c.seqused_k.set_int(1, 1);
-      c.seqused_k.set_int(2, 131);
-      for (int causal : {0, 1}) {
-        c.options.causal = causal;
-        check_against_oracle("paged D=" + std::to_string(d) + " block_size=" + std::to_string(block_size) + (causal ? " causal" : ""), c);
-      }
+      const Expected e = oracle(c);  // with the valid table
+      const int max_blocks = int(c.block_table.shape()[1]);
+      const int column = 100 / block_size;  // keys around 100 of sequence 1
+      c.block_table.set_int(max_blocks + column, bad);
+      const std::string what = "block_size=" + std::to_string(block_size) + " bad id " + std::to_string(bad);
+      // Through the public API with a device table: nothing to check on the host, the kernel must cope.
+      ASSERT_TRUE(run_gpu(c).ok()) << what;
+      const std::vector<double> out = c.out.to_double(), lse = c.lse.to_double();
+      const std::vector<double> naive_all = e.naive_out.to_double();
+      std::vector<double> got, ref, naive;
+      int64_t nan_out = 0, nan_lse = 0;
+      for (int b = 0; b < batch; ++b)
+        for (int i = 0; i < sq; ++i)
+          for (int h = 0; h < hq; ++h) {
+            const int64_t row = (int64_t(b) * sq + i) * hq + h;
+            const double l = lse[(int64_t(b) * hq + h) * sq + i];
+            if (b == 1) {
+              nan_lse += std::isnan(l);
+              for (int x = 0; x < d; ++x) nan_out += std::isnan(out[row * d + x]);
+              continue;
+            }
+            EXPECT_FALSE(std::isnan(l)) << what << " b " << b << " i " << i << " h " << h;
+            for (int x = 0; x < d; ++x) {
+              got.push_back(out[row * d + x]);
+              ref.push_back(e.out64[row * d + x]);
+              naive.push_back(naive_all[row * d + x]);
+            }
+          }
+      EXPECT_EQ(nan_lse, int64_t(sq) * hq) << what << ": every row of sequence 1 NaN";
+      EXPECT_EQ(nan_out, int64_t(sq) * hq * d) << what;
+      const fa_test::ErrorStats err = fa_test::compare(got, ref), naive_err = fa_test::compare(naive, ref);
+      EXPECT_TRUE(fa_test::within_tolerance(what + " sequences 0 and 2 out", FA_BFLOAT16, err, &naive_err));
     }
 }
 

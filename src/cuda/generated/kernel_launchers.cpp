@@ -4,32 +4,44 @@
 
 namespace flashattn::cuda::generated {
 
+Status fwd_sm80_f16_d32_m128n128w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d32_m128n128w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d32_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_f16_d64_m128n128w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d64_m128n128w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d64_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_f16_d96_m128n64w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d96_m128n64w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d96_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_f16_d128_m128n64w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2ce(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_f16_d192_m128n64w8s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d192_m128n64w8s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d192_m128n64w8s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_f16_d256_m64n64w4s1g2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d256_m64n64w4s1(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d256_m64n64w4s1g2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d256_m128n64w8s2_dropout(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d256_m128n64w8s1_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_bf16_d32_m128n128w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d32_m128n128w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d32_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_bf16_d64_m128n128w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d64_m128n128w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d64_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_bf16_d96_m128n64w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d96_m128n64w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d96_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_bf16_d128_m128n64w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2ce(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_bf16_d192_m128n64w8s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d192_m128n64w8s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d192_m128n64w8s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_bf16_d256_m64n64w4s1g2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d256_m64n64w4s1(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d256_m64n64w4s1g2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d256_m128n64w8s2_dropout(const AttentionParams& params, void* stream);
@@ -86,32 +98,44 @@ Status dec_sm80_bf16_e4m3_d128_m16n128w4s3(const KvcacheParams& params, void* st
 Status dec_sm80_bf16_e4m3_d256_m16n64w4s3(const KvcacheParams& params, void* stream);
 
 const KernelLaunch kKernelLaunch[] = {
+    {&fwd_sm80_f16_d32_m128n128w4s2pk, nullptr, nullptr},
     {&fwd_sm80_f16_d32_m128n128w4s2, nullptr, nullptr},
     {&fwd_sm80_f16_d32_m128n64w4s2_dropout, nullptr, nullptr},
+    {&fwd_sm80_f16_d64_m128n128w4s2pk, nullptr, nullptr},
     {&fwd_sm80_f16_d64_m128n128w4s2, nullptr, nullptr},
     {&fwd_sm80_f16_d64_m128n64w4s2_dropout, nullptr, nullptr},
+    {&fwd_sm80_f16_d96_m128n64w4s2pk, nullptr, nullptr},
     {&fwd_sm80_f16_d96_m128n64w4s2, nullptr, nullptr},
     {&fwd_sm80_f16_d96_m128n64w4s2_dropout, nullptr, nullptr},
+    {&fwd_sm80_f16_d128_m128n64w4s2pk, nullptr, nullptr},
     {&fwd_sm80_f16_d128_m128n64w4s2ce, nullptr, nullptr},
     {&fwd_sm80_f16_d128_m128n64w4s2, nullptr, nullptr},
     {&fwd_sm80_f16_d128_m128n64w4s2_dropout, nullptr, nullptr},
+    {&fwd_sm80_f16_d192_m128n64w8s2pk, nullptr, nullptr},
     {&fwd_sm80_f16_d192_m128n64w8s2, nullptr, nullptr},
     {&fwd_sm80_f16_d192_m128n64w8s2_dropout, nullptr, nullptr},
+    {&fwd_sm80_f16_d256_m64n64w4s1g2pk, nullptr, nullptr},
     {&fwd_sm80_f16_d256_m64n64w4s1, nullptr, nullptr},
     {&fwd_sm80_f16_d256_m64n64w4s1g2, nullptr, nullptr},
     {&fwd_sm80_f16_d256_m128n64w8s2_dropout, nullptr, nullptr},
     {&fwd_sm80_f16_d256_m128n64w8s1_dropout, nullptr, nullptr},
+    {&fwd_sm80_bf16_d32_m128n128w4s2pk, nullptr, nullptr},
     {&fwd_sm80_bf16_d32_m128n128w4s2, nullptr, nullptr},
     {&fwd_sm80_bf16_d32_m128n64w4s2_dropout, nullptr, nullptr},
+    {&fwd_sm80_bf16_d64_m128n128w4s2pk, nullptr, nullptr},
     {&fwd_sm80_bf16_d64_m128n128w4s2, nullptr, nullptr},
     {&fwd_sm80_bf16_d64_m128n64w4s2_dropout, nullptr, nullptr},
+    {&fwd_sm80_bf16_d96_m128n64w4s2pk, nullptr, nullptr},
     {&fwd_sm80_bf16_d96_m128n64w4s2, nullptr, nullptr},
     {&fwd_sm80_bf16_d96_m128n64w4s2_dropout, nullptr, nullptr},
+    {&fwd_sm80_bf16_d128_m128n64w4s2pk, nullptr, nullptr},
     {&fwd_sm80_bf16_d128_m128n64w4s2ce, nullptr, nullptr},
     {&fwd_sm80_bf16_d128_m128n64w4s2, nullptr, nullptr},
     {&fwd_sm80_bf16_d128_m128n64w4s2_dropout, nullptr, nullptr},
+    {&fwd_sm80_bf16_d192_m128n64w8s2pk, nullptr, nullptr},
     {&fwd_sm80_bf16_d192_m128n64w8s2, nullptr, nullptr},
     {&fwd_sm80_bf16_d192_m128n64w8s2_dropout, nullptr, nullptr},
+    {&fwd_sm80_bf16_d256_m64n64w4s1g2pk, nullptr, nullptr},
     {&fwd_sm80_bf16_d256_m64n64w4s1, nullptr, nullptr},
     {&fwd_sm80_bf16_d256_m64n64w4s1g2, nullptr, nullptr},
     {&fwd_sm80_bf16_d256_m128n64w8s2_dropout, nullptr, nullptr},

@@ -129,6 +129,70 @@ __device__ __forceinline__ void load_full_tile_async(uint32_t tile_smem, const E
   }
 }
 
+// The copy of one K or V tile of a paged cache row by row (the kPagedKv kernels' path for other block sizes and
+// layouts). `row_source(row)` is the first element of tile row `row` in the cache, or nullptr when the row is not to
+// be read (past the sequence, or its block id is not a block of the cache). Rows not read are zero-filled, as in
+// load_tile_async.
+template <int kRows, int kHeadDim, int kThreads, typename Element, typename RowSource>
+__device__ __forceinline__ void load_paged_tile_async(uint32_t tile_smem, const Element* gmem, RowSource row_source,
+                                                      int rows_valid, int d_chunks, int tid) {
+  using Tile = SwizzledTile<kRows, kHeadDim>;
+  constexpr int kChunksPerBlockRow = Tile::kChunksPerBlockRow;
+  constexpr int kRowsPerPass = kThreads / kChunksPerBlockRow;
+  static_assert(kThreads % kChunksPerBlockRow == 0 && kRowsPerPass % 8 == 0 && kRows % kRowsPerPass == 0,
+                "passes of whole swizzle periods");
+  const int row_lane = tid / kChunksPerBlockRow;
+  const int chunk_lane = tid % kChunksPerBlockRow;
+  const uint32_t lane_part = tile_smem + Tile::lane_offset(row_lane, chunk_lane);
+#pragma unroll
+  for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+    const int row = row_lane + pass * kRowsPerPass;
+    const Element* row_src = row_source(row);
+    const bool row_valid = row_src != nullptr && row < rows_valid;
+#pragma unroll
+    for (int block = 0; block < kHeadDim / Tile::kBlockCols; ++block) {
+      const int chunk = block * kChunksPerBlockRow + chunk_lane;
+      const bool valid = row_valid && chunk < d_chunks;
+      cp_async_16(Tile::offset(lane_part, pass * kRowsPerPass, block * kChunksPerBlockRow), valid ? row_src + chunk * 8 : gmem,
+                  valid);
+    }
+  }
+}
+
+// The copy of one K or V tile of a paged cache addressed by pool rows (the kPagedKv kernels' slot rows, see the
+// kernel): lane l of `slot_pool_rows` holds the pool row of the first key of the tile's slot l (16 rows), and
+// `lane_src` is this thread's element of pool row 0 (its row within a slot and its chunk folded in), so a pass costs
+// one shuffle and one row-stride product over a dense tile's copy. kWhole: every row inside the sequence and
+// D == kHeadDim, no predicates; else rows from rows_valid and chunks from d_chunks on are zero-filled.
+template <int kRows, int kHeadDim, int kThreads, bool kWhole, typename Element>
+__device__ __forceinline__ void load_pool_tile_async(uint32_t tile_smem, const Element* lane_src, int64_t row_stride,
+                                                     uint32_t slot_pool_rows, int rows_valid, int d_chunks, int tid) {
+  using Tile = SwizzledTile<kRows, kHeadDim>;
+  constexpr int kChunksPerBlockRow = Tile::kChunksPerBlockRow;
+  constexpr int kRowsPerPass = kThreads / kChunksPerBlockRow;
+  static_assert(kThreads % kChunksPerBlockRow == 0 && kRowsPerPass % 16 == 0 && kRows % kRowsPerPass == 0,
+                "passes of whole 16-row slots");
+  const int row_lane = tid / kChunksPerBlockRow;
+  const int chunk_lane = tid % kChunksPerBlockRow;
+  const uint32_t lane_part = tile_smem + Tile::lane_offset(row_lane, chunk_lane);
+#pragma unroll
+  for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+    const int row = row_lane + pass * kRowsPerPass;
+    const uint32_t pool_row = __shfl_sync(0xffffffffu, slot_pool_rows, row >> 4);  // every lane, every pass
+    const Element* src = lane_src + int64_t(pool_row) * row_stride;
+#pragma unroll
+    for (int block = 0; block < kHeadDim / Tile::kBlockCols; ++block) {
+      const uint32_t smem_chunk = Tile::offset(lane_part, pass * kRowsPerPass, block * kChunksPerBlockRow);
+      if constexpr (kWhole) {
+        cp_async_16_full(smem_chunk, src + block * Tile::kBlockCols);
+      } else {
+        const bool valid = row < rows_valid && block * kChunksPerBlockRow + chunk_lane < d_chunks;
+        cp_async_16(smem_chunk, valid ? src + block * Tile::kBlockCols : lane_src, valid);
+      }
+    }
+  }
+}
+
 // A config may set `static constexpr bool kFullTileLoads = false` to load every tile through the predicated
 // path (the tuning harness's baseline); the default takes load_full_tile_async for whole dense tiles.
 template <typename C, typename = void>
@@ -163,6 +227,22 @@ struct CompactEpilogueOf<C, std::void_t<decltype(C::kCompactEpilogue)>> : std::b
 template <typename Base>
 struct WithCompactEpilogue : Base {
   static constexpr bool kCompactEpilogue = true;
+};
+
+// A config may set `static constexpr bool kPagedKv = true` (WithPagedKv below): the instantiation for paged K/V
+// (block_table set; dispatch sends it only such calls). It reads the block ids of a K/V tile a tile ahead, one per
+// 16-row slot, addresses rows by their row in the block pool (load_pool_tile_async), and never dereferences an id
+// outside [0, num_blocks). Without it, a kernel reads paged K/V through kv_offset: a table load and two integer
+// divisions per row of every tile, waited on where the copies are issued (0.46-0.69x dense on an H200, 2026-12-02
+// 17:12 UTC; with it 0.91-0.99x, 22:44 UTC). The other kernels' machine code is unchanged by it (every paged step sits
+// under `if constexpr (kPagedKv)`; their SASS compared equal, 2026-12-02). Affects speed and bad-id handling only.
+template <typename C, typename = void>
+struct PagedKvOf : std::false_type {};
+template <typename C>
+struct PagedKvOf<C, std::void_t<decltype(C::kPagedKv)>> : std::bool_constant<C::kPagedKv> {};
+template <typename Base>
+struct WithPagedKv : Base {
+  static constexpr bool kPagedKv = true;
 };
 
 // A config may set `static constexpr int kMinBlocksPerSm` (launch bounds: ptxas then caps registers at
@@ -254,7 +334,94 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
       paged ? 0 : kv_offset(params, params.v_batch_stride, params.v_row_stride, params.v_head_stride, b, ext, 0, hk);
   // Whole tiles (all kBlockN keys inside the sequence, D == kHeadDim) of dense / varlen K and V.
   const bool full_columns = kFullTileLoads && !paged && d_chunks == QTile::kChunksPerRow;
+  // Paged K/V, the kPagedKv kernels. The fast path ("slot rows"): power-of-two block sizes >= 16 (all the usual ones)
+  // in a cache whose blocks are runs of rows (block stride = block size x row stride, the [num_blocks, block, Hk, D]
+  // layout, both K and V). 16-aligned rows then lie in one block, so a tile needs one block id per 16-row slot, and a
+  // row is addressed by its row in the whole pool, id x block size + row in block (32 bits): one row stride from a
+  // per-thread base, as in a dense tensor. Lane l < kSlots of every warp holds slot l's id, read from the table when
+  // the previous tile's K is issued (a tile of math before it is used, so the table's latency never stalls the
+  // copies), and turns it into the slot's pool row when the tile's K is issued; a thread takes its row's pool row
+  // with one shuffle per pass. Other blocks read each row's id where it is copied (paged_row: a division per row).
+  // An id outside [0, num_blocks) is never dereferenced (slot rows: its slot reads pool row 0 instead; per row: its
+  // rows load as zeros), and the CTA's out and lse become NaN (bad_block_id, the epilogue).
+  constexpr bool kPagedKv = PagedKvOf<C>::value;
+  constexpr int kSlots = kBlockN / 16;  // 16-row slots of a K/V tile
+  static_assert(kSlots <= 32 && (!kPagedKv || (kThreads / KVTile::kChunksPerBlockRow) % 16 == 0),
+                "a warp register holds a tile's slots; a copy pass covers whole slots (a thread's row in its slot is fixed)");
+  const int page_size = kPagedKv ? params.page_block_size : 1;
+  const int page_shift = kPagedKv ? __ffs(page_size) - 1 : 0;
+  const bool slot_rows = kPagedKv && page_size >= 16 && (page_size & (page_size - 1)) == 0 &&
+                         params.k_batch_stride == int64_t(page_size) * params.k_row_stride &&
+                         params.v_batch_stride == int64_t(page_size) * params.v_row_stride &&
+                         params.num_blocks > 0 && int64_t(params.num_blocks) * page_size <= int64_t(INT32_MAX);
+  bool bad_block_id = false;  // this thread met a block id of the sequence that is not a block of the cache
+  // slot_rows: the id of slot `lane` of tile n_block (0 past the sequence or the CTA's tiles: never used there).
+  auto slot_id = [&](int n_block) -> int32_t {
+    const int j = n_block * kBlockN + lane * 16;
+    if (n_block < n_begin || lane >= kSlots || j >= ext.seqlen_k) return 0;
+    return params.block_table[int64_t(b) * params.block_table_batch_stride + (j >> page_shift)];
+  };
+  // slot_rows: the pool row of the first key of slot `lane` of tile n_block, given its id (a bad id: pool row 0, whose
+  // rows are copied but never matter, the CTA's result being NaN).
+  auto slot_pool_row = [&](int32_t id, int n_block) -> uint32_t {
+    const int j = n_block * kBlockN + lane * 16;
+    const bool ok = uint32_t(id) < uint32_t(params.num_blocks);  // also catches negative ids
+    if (!ok && lane < kSlots && j < ext.seqlen_k) bad_block_id = true;
+    return ok ? (uint32_t(id) << page_shift) + uint32_t(j & (page_size - 1)) : 0u;
+  };
+  int32_t k_ids = 0;         // slot_rows: the slot ids (lane l: slot l) of the tile whose K is copied next
+  uint32_t v_pool_rows = 0;  // and the slot pool rows of the tile whose V is copied next (a tile's K comes first)
+  if (slot_rows) k_ids = slot_id(n_end - 1);
+  // slot_rows: this thread's element of pool row 0 (its row within a slot, as every pass covers whole slots, and its
+  // 16-byte chunk; head hk) in K and V.
+  const int kv_row_lane = tid / KVTile::kChunksPerBlockRow;
+  const int kv_chunk_lane = tid % KVTile::kChunksPerBlockRow;
+  auto lane_pool_src = [&](const Element* gmem, int64_t row_stride, int64_t head_stride) {
+    return gmem + int64_t(hk) * head_stride + int64_t(kv_row_lane & 15) * row_stride + kv_chunk_lane * 8;
+  };
+  auto load_pool = [&](const Element* lane_src, int64_t row_stride, uint32_t pool_rows, int n_block, uint32_t tile_smem) {
+    const int keys_valid = min(kBlockN, ext.seqlen_k - n_block * kBlockN);
+    if (keys_valid == kBlockN && d_chunks == QTile::kChunksPerRow)
+      load_pool_tile_async<kBlockN, kHeadDim, kThreads, true>(tile_smem, lane_src, row_stride, pool_rows, keys_valid,
+                                                              d_chunks, tid);
+    else
+      load_pool_tile_async<kBlockN, kHeadDim, kThreads, false>(tile_smem, lane_src, row_stride, pool_rows, keys_valid,
+                                                               d_chunks, tid);
+  };
+  // Other paged caches: row `row` of the tile at key0 (`row_stride`, `block_stride`, head hk), or nullptr (not read).
+  auto paged_row = [&](const Element* gmem, int64_t block_stride, int64_t row_stride, int64_t head_stride, int key0,
+                       int row) -> const Element* {
+    const int j = key0 + row;
+    if (j >= ext.seqlen_k) return nullptr;
+    const int block = j / page_size;
+    const int32_t id = params.block_table[int64_t(b) * params.block_table_batch_stride + block];
+    if (uint32_t(id) >= uint32_t(params.num_blocks)) {
+      bad_block_id = true;
+      return nullptr;
+    }
+    return gmem + int64_t(id) * block_stride + int64_t(j - block * page_size) * row_stride + int64_t(hk) * head_stride;
+  };
+  auto load_paged_rows = [&](const Element* gmem, int64_t block_stride, int64_t row_stride, int64_t head_stride,
+                             int n_block, uint32_t tile_smem) {
+    const int key0 = n_block * kBlockN;
+    const int keys_valid = min(kBlockN, ext.seqlen_k - key0);
+    load_paged_tile_async<kBlockN, kHeadDim, kThreads>(
+        tile_smem, gmem, [&](int row) { return paged_row(gmem, block_stride, row_stride, head_stride, key0, row); },
+        keys_valid, d_chunks, tid);
+  };
   auto load_k = [&](int n_block, uint32_t tile_smem) {
+    if constexpr (kPagedKv) {
+      if (slot_rows) {
+        const uint32_t pool_rows = slot_pool_row(k_ids, n_block);
+        load_pool(lane_pool_src(k_gmem, params.k_row_stride, params.k_head_stride), params.k_row_stride, pool_rows,
+                  n_block, tile_smem);
+        v_pool_rows = pool_rows;       // this tile's V comes next
+        k_ids = slot_id(n_block - 1);  // the next tile's ids: read now, a tile of math ahead of their use
+      } else {
+        load_paged_rows(k_gmem, params.k_batch_stride, params.k_row_stride, params.k_head_stride, n_block, tile_smem);
+      }
+      return;
+    }
     const int key0 = n_block * kBlockN;
     const int keys_valid = min(kBlockN, ext.seqlen_k - key0);
     if (full_columns && keys_valid == kBlockN) {
@@ -274,6 +441,14 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
     }
   };
   auto load_v = [&](int n_block, uint32_t tile_smem) {
+    if constexpr (kPagedKv) {
+      if (slot_rows)
+        load_pool(lane_pool_src(v_gmem, params.v_row_stride, params.v_head_stride), params.v_row_stride, v_pool_rows,
+                  n_block, tile_smem);
+      else
+        load_paged_rows(v_gmem, params.v_batch_stride, params.v_row_stride, params.v_head_stride, n_block, tile_smem);
+      return;
+    }
     const int key0 = n_block * kBlockN;
     const int keys_valid = min(kBlockN, ext.seqlen_k - key0);
     if (full_columns && keys_valid == kBlockN) {
@@ -677,6 +852,9 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) sums[mt][half] = kSumByMma ? sum_acc[mt][2 * half] : quad_sum(row_sum[mt][half]);
+  // Paged: a block id outside the cache met by any thread of the CTA makes all of its rows NaN (out and lse), so a
+  // corrupt table is visible, never a silently wrong attention over zeros.
+  const bool poisoned = kPagedKv && __syncthreads_or(bad_block_id);
   // Warp groups: the partial sums share one max per row (see softmax_and_pv), so they add. The barrier in it
   // also means every warp of the group has done its last read of the group's Q rows (overwritten below).
   if constexpr (kGroupWarps > 1) group_reduce(sums, /*is_max=*/false);
@@ -688,7 +866,7 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
       // sum == 0 only when the row saw no visible key: O = 0 and LSE = -inf, never NaN. A NaN sum
       // means a NaN input reached the row: it propagates to O and LSE (the NaN/Inf policy).
       const bool no_visible_key = sum == 0.f;
-      const float inv = no_visible_key ? 0.f : keep_scale / sum;
+      const float inv = poisoned ? NAN : (no_visible_key ? 0.f : keep_scale / sum);
 #pragma unroll
       for (int dt = 0; dt < kDTiles; ++dt) {
         o_acc[mt][dt][2 * half] *= inv;
@@ -697,7 +875,7 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
       const int i = query_row(mt, half);
       if (params.lse != nullptr && part == 0 && quad_col == 0 && i < ext.seqlen_q)
         params.lse[kCompactEpilogue ? lse_tile + int64_t(i - row_begin) * params.lse_row_stride : lse_offset(params, b, ext, i, h)] =
-            no_visible_key ? -INFINITY : (row_max[mt][half] * score_log2_scale + log2f(sum)) * kLn2;
+            poisoned ? NAN : (no_visible_key ? -INFINITY : (row_max[mt][half] * score_log2_scale + log2f(sum)) * kLn2);
     }
   // Each warp group reads only its own Q rows (A operands), so after its last ldmatrix it may overwrite
   // them; each warp writes (and then stores) only its own columns of them.
