@@ -22,6 +22,8 @@
 // Layout floor ("layout us"): per point, a read-only kernel that reads the cache in its layout as attention must
 // (per sequence and K/V head, that head's row of every key, through the block table when paged; read_slices_kernel),
 // best of the split counts 1-64. Its paged / contiguous ratio is what the scattered blocks cost any such reader.
+// Rows floor (JSON "us_rows_floor" only): the same kernel reading whole cache rows (every K/V head per CTA), what a
+// kernel whose CTA took all K/V heads of a key range would read (2026-12-03: no closer to contiguous when paged).
 //
 // Order: per point (B, S), every layout in turn, --rounds times (fresh inputs each time), so that paged / contiguous
 // compares measurements seconds apart; bench/compare_decode.py takes the median of the rounds.
@@ -126,16 +128,19 @@ __global__ void read_pair_kernel(const uint4* k, const uint4* v, int64_t words, 
 // The layout floor of a point: a read-only kernel that reads K and V as an attention kernel must, one CTA per
 // (split of the keys, K/V head, sequence) reading that head's row of every key (D 16-bit elements, 256 bytes at
 // D = 128, one K/V row stride apart), through the block table for a paged cache (its ids staged in shared memory
-// first, kSliceIds at a time), with no arithmetic. Timed for both layouts, it tells how much of a paged call's gap to a
+// first, kSliceIds at a time), with no arithmetic. With heads_per_cta > 1 a CTA reads that many neighbouring heads
+// of each row (heads_per_cta = Hk: whole cache rows, the "rows floor", what a kernel whose CTA took every K/V head
+// of a key range would read). Timed for both layouts, it tells how much of a paged call's gap to a
 // contiguous one the scattered blocks cost any reader of these bytes in this order (bench/compare_decode.py's
 // "lay p/c" column). Assumes the bench's own layouts: contiguous [B, S, Hk, D], paged [blocks, page, Hk, D]
 // with a power-of-two page; every load is a 16-byte word, kSliceUnroll rows of K and of V in flight per thread.
 constexpr int kSliceThreads = 256, kSliceUnroll = 8, kSliceIds = 2048;
 __global__ void read_slices_kernel(const uint4* k, const uint4* v, const int32_t* table, int64_t table_stride,
-                                   int page_shift, int64_t cache, int heads_k, int row_words, int64_t rows_per_split,
-                                   unsigned int* sink) {
+                                   int page_shift, int64_t cache, int heads_k, int heads_per_cta, int head_words,
+                                   int64_t rows_per_split, unsigned int* sink) {
   __shared__ int32_t ids_smem[kSliceIds];
-  const int h = int(blockIdx.y);
+  const int h = int(blockIdx.y) * heads_per_cta;  // the CTA's first head
+  const int row_words = heads_per_cta * head_words;  // 16-byte words the CTA reads of each row
   const int64_t b = blockIdx.z;
   const int64_t begin = int64_t(blockIdx.x) * rows_per_split, end = cache < begin + rows_per_split ? cache : begin + rows_per_split;
   const int rows_per_step = kSliceThreads / row_words;  // row_words divides kSliceThreads (the caller checks)
@@ -159,7 +164,7 @@ __global__ void read_slices_kernel(const uint4* k, const uint4* v, const int32_t
         if (r < c1) {
           const int64_t pool_row = table != nullptr ? (int64_t(ids_smem[(r - c0) >> page_shift]) << page_shift) + (r & page_mask)
                                                     : b * cache + r;
-          const int64_t w = (pool_row * heads_k + h) * row_words + t_word;
+          const int64_t w = (pool_row * heads_k + h) * head_words + t_word;
           x[2 * u] = __ldcs(k + w);
           x[2 * u + 1] = __ldcs(v + w);
         } else {
@@ -339,6 +344,8 @@ struct Result {
   double us_read_floor = -1;  // the same-size read floor of the shape (time_read_floor)
   double us_layout_floor = -1;  // the layout floor of the shape (time_layout_floor; -1: not measured)
   int layout_floor_splits = 0;  // its fastest split count
+  double us_rows_floor = -1;    // the layout floor reading whole cache rows, every K/V head per CTA (-1: not measured)
+  int rows_floor_splits = 0;
   double check = -1;  // variants: relative L2 difference of out from the library's (lib: -1)
   int splits = 0, copies = 0;
   std::string kernel, error;
@@ -746,30 +753,34 @@ double time_read_floor(const Shape& s, std::vector<Copy>& copies, int reps, cuda
 }
 
 // The layout floor (read_slices_kernel) over every copy's cache in the point's layout, timed like time_calls (a
-// CUDA graph of one read per copy); the best of the split counts 1, 2, 4, ..., 64 that keep at most 16 CTAs per SM
+// CUDA graph of one read per copy); the best of the split counts 1, 2, 4, ..., 64 x heads_per_cta that keep at most 16 CTAs per SM
 // and give every split rows (whole pages each). Microseconds per copy (-1 where the shape is not one it reads: a page that is
 // not a power of two, or rows that are not a divisor of its CTA's threads in 16-byte words).
-double time_layout_floor(const Shape& s, std::vector<Copy>& copies, int reps, cudaStream_t stream, int sms, int* best_splits) {
-  const int64_t row_bytes = int64_t(s.dim) * (s.fp8_cache ? 1 : 2);
-  const int row_words = int(row_bytes / 16);
+double time_layout_floor(const Shape& s, std::vector<Copy>& copies, int reps, cudaStream_t stream, int sms, int* best_splits,
+                         int heads_per_cta = 1) {
+  const int64_t head_bytes = int64_t(s.dim) * (s.fp8_cache ? 1 : 2);
+  const int64_t row_bytes = head_bytes * heads_per_cta;
+  const int head_words = int(head_bytes / 16), row_words = int(row_bytes / 16);
   int page_shift = 0;
   while (s.paged && (int64_t(1) << page_shift) < s.page) ++page_shift;
-  if (row_bytes % 16 != 0 || row_words == 0 || kSliceThreads % row_words != 0 || (s.paged && (int64_t(1) << page_shift) != s.page))
+  if (head_bytes % 16 != 0 || row_words == 0 || kSliceThreads % row_words != 0 || s.heads_k % heads_per_cta != 0 ||
+      (s.paged && (int64_t(1) << page_shift) != s.page))
     return -1;
+  const int head_groups = s.heads_k / heads_per_cta;
   const int64_t per_seq_blocks = (s.cache + s.page - 1) / s.page;
   Buffer sink(64);
   double best_us = -1;
-  for (int64_t splits = 1; splits <= 64; splits *= 2) {
-    const int64_t ctas = splits * s.heads_k * s.batch;
+  for (int64_t splits = 1; splits <= 64 * heads_per_cta; splits *= 2) {
+    const int64_t ctas = splits * head_groups * s.batch;
     const int64_t rows_per_split = ((s.cache + splits - 1) / splits + s.page - 1) / s.page * s.page;
     if (splits > 1 && (ctas > int64_t(16) * sms || rows_per_split * (splits - 1) >= s.cache)) break;
-    const dim3 grid(unsigned(splits), unsigned(s.heads_k), unsigned(s.batch));
+    const dim3 grid(unsigned(splits), unsigned(head_groups), unsigned(s.batch));
     const double us = graph_us_per_copy(stream, reps, copies.size(), [&] {
       for (Copy& c : copies)
         read_slices_kernel<<<grid, kSliceThreads, 0, stream>>>(
             static_cast<const uint4*>(c.k.data), static_cast<const uint4*>(c.v.data),
             s.paged ? static_cast<const int32_t*>(c.table.data) : nullptr, per_seq_blocks, page_shift, s.cache, s.heads_k,
-            row_words, rows_per_split, static_cast<unsigned int*>(sink.data));
+            heads_per_cta, head_words, rows_per_split, static_cast<unsigned int*>(sink.data));
     });
     if (best_us < 0 || us < best_us) best_us = us, *best_splits = int(splits);
   }
@@ -881,10 +892,14 @@ std::vector<std::pair<Knobs, Result>> run_shape(const Shape& s, const std::vecto
   const double floor_us = time_read_floor(s, copies, reps, stream, prop.multiProcessorCount);
   int layout_splits = 0;
   const double layout_us = time_layout_floor(s, copies, reps, stream, prop.multiProcessorCount, &layout_splits);
+  int rows_splits = 0;
+  const double rows_us = time_layout_floor(s, copies, reps, stream, prop.multiProcessorCount, &rows_splits, s.heads_k);
   for (auto& kr : results) {
     kr.second.us_read_floor = floor_us;
     kr.second.us_layout_floor = layout_us;
     kr.second.layout_floor_splits = layout_splits;
+    kr.second.us_rows_floor = rows_us;
+    kr.second.rows_floor_splits = rows_splits;
   }
   return results;
 }
@@ -1103,12 +1118,12 @@ int main(int argc, char** argv) {
                         "\"smem_pad\": %d, \"early\": %d, \"prefetch\": %d, \"speculate\": %d, \"splits\": %d, \"copies\": %d, "
                         "\"us_per_call\": %.3f, \"us_eager\": %.3f, \"kv_tbs\": %.4f, \"fraction_of_stream_read\": %.4f, "
                         "\"us_read_floor\": %.3f, \"fraction_of_read_floor\": %.4f, \"us_layout_floor\": %.3f, "
-                        "\"layout_floor_splits\": %d, \"round\": %d, "
+                        "\"layout_floor_splits\": %d, \"us_rows_floor\": %.3f, \"rows_floor_splits\": %d, \"round\": %d, "
                         "\"check_rel_l2\": %.3g, \"kernel\": \"%s\", \"timeline\": \"%s\", \"error\": \"%s\"}",
                         first ? "" : ",", layout.c_str(), (long long)batch, (long long)cache, (long long)s.kv_bytes(),
                         k.runner.c_str(), k.splits, k.pdl, k.min_tiles, k.cluster, k.cluster_policy, k.smem_pad, k.early, k.prefetch, k.spec, r.splits,
                         r.copies, r.us_graph, r.us_eager,
-                        r.kv_tbs, r.kv_tbs / stream_tbs, r.us_read_floor, vs_floor, r.us_layout_floor, r.layout_floor_splits, round, r.check, r.kernel.c_str(),
+                        r.kv_tbs, r.kv_tbs / stream_tbs, r.us_read_floor, vs_floor, r.us_layout_floor, r.layout_floor_splits, r.us_rows_floor, r.rows_floor_splits, round, r.check, r.kernel.c_str(),
                         r.timeline.c_str(), json_safe(r.error).c_str());
           json += std::string(first ? "" : "\n") + line;
           first = false;
