@@ -345,7 +345,7 @@ struct Result {
   double us_layout_floor = -1;  // the layout floor of the shape (time_layout_floor; -1: not measured)
   int layout_floor_splits = 0;  // its fastest split count
   double us_rows_floor = -1;    // the layout floor reading whole cache rows, every K/V head per CTA (-1: not measured)
-  int rows_floor_splits = 0;
+  int rows_floor_splits = 0;    // its fastest split count
   double check = -1;  // variants: relative L2 difference of out from the library's (lib: -1)
   int splits = 0, copies = 0;
   std::string kernel, error;
@@ -892,8 +892,9 @@ std::vector<std::pair<Knobs, Result>> run_shape(const Shape& s, const std::vecto
   const double floor_us = time_read_floor(s, copies, reps, stream, prop.multiProcessorCount);
   int layout_splits = 0;
   const double layout_us = time_layout_floor(s, copies, reps, stream, prop.multiProcessorCount, &layout_splits);
-  int rows_splits = 0;
-  const double rows_us = time_layout_floor(s, copies, reps, stream, prop.multiProcessorCount, &rows_splits, s.heads_k);
+  int rows_splits = layout_splits;  // one K/V head: a row is one head's, the layout floor already read it
+  const double rows_us =
+      s.heads_k > 1 ? time_layout_floor(s, copies, reps, stream, prop.multiProcessorCount, &rows_splits, s.heads_k) : layout_us;
   for (auto& kr : results) {
     kr.second.us_read_floor = floor_us;
     kr.second.us_layout_floor = layout_us;
