@@ -743,7 +743,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   };
 
   // ---- prologue: Q (above) and the first kStages - 1 tiles, one commit group each (empty ones too, so
-  // that "wait until kStages - 2 groups are pending" always means "tile it has landed"). Rolled: one copy of
+  // that the tile loop's "wait until kStages - 1 groups are pending", after its own commit, always means "tile it
+  // has landed"). Rolled: one copy of
   // issue_tile's code instead of kStages - 1 (code size; affects speed only) ----
 #pragma unroll 1
   for (int s = 0; s < kStages - 1 && !first_kept; ++s) {  // (kept: issued before cache_seqlens arrived)
@@ -808,13 +809,17 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // when skipped, and with it the paged kernels' loops outgrew the instruction cache (ncu: up to 45% of warp
   // samples stalled on "no instruction"). Code size only: both copies compute the same.
   auto tile_loop = [&](auto with_transform) {
+    // The stage of tile it - 1 is refilled as soon as every warp is done with it, before the wait for tile it:
+    // the ring's every stage is then in flight while a tile waits to land, kStages tiles instead of kStages - 1
+    // (the MMAs take a stage for a small part of a tile's time). One barrier more per tile. Affects speed only.
     for (int it = 0; it < num_tiles; ++it) {
-      cp_async_wait<kStages - 2>();  // this thread's copies of tile `it` (and Q) have landed
-      __syncthreads();               // everyone's have; and every warp is done with tile it - 1, whose stage is refilled now
-      if (it == 0) C::stamp(C::kStampFirstTile, p.out);
+      __syncthreads();  // every warp is done with tile it - 1 (its stage is refilled now)
       const int ahead = it + kStages - 1;
       if (ahead < num_tiles) issue_tile(ahead, ahead % kStages);
       cp_async_commit();
+      cp_async_wait<kStages - 1>();  // this thread's copies of tile `it` (and Q) have landed
+      __syncthreads();               // everyone's have
+      if (it == 0) C::stamp(C::kStampFirstTile, p.out);
 
       const int stage = it % kStages;
       const uint32_t k_tile = kv_smem + uint32_t(stage) * 2u * StageTile::kBytes;
