@@ -742,10 +742,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     if (kPaged && !slot_ids && rel + 1 < num_tiles) fetch_per_row_ids(n + 1);  // used by the next call
   };
 
-  // ---- prologue: Q (above) and the first kStages - 1 tiles, one commit group each (empty ones too, so
-  // that the tile loop's "wait until kStages - 1 groups are pending", after its own commit, always means "tile it
-  // has landed"). Rolled: one copy of
-  // issue_tile's code instead of kStages - 1 (code size; affects speed only) ----
+  // ---- prologue: Q (above) and the first kStages - 1 tiles, one commit group each (empty ones too, so that the
+  // tile loop's "wait until kStages - 1 groups are pending", after its own commit, always means "tile it has
+  // landed"). Rolled: one copy of issue_tile's code instead of kStages - 1 (code size; affects speed only) ----
 #pragma unroll 1
   for (int s = 0; s < kStages - 1 && !first_kept; ++s) {  // (kept: issued before cache_seqlens arrived)
     if (s < num_tiles) issue_tile(s, s);
@@ -811,7 +810,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   auto tile_loop = [&](auto with_transform) {
     // The stage of tile it - 1 is refilled as soon as every warp is done with it, before the wait for tile it:
     // the ring's every stage is then in flight while a tile waits to land, kStages tiles instead of kStages - 1
-    // (the MMAs take a stage for a small part of a tile's time). One barrier more per tile. Affects speed only.
+    // (the MMAs take a stage for a small part of a tile's time). One barrier more per tile. Affects speed only:
+    // H200, against the loop that refilled it after tile it had landed, 1.005x over bench/ab_decode.sh's 63 points,
+    // short calls +1-3% (2026-12-03 16:02 UTC, bench/results/2026-12-03-1602-h200-decode-stage-free-issue-*).
     for (int it = 0; it < num_tiles; ++it) {
       __syncthreads();  // every warp is done with tile it - 1 (its stage is refilled now)
       const int ahead = it + kStages - 1;
