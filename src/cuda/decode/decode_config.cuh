@@ -18,7 +18,7 @@ struct DecodeConfig {
   static constexpr int kBlockN = kBlockN_;    // keys per K/V tile; warp w computes keys [w, w + 1) * kWarpKeys of it
   static constexpr int kWarps = kWarps_;
   static constexpr int kThreads = 32 * kWarps_;
-  static constexpr int kStages = kStages_;    // K/V tiles in shared memory: kStages - 1 load while one is used
+  static constexpr int kStages = kStages_;    // K/V tiles in shared memory: all kStages load while one is awaited (tile_loop)
   static constexpr int kWarpKeys = kBlockN_ / kWarps_;
   // Dynamic shared memory (decode_kernel.cuh's layout; the manifest computes the same): Q in 16-bit, then
   // kStages x (K, V) in the cache's element (FP8: 1 byte).
