@@ -1280,9 +1280,10 @@ TEST(CudaKvcache, InvalidIndicesDefaultMode) {
   }
 }
 
-// Default mode, a bad block id inside a sequence (not its last tile): whole key tiles take the kernel's plain
-// load path, which checks the ids of 16-row slots a batch of tiles ahead; the sequence's rows must still come
-// out NaN, and the other sequence exactly as without the bad entry. Block sizes 16 and 64 (slot ids) and 3
+// Default mode, a bad block id (past the pool, or negative) inside a sequence (not its last tile): with block sizes
+// 16 and 64 this D = 128 cache takes the kernel's lean paged copies, which check the ids of 16-row slots a batch of
+// tiles ahead and read block 0 in a bad one's place; the sequence's rows must still come out NaN, and the other
+// sequence exactly as without the bad entry. Block sizes 16 and 64 (slot ids) and 3
 // (an id per row), one split and several; the bad key in the first 64-key tile (copied before the tile loop) and
 // in later ones (with one split, copied inside the loop, whose ids come a batch ahead).
 TEST(CudaKvcache, InteriorBadBlockIdDefaultMode) {
@@ -1299,19 +1300,20 @@ TEST(CudaKvcache, InteriorBadBlockIdDefaultMode) {
       const KvTensors valid = make_kv(c, rng);
       KvTensors good = valid;  // the valid table's result, once per case: sequence 0 of every bad call must equal it
       ASSERT_TRUE(run_gpu(c, good).ok()) << c.to_string();
-      for (const int bad_key : {40, 200, 330}) {
-        KvTensors bad = valid;
-        const int64_t columns = bad.block_table.shape()[1];
-        bad.block_table.set_int(1 * columns + bad_key / block_size, int32_t(1) << 30);
-        const std::string where = c.to_string() + ", bad id at key " + std::to_string(bad_key);
-        ASSERT_TRUE(run_gpu(c, bad).ok()) << where;
-        const int64_t per_seq = int64_t(c.seqlen_q) * c.heads_q * c.head_dim;
-        for (int64_t x = 0; x < per_seq; ++x) {
-          ASSERT_EQ(bad.out.get(x), good.out.get(x)) << "sequence 0 changed at " << x << ", " << where;
-          ASSERT_TRUE(std::isnan(bad.out.get(per_seq + x))) << "sequence 1 (bad block id) not NaN at " << x << ", " << where;
+      for (const int bad_key : {40, 200, 330})
+        for (const int32_t bad_id : {int32_t(1) << 30, int32_t(-1)}) {  // past the pool, and negative
+          KvTensors bad = valid;
+          const int64_t columns = bad.block_table.shape()[1];
+          bad.block_table.set_int(1 * columns + bad_key / block_size, bad_id);
+          const std::string where = c.to_string() + ", bad id " + std::to_string(bad_id) + " at key " + std::to_string(bad_key);
+          ASSERT_TRUE(run_gpu(c, bad).ok()) << where;
+          const int64_t per_seq = int64_t(c.seqlen_q) * c.heads_q * c.head_dim;
+          for (int64_t x = 0; x < per_seq; ++x) {
+            ASSERT_EQ(bad.out.get(x), good.out.get(x)) << "sequence 0 changed at " << x << ", " << where;
+            ASSERT_TRUE(std::isnan(bad.out.get(per_seq + x))) << "sequence 1 (bad block id) not NaN at " << x << ", " << where;
+          }
+          for (int h = 0; h < c.heads_q; ++h) EXPECT_TRUE(std::isnan(bad.lse.get(c.heads_q + h))) << where;
         }
-        for (int h = 0; h < c.heads_q; ++h) EXPECT_TRUE(std::isnan(bad.lse.get(c.heads_q + h))) << where;
-      }
     }
 }
 

@@ -572,6 +572,58 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
         EXPECT_EQ(plan.num_splits, paged ? paged_splits[bi][ci] : contiguous_splits[bi][ci])
             << "the issue's sweep, B " << batches[bi] << " cache " << caches[ci] << (paged ? " paged" : "");
       }
+  // Paged caches that the kernel streams with its lean copies (16-bit, blocks of a power of two >= 16 rows that are runs
+  // of rows: the usual [num_blocks, block, Hk, D] pool, as the API passes it) take the contiguous cache's split counts,
+  // except in the lower part of one wave (4 splits on the general tile, where a contiguous cache takes the long tile) and
+  // at many waves (no many-waves split). The cases above keep the paged rules: their block stride is not block x row
+  // stride (blocks with room between them), as for FP8 caches and block sizes that are not such powers of two.
+  auto lean_shape = [&](int batch, int cache, int block) {
+    KvcacheParams q = issue_shape(batch, cache, true);
+    q.page_block_size = block;
+    q.num_blocks = batch * (cache / block);
+    q.block_table_batch_stride = cache / block;
+    q.k_batch_stride = int64_t(block) * q.k_row_stride;
+    q.v_batch_stride = int64_t(block) * q.v_row_stride;
+    return q;
+  };
+  const int lean_splits[5][3] = {{8, 16, 16}, {4, 4, 4}, {1, 1, 1}, {1, 1, 1}, {1, 1, 1}};
+  for (int bi = 0; bi < 5; ++bi)
+    for (int ci = 0; ci < 3; ++ci) {
+      ASSERT_TRUE(decode::make_decode_plan(lean_shape(batches[bi], caches[ci], 16), kernel, h200(), &plan).ok());
+      EXPECT_EQ(plan.num_splits, lean_splits[bi][ci]) << "the issue's sweep, lean paged, B " << batches[bi] << " cache " << caches[ci];
+    }
+  for (const int batch : {1, 2, 4, 8, 9, 10, 16, 20, 24, 36, 48, 64})
+    for (const int cache : {4096, 8192, 16384, 32768, 131072})
+      for (const int block : {16, 64, 256}) {
+        decode::DecodePlan contiguous_plan{};
+        ASSERT_TRUE(decode::make_decode_plan(issue_shape(batch, cache, false), kernel, h200(), &contiguous_plan).ok());
+        ASSERT_TRUE(decode::make_decode_plan(lean_shape(batch, cache, block), kernel, h200(), &plan).ok());
+        EXPECT_EQ(plan.num_splits, contiguous_plan.num_splits) << "lean paged, B " << batch << " cache " << cache << " block " << block;
+      }
+  for (const Case& c : {Case{12, 8192, true, 4}, Case{13, 16384, true, 4}, Case{256, 32768, true, 1}, Case{128, 32768, true, 1}}) {
+    ASSERT_TRUE(decode::make_decode_plan(lean_shape(c.batch, c.cache, 16), kernel, h200(), &plan).ok());
+    EXPECT_EQ(plan.num_splits, c.splits) << "lean paged, B " << c.batch << " cache " << c.cache;
+  }
+  // An FP8 cache in the same pool keeps the paged rules (every CTA slot from 32k keys).
+  KvcacheParams fp8_pool = lean_shape(1, 131072, 16);
+  fp8_pool.kv_dtype = FA_FLOAT8_E4M3;
+  ASSERT_TRUE(decode::make_decode_plan(fp8_pool, decode_kernel_for(fp8_pool, h200()), h200(), &plan).ok());
+  EXPECT_GT(plan.num_splits, 16) << "FP8 paged, B 1 cache 128k";
+  // So does a 16-bit cache whose kernel has 128-key tiles (D = 64): the lean copies are for 64-key tiles only. At B = 8 /
+  // 16k the paged rules give every CTA slot (4 splits) where the contiguous cache takes 2.
+  KvcacheParams d64_pool = decode_params(8, 1, 32, 8, 64, 16384);
+  d64_pool.page_block_size = 16;
+  d64_pool.num_blocks = 8 * (16384 / 16);
+  d64_pool.block_table = reinterpret_cast<const int32_t*>(uintptr_t(256));
+  d64_pool.block_table_batch_stride = 16384 / 16;
+  d64_pool.k_batch_stride = 16 * d64_pool.k_row_stride;
+  d64_pool.v_batch_stride = 16 * d64_pool.v_row_stride;
+  const KernelEntry& d64_kernel = decode_kernel_for(d64_pool, h200());
+  ASSERT_EQ(d64_kernel.block_n, 128);
+  ASSERT_TRUE(decode::make_decode_plan(d64_pool, d64_kernel, h200(), &plan).ok());
+  EXPECT_EQ(plan.num_splits, 4) << "D = 64 paged, B 8 cache 16k";
+  ASSERT_TRUE(decode::make_decode_plan(decode_params(8, 1, 32, 8, 64, 16384), d64_kernel, h200(), &plan).ok());
+  EXPECT_EQ(plan.num_splits, 2) << "D = 64 contiguous, B 8 cache 16k";
   // Chunked prefill: 70 new tokens x 4 heads = 280 packed rows -> 18 m-blocks of 16.
   KvcacheParams prefill = decode_params(2, 70, 32, 8, 128, 4096);
   ASSERT_TRUE(decode::make_decode_plan(prefill, kernel, h200(), &plan).ok());

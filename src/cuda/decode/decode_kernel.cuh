@@ -16,7 +16,9 @@
 //              tiles"; the lines of cache_seqlens and of the table are prefetched into L2 during that wait
 //              as well); blocks that are runs of rows (the usual
 //              [num_blocks, block, Hk, D] layout, DecodeArgs::paged_rows) are addressed by their row in the
-//              pool, one shuffle plus a contiguous cache's address per row
+//              pool, one shuffle plus a contiguous cache's address per row; with 16-bit caches, 64-key tiles,
+//              full-width heads and 32-bit strides every tile of such a cache takes that path ("lean paged copies", a tile
+//              loop of its own: zero-fill past the key count, bad ids checked once per id batch)
 //   S = Q K^T  the kWarps warps split each tile's keys (kWarpKeys each); every warp owns all kBlockM rows
 //   mask       core/mask.hpp's WindowMask (causal within the new tokens, sliding window, the key count), only
 //              on warp slices that straddle a boundary; softcap / ALiBi through ScoreTransform when enabled
@@ -289,7 +291,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // tile and its warps share 4 issue slots per cycle with the MMAs and the softmax. Whole tiles of a
   // full-width head with good block ids (nearly all tiles) take the plain path: one row address per pass and
   // unpredicated copies; the last tile of a split, narrow heads (D below the bucket), bad block ids and
-  // block sizes that are not a power of two >= 16 take the checked path.
+  // block sizes that are not a power of two >= 16 take the checked path. The lean paged copies (lean_paged below)
+  // take every tile of the usual paged cache through one path instead.
   const int row_lane = tid / kChunksPerBlockRow;
   const int chunk_lane = tid % kChunksPerBlockRow;
   const uint32_t load_lane = StageTile::lane_offset(row_lane, chunk_lane);
@@ -365,6 +368,15 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       const uint32_t to = StageTile::offset(0, pass * kRowsPerPass, block * kChunksPerBlockRow);
       cp_async_16_full(k_tile + to, k_src + block * StageTile::kBlockCols * 2);
       cp_async_16_full(v_tile + to, v_src + block * StageTile::kBlockCols * 2);
+    }
+  };
+  // The same with zero-fill: rows past the key count (`valid` false) read nothing and land as zeros.
+  auto copy_pass_zfill = [&](uint32_t k_tile, uint32_t v_tile, int pass, const char* k_src, const char* v_src, bool valid) {
+#pragma unroll
+    for (int block = 0; block < kColBlocks; ++block) {
+      const uint32_t to = StageTile::offset(0, pass * kRowsPerPass, block * kChunksPerBlockRow);
+      cp_async_16(k_tile + to, k_src + block * StageTile::kBlockCols * 2, valid);
+      cp_async_16(v_tile + to, v_src + block * StageTile::kBlockCols * 2, valid);
     }
   };
   // The same for key j of a contiguous cache, and for a pool row of a paged one (args.paged_rows).
@@ -625,6 +637,18 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // under full load, ~1-2 us) never delays a tile's copies; each thread picks its slot's id with a shuffle.
   // Other block sizes look up every row's id one tile ahead (per_row_ids). kTilesPerIdBatch: with kSlots, above.
   const bool slot_ids = kPaged && args.page_shift >= 4;
+  // Lean paged copies (16-bit caches): 16-row slots of blocks that are runs of rows, full-width heads, 32-bit strides
+  // (the usual serving cache). Every tile, the last partial one too, is copied from the slot pool rows with
+  // zero-fill past the key count; the id checks are the batch rotation's. The tile loop is then compiled without the
+  // other paths (a separate instantiation, chosen per CTA), as a contiguous cache's is. Affects speed only. H200,
+  // against main with the contiguous split counts (decode_plan.cpp), 3 alternating rounds, 2026-12-03 20:25 UTC
+  // (bench/results/2026-12-03-2023-h200-decode-lean-paged-landed-ab-summary.txt): the issue's paged points 1.004-1.035
+  // (B = 1 / 32k 37.71 -> 36.42 us, B = 16 / 1k 20.38 -> 19.78), 8 / 1 paged 1.001-1.045; short one-wave calls lose up
+  // to 1.4% (B = 1 / 1k 6.61 -> 6.71 us, D = 256 B = 1 0.991).
+  // Only tiles of 64 keys (4 passes): on D = 64's 128-key tiles (8 passes) the lean loop ran 0.959-0.966 at B = 1 and
+  // 1.023-1.030 at B = 8 (20:14 UTC, ...-2014-...-three-way-ab-summary.txt); those keep the other paths.
+  constexpr bool kLeanPagedTile = kPaged && !kFp8 && kBlockN == 64;
+  const bool lean_paged = kLeanPagedTile && slot_ids && args.paged_rows != 0 && full_width && strides_32bit;
   int32_t ids_now = 0, ids_next = 0;  // slot_ids: the id batches of the tile being issued and of the next one
   int j_next = 0;                      // the first key of this lane's slot in the next batch
   bool needed_next = false;            // whether this lane's entry of the next batch was read (a key exists)
@@ -639,10 +663,20 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   };
   // The next batch becomes the current one. Its ids are checked only now (a vote waits for the loads, which
   // were issued a batch ago), never right after the load.
+  // In the kernels with lean copies (kLeanPagedTile) a bad id (not a block of the cache, also < 0) in a slot with keys
+  // makes the CTA's result NaN here, once, and its pool row becomes block 0's (in the cache), so that the lean copies
+  // (below) never read outside the cache. The other paths take such a tile's rows through the checked path, which
+  // reads nothing there and flags the CTA itself.
   auto rotate_id_batches = [&]() {
     ids_now = ids_next;
-    bad_now = __ballot_sync(0xffffffffu, needed_next && uint32_t(ids_now) >= uint32_t(p.num_blocks));  // also < 0
-    rows_now = slot_pool_row(ids_now, j_next);  // < 2^31 where the id is good
+    const bool bad = needed_next && uint32_t(ids_now) >= uint32_t(p.num_blocks);  // also < 0
+    bad_now = __ballot_sync(0xffffffffu, bad);
+    if constexpr (kLeanPagedTile) {  // only there: with them in every paged kernel FP8 paged B = 1 / 32k ran 0.981-0.983
+      if (bad_now != 0) bad_block_id = true;
+      rows_now = slot_pool_row(bad ? 0 : ids_now, j_next);  // < 2^31: a good id's, or block 0's
+    } else {
+      rows_now = slot_pool_row(ids_now, j_next);  // < 2^31 where the id is good
+    }
   };
   int32_t per_row_ids[kPasses];  // other block sizes: the ids of this thread's rows of the next tile
   auto fetch_per_row_ids = [&](int n) {  // rows past the key count are never looked up
@@ -665,10 +699,24 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
 
   // Copies the rows of the split's tile `rel` (relative index) into `stage`. Called for rel = 0, 1, 2, ...
   // in order, by every thread (the shuffles need whole warps).
-  auto issue_tile = [&](int rel, int stage) {
+  auto issue_tile = [&](int rel, int stage, auto lean) {
     const int n = work.tile_begin + rel;
     const uint32_t k_tile = kv_smem + uint32_t(stage) * 2u * StageTile::kBytes + load_lane;
     const uint32_t v_tile = k_tile + StageTile::kBytes;
+    if constexpr (decltype(lean)::value) {  // lean_paged (above)
+      if (rel > 0 && rel % kTilesPerIdBatch == 0) {  // next batch: its ids were read a batch ago
+        rotate_id_batches();
+        load_id_batch(rel / kTilesPerIdBatch + 1);
+      }
+#pragma unroll
+      for (int pass = 0; pass < kPasses; ++pass) {
+        const uint32_t pool_row = pass_pool_row(rows_now, rel, pass);
+        copy_pass_zfill(k_tile, v_tile, pass, reinterpret_cast<const char*>(k_slot_row_base + wide_product<kLean>(pool_row, k_row_bytes)),
+                        reinterpret_cast<const char*>(v_slot_row_base + wide_product<kLean>(pool_row, v_row_bytes)),
+                        n * kBlockN + row_lane + pass * kRowsPerPass < seqlen_k);
+      }
+      return;
+    }
     uint32_t tile_bad_ids = 0;
     if constexpr (kPaged) {
       if (slot_ids) {
@@ -747,7 +795,14 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // landed"). Rolled: one copy of issue_tile's code instead of kStages - 1 (code size; affects speed only) ----
 #pragma unroll 1
   for (int s = 0; s < kStages - 1 && !first_kept; ++s) {  // (kept: issued before cache_seqlens arrived)
-    if (s < num_tiles) issue_tile(s, s);
+    if (s < num_tiles) {
+      if constexpr (kLeanPagedTile) {
+        if (lean_paged) issue_tile(s, s, std::true_type{});
+        else issue_tile(s, s, std::false_type{});
+      } else {
+        issue_tile(s, s, std::false_type{});
+      }
+    }
     cp_async_commit();
   }
 
@@ -807,7 +862,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // The transform's inlined code (~700 instructions: a software tanhf per score) sat inside the one loop even
   // when skipped, and with it the paged kernels' loops outgrew the instruction cache (ncu: up to 45% of warp
   // samples stalled on "no instruction"). Code size only: both copies compute the same.
-  auto tile_loop = [&](auto with_transform) {
+  auto tile_loop = [&](auto with_transform, auto lean) {
     // The stage of tile it - 1 is refilled as soon as every warp is done with it, before the wait for tile it:
     // the ring's every stage is then in flight while a tile waits to land, kStages tiles instead of kStages - 1
     // (the MMAs take a stage for a small part of a tile's time). One barrier more per tile. Affects speed only:
@@ -816,7 +871,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     for (int it = 0; it < num_tiles; ++it) {
       __syncthreads();  // every warp is done with tile it - 1 (its stage is refilled now)
       const int ahead = it + kStages - 1;
-      if (ahead < num_tiles) issue_tile(ahead, ahead % kStages);
+      if (ahead < num_tiles) issue_tile(ahead, ahead % kStages, lean);
       cp_async_commit();
       cp_async_wait<kStages - 1>();  // this thread's copies of tile `it` (and Q) have landed
       __syncthreads();               // everyone's have
@@ -1021,8 +1076,14 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       }
     }
   };
-  if (natural_units) tile_loop(std::true_type{});
-  else tile_loop(std::false_type{});
+  if (natural_units) {
+    tile_loop(std::true_type{}, std::false_type{});
+  } else if constexpr (kLeanPagedTile) {
+    if (lean_paged) tile_loop(std::false_type{}, std::true_type{});
+    else tile_loop(std::false_type{}, std::false_type{});
+  } else {
+    tile_loop(std::false_type{}, std::false_type{});
+  }
 
   C::stamp(C::kStampLoopDone, p.out);
   // ---- epilogue 1: every warp puts its (max, sum) per row and its unnormalised O into the (now idle) K/V

@@ -165,6 +165,14 @@ DecodePlan decode_layout(const KvcacheParams& p, int block_m, int block_n, int n
   return plan;
 }
 
+namespace {
+// Whether a paged cache's blocks are runs of rows (the usual [num_blocks, block, Hk, D] layout): DecodeArgs::paged_rows.
+bool blocks_are_row_runs(const KvcacheParams& p) {
+  return p.block_table != nullptr && p.k_batch_stride == int64_t(p.page_block_size) * p.k_row_stride &&
+         p.v_batch_stride == int64_t(p.page_block_size) * p.v_row_stride && int64_t(p.num_blocks) * p.page_block_size <= INT32_MAX;
+}
+}  // namespace
+
 Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const DecodeDevice& device, DecodePlan* plan) {
   const int64_t m_blocks = row_blocks(p, kernel.block_m);
   int splits = p.num_splits;
@@ -179,11 +187,17 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
     // long contiguous FP8 ones; just below that, the slot waves again; else about one CTA per SM.
     const double fill = double(ctas) / double(device.sm_count);
     const int64_t slots = int64_t(device.sm_count) * per_sm;
-    const int full_slots_splits = paged ? choose_num_splits(ctas, slots, capacity_tiles) : 1;
     const bool sixteen_bit = p.kv_dtype != FA_FLOAT8_E4M3;
+    // Paged caches that the kernel streams with its lean copies (decode_kernel.cuh, lean_paged: 16-bit, 64-key tiles,
+    // blocks of a power of two >= 16 rows that are runs of rows) take the contiguous cache's split counts; the paged
+    // rules below (every CTA slot, 2 splits at one wave) are for the other paged caches.
+    const bool lean_paged = paged && sixteen_bit && kernel.block_n == 64 && p.page_block_size >= 16 &&
+                            (p.page_block_size & (p.page_block_size - 1)) == 0 && blocks_are_row_runs(p);
+    const bool paged_slot_rules = paged && !lean_paged;
+    const int full_slots_splits = paged_slot_rules ? choose_num_splits(ctas, slots, capacity_tiles) : 1;
     if (fill > 1.0 && double(ctas) < kManyWavesMinWaves * double(slots)) {
       splits = slot_wave_splits(ctas, slots, p.seqlen_k, kBalancedMinSplitKeys);  // between one CTA per SM and many waves
-    } else if (paged && p.seqlen_k >= kPagedFullSlotsKeys) {
+    } else if (paged_slot_rules && p.seqlen_k >= kPagedFullSlotsKeys) {
       splits = full_slots_splits;
     } else if (fill >= kOneWaveFill && fill <= 1.0) {
       // (contiguous 16-bit caches in the lower part take the long tile's 4 splits in the selection:
@@ -197,7 +211,7 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
       else if (sixteen_bit && device.sm_major >= 9 && per_sm == 1 && p.seqlen_k >= kOneWaveOneSlotMinKeys &&
                fill <= kOneWaveLongTileFill)
         splits = kOneWaveFourSplits;  // a tile of one CTA per SM (D = 256), either layout
-      else if (paged && two_fit && p.seqlen_k >= (sixteen_bit ? kPagedOneWaveSplitKeys : kFp8PagedOneWaveSplitKeys))
+      else if (paged_slot_rules && two_fit && p.seqlen_k >= (sixteen_bit ? kPagedOneWaveSplitKeys : kFp8PagedOneWaveSplitKeys))
         splits = 2;
       else if (!paged && !sixteen_bit && per_sm >= 2 && fill <= kFp8ContiguousOneWaveMaxFill && p.seqlen_k >= fp8_split_keys)
         splits = kFp8ContiguousOneWaveSplits;  // long contiguous FP8 caches, up to 0.8 of the SMs (16k-32k: 0.75)
@@ -205,7 +219,7 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
         splits = 1;
     } else if (per_sm >= 2 && fill > kBelowWaveMinFill && fill < kOneWaveFill && p.seqlen_k >= kBelowWaveMinKeys) {
       splits = slot_wave_splits(ctas, slots, p.seqlen_k, kBelowWaveMinSplitKeys);  // just below one wave
-    } else if (paged && p.seqlen_k >= kPagedOneWaveSplitKeys && p.seqlen_k >= kPagedFullSlotsMinSplitKeys * full_slots_splits) {
+    } else if (paged_slot_rules && p.seqlen_k >= kPagedOneWaveSplitKeys && p.seqlen_k >= kPagedFullSlotsMinSplitKeys * full_slots_splits) {
       splits = full_slots_splits;  // below one wave, medium paged caches: every slot where the splits stay long enough
     } else {
       // Many waves of a contiguous 16-bit cache may still split (many_waves_splits); else the heuristic (which
@@ -248,9 +262,7 @@ DecodeArgs make_decode_args(const KvcacheParams& p, const DecodePlan& plan, void
     a.page_shift = 0;
     while ((1 << a.page_shift) < p.page_block_size) ++a.page_shift;
   }
-  a.paged_rows = p.block_table != nullptr && p.k_batch_stride == int64_t(p.page_block_size) * p.k_row_stride &&
-                 p.v_batch_stride == int64_t(p.page_block_size) * p.v_row_stride &&
-                 int64_t(p.num_blocks) * p.page_block_size <= INT32_MAX;
+  a.paged_rows = blocks_are_row_runs(p);
   if (plan.workspace_bytes > 0 && workspace != nullptr) {
     const auto address = reinterpret_cast<uintptr_t>(workspace);
     char* aligned = static_cast<char*>(workspace) + (kWorkspaceAlignment - address % kWorkspaceAlignment) % kWorkspaceAlignment;

@@ -35,6 +35,12 @@ namespace flashattn::cuda::decode {
 // against 8.73; 4 splits 8.26 / 9.15. (Before the cluster merge, with the combine kernel, one tile per split
 // was fastest.) The floor also applies on the device to a sequence much shorter than the planned capacity.
 constexpr int kMinTilesPerSplit = 2;       // a split streams >= 2 key tiles (when the sequence has them)
+// The paged rules below (every CTA slot, 2 splits at one wave) were measured with the paged copies that look up and
+// check ids per tile. Since 2026-12-03 the usual 16-bit pool on 64-key tiles takes the kernel's lean paged copies
+// (decode_kernel.cuh, lean_paged) and the contiguous cache's split counts (make_decode_plan): with them, against the
+// paged rules, B = 1 / 32k 37.71 -> 36.42 us (16 splits instead of 32), B = 4 / 8k 37.04 -> 36.46 (4 instead of 8), 3
+// rounds (bench/results/2026-12-03-2023-h200-decode-lean-paged-landed-ab-summary.txt). The paged rules stay for FP8
+// caches, 128-key tiles (D = 32 / 64), blocks stored heads-major and block sizes that are not powers of two >= 16.
 constexpr int64_t kPagedFullSlotsKeys = 32768;  // paged, capacity >= this many keys: plan for every CTA slot
 // Paged caches of kPagedOneWaveSplitKeys to kPagedFullSlotsKeys keys whose unsplit grid is below kOneWaveFill of a wave
 // also plan for every CTA slot where that plan keeps >= this many keys of the capacity per split. H200, 2026-12-01 14:25 UTC, bf16, Hq 32 / Hk 8, flashattn_decode_bench --splits 0,2,4,8,16,32,
