@@ -624,6 +624,18 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
   EXPECT_EQ(plan.num_splits, 4) << "D = 64 paged, B 8 cache 16k";
   ASSERT_TRUE(decode::make_decode_plan(decode_params(8, 1, 32, 8, 64, 16384), d64_kernel, h200(), &plan).ok());
   EXPECT_EQ(plan.num_splits, 2) << "D = 64 contiguous, B 8 cache 16k";
+  // And a narrow head on the D = 128 tile (D = 120: the kernel takes its checked copies, not the lean ones): at B = 1 / 32k
+  // the paged rules' every CTA slot (32 splits), not the contiguous cache's 16.
+  KvcacheParams narrow_pool = lean_shape(1, 32768, 16);
+  narrow_pool.head_dim = narrow_pool.head_dim_v = 120;
+  narrow_pool.q_head_stride = narrow_pool.out_head_stride = narrow_pool.k_head_stride = narrow_pool.v_head_stride = 120;
+  narrow_pool.k_row_stride = narrow_pool.v_row_stride = 8 * 120;
+  narrow_pool.k_batch_stride = narrow_pool.v_batch_stride = 16 * 8 * 120;
+  const KernelEntry& narrow_kernel = decode_kernel_for(narrow_pool, h200());
+  ASSERT_EQ(narrow_kernel.head_dim, 128);
+  ASSERT_EQ(narrow_kernel.block_n, 64);
+  ASSERT_TRUE(decode::make_decode_plan(narrow_pool, narrow_kernel, h200(), &plan).ok());
+  EXPECT_EQ(plan.num_splits, 32) << "D = 120 paged, B 1 cache 32k";
   // Chunked prefill: 70 new tokens x 4 heads = 280 packed rows -> 18 m-blocks of 16.
   KvcacheParams prefill = decode_params(2, 70, 32, 8, 128, 4096);
   ASSERT_TRUE(decode::make_decode_plan(prefill, kernel, h200(), &plan).ok());

@@ -647,6 +647,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // to 1.4% (B = 1 / 1k 6.61 -> 6.71 us, D = 256 B = 1 0.991).
   // Only tiles of 64 keys (4 passes): on D = 64's 128-key tiles (8 passes) the lean loop ran 0.959-0.966 at B = 1 and
   // 1.023-1.030 at B = 8 (20:14 UTC, ...-2014-...-three-way-ab-summary.txt); those keep the other paths.
+  // decode_plan.cpp's lean_paged_copies is the host's copy of this rule (its split counts follow it): keep them in step.
   constexpr bool kLeanPagedTile = kPaged && !kFp8 && kBlockN == 64;
   const bool lean_paged = kLeanPagedTile && slot_ids && args.paged_rows != 0 && full_width && strides_32bit;
   int32_t ids_now = 0, ids_next = 0;  // slot_ids: the id batches of the tile being issued and of the next one

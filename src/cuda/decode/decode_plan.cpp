@@ -171,6 +171,18 @@ bool blocks_are_row_runs(const KvcacheParams& p) {
   return p.block_table != nullptr && p.k_batch_stride == int64_t(p.page_block_size) * p.k_row_stride &&
          p.v_batch_stride == int64_t(p.page_block_size) * p.v_row_stride && int64_t(p.num_blocks) * p.page_block_size <= INT32_MAX;
 }
+// Whether the kernel streams this cache with its lean paged copies: the plan's copy of decode_kernel.cuh's lean_paged
+// (kLeanPagedTile: 16-bit, 64-key tiles; slot ids: blocks of a power of two >= 16; paged_rows; full-width heads; byte
+// strides below 2^31). Keep the two in step: a cache the plan counts as lean but the kernel does not still runs
+// correctly, at the contiguous split counts, which the other paged copies were not measured with.
+bool lean_paged_copies(const KvcacheParams& p, const KernelEntry& kernel) {
+  constexpr int64_t kElementBytes = 2;
+  const bool strides_32bit = p.k_row_stride * kElementBytes <= INT32_MAX && p.v_row_stride * kElementBytes <= INT32_MAX &&
+                             p.k_batch_stride * kElementBytes <= INT32_MAX && p.v_batch_stride * kElementBytes <= INT32_MAX;
+  return p.block_table != nullptr && p.kv_dtype != FA_FLOAT8_E4M3 && kernel.block_n == 64 && p.page_block_size >= 16 &&
+         (p.page_block_size & (p.page_block_size - 1)) == 0 && blocks_are_row_runs(p) && p.head_dim == kernel.head_dim &&
+         strides_32bit;
+}
 }  // namespace
 
 Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const DecodeDevice& device, DecodePlan* plan) {
@@ -188,12 +200,9 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
     const double fill = double(ctas) / double(device.sm_count);
     const int64_t slots = int64_t(device.sm_count) * per_sm;
     const bool sixteen_bit = p.kv_dtype != FA_FLOAT8_E4M3;
-    // Paged caches that the kernel streams with its lean copies (decode_kernel.cuh, lean_paged: 16-bit, 64-key tiles,
-    // blocks of a power of two >= 16 rows that are runs of rows) take the contiguous cache's split counts; the paged
-    // rules below (every CTA slot, 2 splits at one wave) are for the other paged caches.
-    const bool lean_paged = paged && sixteen_bit && kernel.block_n == 64 && p.page_block_size >= 16 &&
-                            (p.page_block_size & (p.page_block_size - 1)) == 0 && blocks_are_row_runs(p);
-    const bool paged_slot_rules = paged && !lean_paged;
+    // Paged caches that the kernel streams with its lean copies (lean_paged_copies above) take the contiguous cache's
+    // split counts; the paged rules below (every CTA slot, 2 splits at one wave) are for the other paged caches.
+    const bool paged_slot_rules = paged && !lean_paged_copies(p, kernel);
     const int full_slots_splits = paged_slot_rules ? choose_num_splits(ctas, slots, capacity_tiles) : 1;
     if (fill > 1.0 && double(ctas) < kManyWavesMinWaves * double(slots)) {
       splits = slot_wave_splits(ctas, slots, p.seqlen_k, kBalancedMinSplitKeys);  // between one CTA per SM and many waves
