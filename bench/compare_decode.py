@@ -2,8 +2,13 @@
 """Side-by-side table of flashattn_decode_bench's JSON and peers_decode.py's JSON (same GPU, same run):
 K/V TB/s of ours (contiguous, paged) against the streaming-read bandwidth and against torch SDPA cuDNN,
 with the issue's targets: >= 90% of streaming read, >= 1.0x cuDNN, paged within 5% of contiguous.
-"floor" is the same bytes read by a read-only kernel launched like the calls, as a fraction of the streaming
-rate: the most any kernel reading them could show in the "vs read" column. "lay p/c" is the layout floor's
+Two streaming rates of the same run are shown. "vs sum" is the issue's yardstick, "a sum over 2 GiB" (torch.sum in
+peers_decode.py, the faster of fp32 and bf16 data; about 4.25 TB/s on the H200 of ../shared/anchors): the verdict's
+read target. "vs read" is against flashattn_decode_bench's own read-only kernel over 4 GiB (16-byte loads), which
+reads 4-5% faster than the sum on the H200: a stricter yardstick, reported beside it (the last line counts the points
+at >= 90% of it). Peers files without "sum_read_tbs" (before 2026-12-03 23:30 UTC) are judged against ours.
+"floor" is the same bytes read by a read-only kernel launched like the calls, as a fraction of the verdict's
+streaming rate: the most any kernel reading them could show there. "lay p/c" is the layout floor's
 paged / contiguous speed: a read-only kernel that reads each sequence's K/V head rows in the cache's own layout
 (through the shuffled block table when paged), best of its split counts; where it is below 0.95 itself, the
 scattered blocks alone cost a reader of these bytes more than the paged target allows ("paged*").
@@ -67,9 +72,15 @@ def main():
     peers = {"env": peer_files[0].get("env", {}), "points": [p for f in peer_files for p in f["points"]]}
     cfg = ours["config"]
     hq, hk = cfg["heads_q"], cfg["heads_k"]
-    read = ours["stream_read_tbs"]
-    print(f"{ours['gpu']}: streaming read {read:.2f} TB/s (ours) / {peers['env'].get('stream_read_tbs', 0):.2f} "
-          f"(torch sum); Hq={hq} Hk={hk} D={cfg['dim']} page {cfg['page']}")
+    read = ours["stream_read_tbs"]  # ours: the read-only kernel over 4 GiB (the stricter rate)
+    sum_read = peers["env"].get("sum_read_tbs")  # the issue's yardstick: a sum over 2 GiB (peers_decode.py)
+    target_read = sum_read or read  # the verdict's streaming rate
+    print(f"{ours['gpu']}: streaming read {read:.2f} TB/s (ours, 4 GiB) / "
+          + (f"{sum_read:.2f} (torch sum over 2 GiB, the issue's yardstick: "
+             + ", ".join(f"{k} {v:.2f}" for k, v in peers["env"].get("sum_read_by_dtype", {}).items()) + ")"
+             if sum_read else f"{peers['env'].get('stream_read_tbs', 0):.2f} (torch sum over 4 GiB; no 2 GiB sum in this file)")
+          + f"; Hq={hq} Hk={hk} D={cfg['dim']} page {cfg['page']}")
+    print(f"read target: 90% of {target_read:.2f} TB/s ({'the 2 GiB sum' if sum_read else 'ours'})")
 
     def peer(backend, b, s, heads_k):
         found = [p["kv_tbs"] for p in peers["points"]
@@ -96,9 +107,9 @@ def main():
                 med[key] = statistics.median(floors)
         med["rounds"] = len(timed)
         table.setdefault((b, s), {})[layout] = med
-    print(f"{'B':>5} {'S':>7} | {'contig':>7} {'paged':>7} {'p/c':>6} {'vs read':>7} | {'cuDNN':>7} {'ours/cuDNN':>10} "
+    print(f"{'B':>5} {'S':>7} | {'contig':>7} {'paged':>7} {'p/c':>6} {'vs sum':>6} {'vs read':>7} | {'cuDNN':>7} {'ours/cuDNN':>10} "
           f"| {'cuDNN MHA':>9} {'FA2':>6} | {'floor':>6} {'lay p/c':>7} | verdict")
-    misses = beyond_floor = paged_beyond_floor = 0
+    misses = beyond_floor = paged_beyond_floor = strict_ok = timed_points = 0
     for (b, s), row in sorted(table.items()):
         c, pg, seq = row.get("contiguous", {}), row.get("paged", {}), row.get("paged-seq", {})
         ct, pt = c.get("kv_tbs", -1), pg.get("kv_tbs", -1)
@@ -110,16 +121,18 @@ def main():
         cudnn_mha = peer("cudnn", b, s, hq)
         fa2 = peer("flash", b, s, hk)
         # floor: the same bytes read by a read-only kernel launched alike (decode_bench.cu, time_read_floor), as
-        # a fraction of the streaming rate; where it is below 90% itself, no kernel can reach the read target.
+        # a fraction of the verdict's streaming rate; where it is below 90% itself, no kernel can reach the read target.
         floor_us = c.get("us_read_floor", -1)
-        floor = (c["kv_bytes"] / (floor_us * 1e-6) / 1e12) / read if floor_us and floor_us > 0 else None
+        floor = (c["kv_bytes"] / (floor_us * 1e-6) / 1e12) / target_read if floor_us and floor_us > 0 else None
         floor_cell = f"{floor:6.1%}" if floor else "     -"
         # The layout floor (decode_bench.cu, time_layout_floor): paged / contiguous speed of a read-only kernel that
         # reads the cache as attention must, in each layout.
         lay_c, lay_p = c.get("us_layout_floor", -1), pg.get("us_layout_floor", -1)
         lay = lay_c / lay_p if lay_c and lay_c > 0 and lay_p and lay_p > 0 else None
         lay_cell = f"{lay:7.3f}" if lay else "      -"
-        ok_read = ct >= 0.9 * read
+        ok_read = ct >= 0.9 * target_read
+        strict_ok += ct >= 0.9 * read
+        timed_points += 1
         ok_peer = cudnn is None or ct >= cudnn
         ok_paged = pt <= 0 or pt >= 0.95 * ct
         read_name = "read*" if floor is not None and floor < 0.9 else "read"
@@ -130,13 +143,14 @@ def main():
         beyond_floor += not ok_read and read_name == "read*"
         paged_beyond_floor += not ok_paged and paged_name == "paged*"
         fmt = lambda x: f"{x:7.3f}" if x else "      -"
-        print(f"{b:5d} {s:7d} | {ct:7.3f} {pt:7.3f} {pt / ct:6.3f} {ct / read:6.1%} | {fmt(cudnn)} "
+        print(f"{b:5d} {s:7d} | {ct:7.3f} {pt:7.3f} {pt / ct:6.3f} {ct / target_read:6.1%} {ct / read:7.1%} | {fmt(cudnn)} "
               f"{(ct / cudnn if cudnn else 0):10.2f} | {fmt(cudnn_mha):>9} {fmt(fa2)[1:]} | {floor_cell} {lay_cell} | {verdict}"
               + (f" (paged in order {seq['kv_tbs'] / ct:.3f})" if seq.get("kv_tbs", -1) > 0 else ""))
     print(f"{misses} point(s) miss a target; read*: {beyond_floor} of them miss the read target where the same bytes, "
           "read by a read-only kernel launched alike, stay below 90% of the streaming rate themselves (floor); "
           f"paged*: {paged_beyond_floor} miss the paged target where a read-only kernel in the cache's layout is itself "
           "more than 5% slower paged (lay p/c)")
+    print(f"against ours ({read:.2f} TB/s, the stricter rate): {strict_ok} of {timed_points} points read at >= 90%")
 
 
 if __name__ == "__main__":

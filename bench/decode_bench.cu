@@ -416,7 +416,7 @@ constexpr int kTimelineSlots = 1 << 16;
 struct TimelineRecord {
   unsigned long long call;   // the call's out pointer (tells the graph's calls apart)
   unsigned int cta, smid;    // linear block index, SM
-  unsigned long long t[8];   // DecodeConfig::Stamp events (0: not reached)
+  unsigned long long t[10];  // DecodeConfig::Stamp events (0: not reached)
 };
 __device__ TimelineRecord g_timeline[kTimelineSlots];
 __device__ unsigned int g_timeline_next;
@@ -436,7 +436,7 @@ struct TimelineConfig : BenchConfig<M, N, W, S> {
       r.call = reinterpret_cast<unsigned long long>(call);
       r.cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
       r.smid = smid;
-      for (int e = 1; e < 8; ++e) r.t[e] = 0;
+      for (int e = 1; e < 10; ++e) r.t[e] = 0;
     }
     if (slot < kTimelineSlots) g_timeline[slot].t[event] = now;
   }
@@ -611,6 +611,9 @@ void report_timeline(std::vector<Copy>& copies, const CallFn& call, cudaStream_t
   const char* names[] = {"wait", "plan", "1st tile", "loop", "drain", "merge", "store", "start@", "end@"};
   constexpr int kPhases = 9;
   std::vector<std::vector<double>> call_medians(kPhases + 2), call_maxes(kPhases + 2);
+  // Every streaming CTA of every call: the means below (the timer's steps are 0.256 us on the H200, so a median of
+  // short phases is a multiple of them; a mean over many CTAs is not).
+  std::vector<std::vector<double>> all_phases(kPhases), cluster_phase(3);
   std::printf("    timeline (us; per call: median / max over its CTAs that streamed tiles)\n");
   std::printf("    %4s %5s |", "call", "ctas");
   for (const char* n : names) std::printf(" %13s", n);
@@ -634,6 +637,12 @@ void report_timeline(std::vector<Copy>& copies, const CallFn& call, cudaStream_t
       phase[6].push_back((double(r.t[5]) - double(r.t[7])) * 1e-3);
       phase[7].push_back((double(r.t[0]) - t0) * 1e-3);
       phase[8].push_back((double(r.t[5]) - t0) * 1e-3);
+      if (r.t[8] != 0 && r.t[9] != 0) {  // a cluster merge: its barriers and its reads (the "store" phase split up)
+        cluster_phase[0].push_back((double(r.t[8]) - double(r.t[7])) * 1e-3);
+        cluster_phase[1].push_back((double(r.t[9]) - double(r.t[8])) * 1e-3);
+        cluster_phase[2].push_back((double(r.t[5]) - double(r.t[9])) * 1e-3);
+      }
+      for (int k = 0; k < kPhases; ++k) all_phases[k].push_back(phase[k].back());
     }
     const double span = (double(c.last_end) - double(c.first_start)) * 1e-3;
     const double gap = ci + 1 < calls.size() ? (double(calls[ci + 1].last_waited) - double(c.last_end)) * 1e-3 : -1;
@@ -655,6 +664,14 @@ void report_timeline(std::vector<Copy>& copies, const CallFn& call, cudaStream_t
     at += std::snprintf(line + at, sizeof(line) - size_t(at), " %s %.2f/%.2f", names[k], median(call_medians[k]), median(call_maxes[k]));
   std::snprintf(line + at, sizeof(line) - size_t(at), "; span %.2f, gap %.2f", median(call_medians[kPhases]), median(call_medians[kPhases + 1]));
   std::printf("    %s\n", line);
+  auto mean = [](const std::vector<double>& v) { return v.empty() ? -1.0 : std::accumulate(v.begin(), v.end(), 0.0) / double(v.size()); };
+  std::printf("    mean over %zu CTAs:", all_phases[0].size());
+  for (int k = 0; k < kPhases; ++k) std::printf(" %s %.2f", names[k], mean(all_phases[k]));
+  std::printf("\n");
+  if (!cluster_phase[0].empty())
+    std::printf("    cluster merge, mean (median) over %zu CTAs: store + first barrier %.2f (%.2f), reads + stores %.2f (%.2f), "
+                "second barrier %.2f (%.2f)\n", cluster_phase[0].size(), mean(cluster_phase[0]), median(cluster_phase[0]),
+                mean(cluster_phase[1]), median(cluster_phase[1]), mean(cluster_phase[2]), median(cluster_phase[2]));
   *summary = line;
 }
 #endif

@@ -31,11 +31,28 @@ COPY_BUDGET = 4 << 30
 
 
 def stream_read_tbs():
-    """Streaming-read bandwidth of this run: a sum over 4 GiB (reads only, one tiny write)."""
+    """Streaming-read bandwidth of this run: a sum over 4 GiB of bf16 (reads only, one tiny write)."""
     data = torch.empty(2 << 30, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
     ms = median_ms(lambda: data.sum(dtype=torch.float32), warmup=1, reps=10)
     del data
     return (4 << 30) / (ms * 1e-3) / 1e12
+
+
+def sum_read_tbs():
+    """The issue's yardstick for the read target: "a sum over 2 GiB" (about 4.25 TB/s on the H200 of
+    ../shared/anchors, h200-jax-pallas-and-bandwidth.json). torch.sum over 2 GiB of fp32 and over 2 GiB of bf16
+    (fp32 accumulation), each the median of 10 calls, 3 times; the yardstick is the faster of the two dtypes'
+    medians (the more demanding one; fp32 on the H200, 4.26-4.28 TB/s on 2026-12-03, bf16 4.13-4.16)."""
+    rates = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        data = torch.empty((2 << 30) // torch.tensor([], dtype=dtype).element_size(), dtype=dtype, device="cuda")
+        data.uniform_(-1, 1)
+        runs = [(2 << 30) / (median_ms(lambda: data.sum(dtype=torch.float32), warmup=1, reps=10) * 1e-3) / 1e12
+                for _ in range(3)]
+        rates[name] = sorted(runs)[1]
+        del data
+    torch.cuda.empty_cache()
+    return max(rates.values()), rates
 
 
 def time_point(backend, batch, cache, heads_q, heads_k, dim, reps, l2_bytes):
@@ -104,6 +121,7 @@ def main():
            "cudnn": torch.backends.cudnn.version(), "cuda": torch.version.cuda,
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     env["stream_read_tbs"] = stream_read_tbs()
+    env["sum_read_tbs"], env["sum_read_by_dtype"] = sum_read_tbs()
     print(json.dumps(env), flush=True)
     points = []
     for heads in args.heads.split(","):

@@ -41,6 +41,8 @@ struct DecodeConfig {
     kStampEnd,          // out / partial stored
     kStampDrained,      // epilogue: every warp is done with K/V (the barrier after the loop)
     kStampMerged,       // epilogue: every warp's O and (max, sum) are in shared memory (the barrier after them)
+    kStampClusterSynced,  // cluster merge: past its first cluster barrier (every split's partial is in place)
+    kStampClusterRead,    // cluster merge: this thread's rows merged and stored, before the second cluster barrier
     kStampCount
   };
   static __device__ __forceinline__ void stamp(int, const void*) {}

@@ -480,6 +480,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     namespace cg = cooperative_groups;
     cg::cluster_group cluster = cg::this_cluster();
     cluster.sync();  // every working split's partial is in its shared memory (release / acquire)
+    C::stamp(C::kStampClusterSynced, p.out);
     const int quads = p.head_dim_v / 4;
     const int my_rows = (rows.rows - split + args.num_splits - 1) / args.num_splits;
     for (int idx = tid; idx < my_rows * quads; idx += kThreads) {
@@ -512,6 +513,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
         p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] =
             any_nan ? NAN : (weight_sum > 0.f ? lse_max + logf(weight_sum) : -INFINITY);
     }
+    C::stamp(C::kStampClusterRead, p.out);
     cluster.sync();  // no CTA leaves (freeing its shared memory) while another still reads it
 #else
     (void)used;  // the launcher sets cluster_merge on sm_90+ only
