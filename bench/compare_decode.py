@@ -78,7 +78,7 @@ def main():
     print(f"{ours['gpu']}: streaming read {read:.2f} TB/s (ours, 4 GiB) / "
           + (f"{sum_read:.2f} (torch sum over 2 GiB, the issue's yardstick: "
              + ", ".join(f"{k} {v:.2f}" for k, v in peers["env"].get("sum_read_by_dtype", {}).items()) + ")"
-             if sum_read else f"{peers['env'].get('stream_read_tbs', 0):.2f} (torch sum over 4 GiB; no 2 GiB sum in this file)")
+             if sum_read else f"{peers['env'].get('stream_read_tbs', 0):.2f} (torch sum over 4 GiB, files before the 2 GiB sum)")
           + f"; Hq={hq} Hk={hk} D={cfg['dim']} page {cfg['page']}")
     print(f"read target: 90% of {target_read:.2f} TB/s ({'the 2 GiB sum' if sum_read else 'ours'})")
 

@@ -416,7 +416,7 @@ constexpr int kTimelineSlots = 1 << 16;
 struct TimelineRecord {
   unsigned long long call;   // the call's out pointer (tells the graph's calls apart)
   unsigned int cta, smid;    // linear block index, SM
-  unsigned long long t[10];  // DecodeConfig::Stamp events (0: not reached)
+  unsigned long long t[BenchConfig<16, 64, 4, 3>::kStampCount];  // DecodeConfig::Stamp events (0: not reached)
 };
 __device__ TimelineRecord g_timeline[kTimelineSlots];
 __device__ unsigned int g_timeline_next;
@@ -436,7 +436,7 @@ struct TimelineConfig : BenchConfig<M, N, W, S> {
       r.call = reinterpret_cast<unsigned long long>(call);
       r.cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
       r.smid = smid;
-      for (int e = 1; e < 10; ++e) r.t[e] = 0;
+      for (int e = 1; e < BenchConfig<16, 64, 4, 3>::kStampCount; ++e) r.t[e] = 0;
     }
     if (slot < kTimelineSlots) g_timeline[slot].t[event] = now;
   }

@@ -30,14 +30,6 @@ MIN_COPIES = 4              # the graph's own launch is shared by at least 4 cal
 COPY_BUDGET = 4 << 30
 
 
-def stream_read_tbs():
-    """Streaming-read bandwidth of this run: a sum over 4 GiB of bf16 (reads only, one tiny write)."""
-    data = torch.empty(2 << 30, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
-    ms = median_ms(lambda: data.sum(dtype=torch.float32), warmup=1, reps=10)
-    del data
-    return (4 << 30) / (ms * 1e-3) / 1e12
-
-
 def sum_read_tbs():
     """The issue's yardstick for the read target: "a sum over 2 GiB" (about 4.25 TB/s on the H200 of
     ../shared/anchors, h200-jax-pallas-and-bandwidth.json). torch.sum over 2 GiB of fp32 and over 2 GiB of bf16
@@ -120,7 +112,6 @@ def main():
     env = {"gpu": torch.cuda.get_device_name(0), "sms": props.multi_processor_count, "torch": torch.__version__,
            "cudnn": torch.backends.cudnn.version(), "cuda": torch.version.cuda,
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
-    env["stream_read_tbs"] = stream_read_tbs()
     env["sum_read_tbs"], env["sum_read_by_dtype"] = sum_read_tbs()
     print(json.dumps(env), flush=True)
     points = []
