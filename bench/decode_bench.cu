@@ -614,6 +614,9 @@ void report_timeline(std::vector<Copy>& copies, const CallFn& call, cudaStream_t
   // Every streaming CTA of every call: the means below (the timer's steps are 0.256 us on the H200, so a median of
   // short phases is a multiple of them; a mean over many CTAs is not).
   std::vector<std::vector<double>> all_phases(kPhases), cluster_phase(3);
+  // The loop phase per SM, over the calls of even and of odd index (is a slow CTA's SM slow in every call?).
+  std::map<unsigned int, std::vector<double>> loop_on_sm[2], loop_of_cta[2];
+  std::map<unsigned int, std::set<unsigned int>> sms_of_cta;  // does a CTA index land on the same SM in every call?
   std::printf("    timeline (us; per call: median / max over its CTAs that streamed tiles)\n");
   std::printf("    %4s %5s |", "call", "ctas");
   for (const char* n : names) std::printf(" %13s", n);
@@ -643,6 +646,9 @@ void report_timeline(std::vector<Copy>& copies, const CallFn& call, cudaStream_t
         cluster_phase[2].push_back((double(r.t[5]) - double(r.t[9])) * 1e-3);
       }
       for (int k = 0; k < kPhases; ++k) all_phases[k].push_back(phase[k].back());
+      loop_on_sm[ci % 2][r.smid].push_back(phase[3].back());
+      loop_of_cta[ci % 2][r.cta].push_back(phase[3].back());
+      sms_of_cta[r.cta].insert(r.smid);
     }
     const double span = (double(c.last_end) - double(c.first_start)) * 1e-3;
     const double gap = ci + 1 < calls.size() ? (double(calls[ci + 1].last_waited) - double(c.last_end)) * 1e-3 : -1;
@@ -672,6 +678,39 @@ void report_timeline(std::vector<Copy>& copies, const CallFn& call, cudaStream_t
     std::printf("    cluster merge, mean (median) over %zu CTAs: store + first barrier %.2f (%.2f), reads + stores %.2f (%.2f), "
                 "second barrier %.2f (%.2f)\n", cluster_phase[0].size(), mean(cluster_phase[0]), median(cluster_phase[0]),
                 mean(cluster_phase[1]), median(cluster_phase[1]), mean(cluster_phase[2]), median(cluster_phase[2]));
+  // Per SM and per CTA index: the correlation of the mean loop times over the even and the odd calls (a slow SM, or a
+  // slow CTA's data, seen again in the other half), and the slowest / fastest SMs.
+  auto halves = [&](const std::map<unsigned int, std::vector<double>>* by, const char* what) {
+    std::vector<std::pair<double, double>> xy;
+    std::vector<std::pair<double, unsigned int>> ranked;
+    for (const auto& kv : by[0]) {
+      auto other = by[1].find(kv.first);
+      if (other == by[1].end()) continue;
+      const double a = mean(kv.second), b = mean(other->second);
+      xy.emplace_back(a, b);
+      ranked.emplace_back((a + b) / 2, kv.first);
+    }
+    if (xy.size() < 8) return;
+    double mx = 0, my = 0;
+    for (auto& p : xy) mx += p.first, my += p.second;
+    mx /= double(xy.size()), my /= double(xy.size());
+    double sxy = 0, sxx = 0, syy = 0;
+    for (auto& p : xy) {
+      const double dx = p.first - mx, dy = p.second - my;
+      sxy += dx * dy, sxx += dx * dx, syy += dy * dy;
+    }
+    std::sort(ranked.begin(), ranked.end());
+    std::printf("    loop per %s over %zu: even/odd-call correlation %.2f; fastest", what, xy.size(), sxy / std::sqrt(sxx * syy + 1e-30));
+    for (size_t k = 0; k < 4; ++k) std::printf(" %u:%.2f", ranked[k].second, ranked[k].first);
+    std::printf("; slowest");
+    for (size_t k = ranked.size() - 4; k < ranked.size(); ++k) std::printf(" %u:%.2f", ranked[k].second, ranked[k].first);
+    std::printf("\n");
+  };
+  halves(loop_on_sm, "SM");
+  halves(loop_of_cta, "CTA index");
+  size_t same_sm = 0;
+  for (const auto& kv : sms_of_cta) same_sm += kv.second.size() == 1;
+  std::printf("    CTA indices on one SM in every call: %zu of %zu\n", same_sm, sms_of_cta.size());
   *summary = line;
 }
 #endif
