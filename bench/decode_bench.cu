@@ -35,7 +35,8 @@
 //                         cache of --kv), launched directly with the knobs below and checked against "lib"'s
 //                         output; "tl_m16n64w4s3" is the library's tile with a timeline probe: after its timing,
 //                         the phases of every CTA of one graph launch (report_timeline; per call also the
-//                         distinct SMs its CTAs ran on, and "shared": its streaming CTAs that shared an SM)
+//                         distinct SMs its CTAs ran on, and "shared": its streaming CTAs that shared an SM; over all
+//                         calls, the loop phase per SM and per CTA index, even calls against odd ones)
 //   --pdl 0,1             variants: programmatic dependent launch (DecodeArgs::programmatic_launch)
 //   --min-tiles N         variants: DecodeArgs::min_tiles_per_split
 //   --cluster -1,0,1      variants: the splits merge in a thread-block cluster (1), through the combine kernel (0),
