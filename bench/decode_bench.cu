@@ -701,10 +701,12 @@ void report_timeline(std::vector<Copy>& copies, const CallFn& call, cudaStream_t
       sxy += dx * dy, sxx += dx * dx, syy += dy * dy;
     }
     std::sort(ranked.begin(), ranked.end());
-    std::printf("    loop per %s over %zu: even/odd-call correlation %.2f; fastest", what, xy.size(), sxy / std::sqrt(sxx * syy + 1e-30));
+    const double correlation = sxy / std::sqrt(sxx * syy + 1e-30);
+    std::printf("    loop per %s over %zu: even/odd-call correlation %.2f; fastest", what, xy.size(), correlation);
     for (size_t k = 0; k < 4; ++k) std::printf(" %u:%.2f", ranked[k].second, ranked[k].first);
     std::printf("; slowest");
-    for (size_t k = ranked.size() - 4; k < ranked.size(); ++k) std::printf(" %u:%.2f", ranked[k].second, ranked[k].first);
+    for (size_t k = ranked.size() - 4; k < ranked.size(); ++k)
+      std::printf(" %u:%.2f", ranked[k].second, ranked[k].first);
     std::printf("\n");
   };
   halves(loop_on_sm, "SM");
