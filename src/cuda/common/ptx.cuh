@@ -7,6 +7,9 @@
 //                     cp_async_16_full: always 16 bytes, no predicate
 //   exp2_approx       ex2.approx.ftz.f32: 2^x in ~2 ulp; the softmax uses exp2 with log2(e) folded
 //                     into the scale
+//   log2_approx       lg2.approx.ftz.f32: log2(x), absolute error <= 2^-22 on [0.5, 2], else relative <= 2^-22
+//   rcp_approx        rcp.approx.ftz.f32: 1 / x in 1 ulp (one MUFU.RCP; 1.f / x is the IEEE division's
+//                     multi-instruction sequence with a slow-path branch)
 //   named_barrier_sync  bar.sync on barrier id 1..15 for a subset of the CTA's warps
 //   st_shared_b32 / ld_shared_f32  32-bit shared-memory accesses at a shared-space address
 #pragma once
@@ -131,6 +134,16 @@ __device__ __forceinline__ float ld_shared_f32(uint32_t smem_addr) {
 __device__ __forceinline__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float log2_approx(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
 

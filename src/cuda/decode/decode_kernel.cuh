@@ -69,7 +69,6 @@
 namespace flashattn::cuda::decode {
 
 constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * kLog2e)
-constexpr float kLn2 = 0.6931471805599453f;    // ln(2): converts a log2-domain LSE back to natural log
 // Lazy rescaling (affects speed only): a row's running max moves only when a tile's scores exceed it by more
 // than this many log2 units, so P and the row sum stay below 2^8 and most tiles skip the multiply of O.
 constexpr float kMaxStaleLog2 = 8.f;
@@ -474,7 +473,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   static_assert(kMergeBytes + (kClusterOutFloats + kBlockM) * 4 <= kKVRegionBytes,
                 "the cluster partial follows the warp merge in the K/V stages");
   float* cluster_out = reinterpret_cast<float*>(smem + QTile::kBytes + kMergeBytes);  // [row][kHeadDim] fp32
-  float* cluster_lse = cluster_out + kClusterOutFloats;                                // [row], natural log
+  float* cluster_lse = cluster_out + kClusterOutFloats;                                // [row], log2 units
   auto merge_cluster = [&](int used) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     namespace cg = cooperative_groups;
@@ -487,8 +486,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       const int row = split + (idx / quads) * args.num_splits, col = (idx % quads) * 4;
       const int r = rows.row_begin + row;
       const int i = r / group, h = hk * group + r % group;
-      // The largest split LSE (weights exp(lse_s - max) <= 1); NaN from a split that met a bad block id; no
-      // split saw a key: out = 0, lse = -inf.
+      // The largest split LSE (log2 units; weights exp2(lse_s - max) <= 1); NaN from a split that met a bad block
+      // id; no split saw a key: out = 0, lse = -inf.
       float lse_max = -INFINITY;
       bool any_nan = false;
       for (int s = 0; s < used; ++s) {
@@ -500,18 +499,18 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
       if (lse_max != -INFINITY)
         for (int s = 0; s < used; ++s) {
-          const float w = expf(cluster.map_shared_rank(cluster_lse, s)[row] - lse_max);
+          const float w = exp2_approx(cluster.map_shared_rank(cluster_lse, s)[row] - lse_max);
           const float4 part = *reinterpret_cast<const float4*>(cluster.map_shared_rank(cluster_out, s) + row * kHeadDim + col);
           weight_sum += w;
           acc.x += w * part.x, acc.y += w * part.y, acc.z += w * part.z, acc.w += w * part.w;
         }
-      const float inv = any_nan ? NAN : (weight_sum > 0.f ? 1.f / weight_sum : 0.f);
+      const float inv = any_nan ? NAN : (weight_sum > 0.f ? rcp_approx(weight_sum) : 0.f);
       Element* out_row = out_gmem + b * p.out_batch_stride + int64_t(i) * p.out_row_stride + h * p.out_head_stride + col;
       *reinterpret_cast<uint2*>(out_row) = make_uint2(ElementTraits<Element>::pack(acc.x * inv, acc.y * inv),
                                                       ElementTraits<Element>::pack(acc.z * inv, acc.w * inv));
       if (col == 0 && p.lse != nullptr)
         p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] =
-            any_nan ? NAN : (weight_sum > 0.f ? lse_max + logf(weight_sum) : -INFINITY);
+            any_nan ? NAN : (weight_sum > 0.f ? (lse_max + log2_approx(weight_sum)) * kLn2 : -INFINITY);
     }
     C::stamp(C::kStampClusterRead, p.out);
     cluster.sync();  // no CTA leaves (freeing its shared memory) while another still reads it
@@ -1128,17 +1127,30 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   __syncthreads();
   C::stamp(C::kStampMerged, p.out);
 
-  // ---- epilogue 2: one thread per (row, 8 columns): O = sum_w exp2(max_w - M) O_w / sum_w exp2(max_w - M) sum_w
-  // over the warps w, M = the largest max_w, LSE = M + log2(the denominator); stored as out in the dtype (and lse), or as the split's
-  // fp32 partial. A warp that saw no key of the row has max -inf: weight 0. When no warp has a finite max,
-  // each sum is 0, or NaN where a NaN input reached the row (its max stayed -inf under fmaxf): the weights are
-  // 1, the sum is 0 (O = 0, LSE = -inf: no visible key) or NaN (propagates: the NaN/Inf policy). Each of a row's
-  // threads computes the row's weights itself (kWarps exp2): cheaper than the second barrier it replaces. ----
+  // ---- epilogue 2: kMergeRowThreads threads per row, each the row's columns 4 t + 32 k (t = tid % 8; a quarter-warp
+  // reads one contiguous 128-byte line per float4: no bank conflict):
+  //   O = (sum_w exp2(max_w - M) O_w) / (sum_w exp2(max_w - M) sum_w), M = the largest max_w over the warps w,
+  //   LSE = M + log2(the denominator), stored as out in the dtype (and lse), or as the split's fp32 partial.
+  // The numerator's sum runs beside the reciprocal of the denominator (one multiply per element at the end); the
+  // exp2, the reciprocal and the log2 are single MUFU instructions (ptx.cuh; weights <= 1, denominator >= 1 for a
+  // row with a key). A row's weights are computed once per thread (each of a row's threads for itself: cheaper
+  // than a second barrier). A warp that saw no key of the row has max -inf: weight 0. When no warp has a finite
+  // max, each sum is 0, or NaN where a NaN input reached the row (its max stayed -inf under fmaxf): the weights
+  // are 1, the sum is 0 (O = 0, LSE = -inf: no visible key) or NaN (propagates: the NaN/Inf policy). H200,
+  // 2026-12-04: the previous epilogue (one thread per (row, 8 columns), two items per thread, exp2f / IEEE
+  // division / log2f) spent ~0.25 us of its ~0.72 us after the barrier in this math
+  // (bench/results/2026-12-04-0437-decode-epilogue-merge-math-probe-not-kept.patch). ----
+  constexpr int kMergeRowThreads = 8;       // threads per row of the merge; 4 columns per thread and step
+  constexpr int kColSteps = kHeadDim / 32;  // steps of 32 columns
+  constexpr int kMergeRowsPerPass = kThreads / kMergeRowThreads;
+  static_assert(kHeadDim % 32 == 0 && kThreads % kMergeRowThreads == 0, "whole 32-column steps, whole rows per pass");
   const int64_t partial_base = int64_t(split) * int64_t(p.batch) * p.heads_q * p.seqlen_q;  // first row of this split
-  const bool full_width_out = d_chunks == kHeadDim / 8;  // the common case: a compile-time divisor below
-  for (int idx = tid; idx < rows.rows * d_chunks; idx += kThreads) {
-    const int row = full_width_out ? idx / (kHeadDim / 8) : idx / d_chunks;
-    const int chunk = idx - row * d_chunks;
+  const int col_lane = (tid % kMergeRowThreads) * 4;  // this thread's first column
+  const int out_cols = d_chunks * 8;                   // D: columns from D up to kHeadDim are padding
+#pragma unroll
+  for (int pass = 0; pass < (kBlockM + kMergeRowsPerPass - 1) / kMergeRowsPerPass; ++pass) {
+    const int row = pass * kMergeRowsPerPass + tid / kMergeRowThreads;
+    if (row >= rows.rows) break;
     const int r = rows.row_begin + row;
     const int i = r / group, h = hk * group + r % group;
     float2 stats[kWarps];
@@ -1152,45 +1164,49 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     float merged_sum = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      weight[w] = merged_max == -INFINITY ? 1.f : exp2f(stats[w].x - merged_max);
-      merged_sum += stats[w].y * weight[w];
+      weight[w] = merged_max == -INFINITY ? 1.f : exp2_approx(stats[w].x - merged_max);  // ex2(-inf) = 0
+      merged_sum = fmaf(stats[w].y, weight[w], merged_sum);
+    }
+    float4 v[kColSteps];
+#pragma unroll
+    for (int k = 0; k < kColSteps; ++k) {
+      v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        const float4 o = *reinterpret_cast<const float4*>(merge_o + (w * kBlockM + row) * kMergeRow + 32 * k + col_lane);
+        v[k].x = fmaf(weight[w], o.x, v[k].x), v[k].y = fmaf(weight[w], o.y, v[k].y);
+        v[k].z = fmaf(weight[w], o.z, v[k].z), v[k].w = fmaf(weight[w], o.w, v[k].w);
+      }
     }
     const bool no_visible_key = merged_sum == 0.f;
     // FP8: values are codes, value = code * v_scale, so O = (P codes) * v_scale: folded in here.
-    const float scale = no_visible_key ? 0.f : (kFp8 ? p.v_scale : 1.f) / merged_sum;
-    float v[8];
+    const float scale = bad ? NAN : (no_visible_key ? 0.f : (kFp8 ? p.v_scale : 1.f) * rcp_approx(merged_sum));
 #pragma unroll
-    for (int e = 0; e < 8; ++e) v[e] = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float4* src = reinterpret_cast<const float4*>(merge_o + (w * kBlockM + row) * kMergeRow + chunk * 8);
-      const float4 lo = src[0], hi = src[1];
-      const float f = weight[w] * scale;
-      v[0] = fmaf(f, lo.x, v[0]), v[1] = fmaf(f, lo.y, v[1]), v[2] = fmaf(f, lo.z, v[2]), v[3] = fmaf(f, lo.w, v[3]);
-      v[4] = fmaf(f, hi.x, v[4]), v[5] = fmaf(f, hi.y, v[5]), v[6] = fmaf(f, hi.z, v[6]), v[7] = fmaf(f, hi.w, v[7]);
-    }
-    if (bad)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) v[e] = NAN;
-    // LSE in natural log (-inf * ln2 = -inf for an empty row), by the row's first thread.
-    const float lse = bad ? NAN : (no_visible_key ? -INFINITY : (merged_max + log2f(merged_sum)) * kLn2);
+    for (int k = 0; k < kColSteps; ++k) v[k].x *= scale, v[k].y *= scale, v[k].z *= scale, v[k].w *= scale;
+    // The LSE in log2 units (-inf for an empty row), stored by the row's first thread: out's lse in natural log;
+    // the partials' (and the cluster's) stay in log2 units, where their merge's exp2 works (decode_work.hpp).
+    const float lse_log2 = bad ? NAN : (no_visible_key ? -INFINITY : merged_max + log2_approx(merged_sum));
+    const bool lse_thread = col_lane == 0;
     if (direct) {
-      const uint4 packed = make_uint4(ElementTraits<Element>::pack(v[0], v[1]), ElementTraits<Element>::pack(v[2], v[3]),
-                                      ElementTraits<Element>::pack(v[4], v[5]), ElementTraits<Element>::pack(v[6], v[7]));
-      *reinterpret_cast<uint4*>(out_gmem + b * p.out_batch_stride + int64_t(i) * p.out_row_stride + h * p.out_head_stride +
-                                chunk * 8) = packed;
-      if (chunk == 0 && p.lse != nullptr) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] = lse;
+      Element* out_row = out_gmem + b * p.out_batch_stride + int64_t(i) * p.out_row_stride + h * p.out_head_stride;
+#pragma unroll
+      for (int k = 0; k < kColSteps; ++k)
+        if (32 * k + col_lane < out_cols)
+          *reinterpret_cast<uint2*>(out_row + 32 * k + col_lane) =
+              make_uint2(ElementTraits<Element>::pack(v[k].x, v[k].y), ElementTraits<Element>::pack(v[k].z, v[k].w));
+      if (lse_thread && p.lse != nullptr)
+        p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] = lse_log2 * kLn2;
     } else if (clustered) {
-      float4* dst = reinterpret_cast<float4*>(cluster_out + row * kHeadDim + chunk * 8);
-      dst[0] = make_float4(v[0], v[1], v[2], v[3]);
-      dst[1] = make_float4(v[4], v[5], v[6], v[7]);
-      if (chunk == 0) cluster_lse[row] = lse;
+#pragma unroll
+      for (int k = 0; k < kColSteps; ++k) *reinterpret_cast<float4*>(cluster_out + row * kHeadDim + 32 * k + col_lane) = v[k];
+      if (lse_thread) cluster_lse[row] = lse_log2;
     } else {
       const int64_t prow = partial_base + partial_row(p, b, h, i);
-      float4* dst = reinterpret_cast<float4*>(args.partial_out + prow * p.head_dim_v + chunk * 8);
-      dst[0] = make_float4(v[0], v[1], v[2], v[3]);
-      dst[1] = make_float4(v[4], v[5], v[6], v[7]);
-      if (chunk == 0) args.partial_lse[prow] = lse;
+      float* partial_row_out = args.partial_out + prow * p.head_dim_v;
+#pragma unroll
+      for (int k = 0; k < kColSteps; ++k)
+        if (32 * k + col_lane < out_cols) *reinterpret_cast<float4*>(partial_row_out + 32 * k + col_lane) = v[k];
+      if (lse_thread) args.partial_lse[prow] = lse_log2;
     }
   }
   if (clustered && !direct) merge_cluster(work.used);

@@ -24,6 +24,9 @@
 
 namespace flashattn::cuda::decode {
 
+// ln(2): converts a log2-unit LSE (the split partials', decode kernel and combine) back to natural log.
+constexpr float kLn2 = 0.6931471805599453f;
+
 // Everything the decode kernels read, passed by value (a __grid_constant__ kernel parameter).
 struct DecodeArgs {
   KvcacheParams p;          // validated by src/api/validate.cpp; p.seqlen_k is the cache capacity per sequence
@@ -51,7 +54,8 @@ struct DecodeArgs {
   int cluster_merge;        // 1 = the num_splits CTAs of one (m-block, K/V head, sequence) are a thread-block
                             // cluster (grid.x split-fastest) that merges its partials through distributed
                             // shared memory, with no combine kernel (sm_90+, <= kMaxClusterSplits; the launcher)
-  float* partial_lse;       // [num_splits][B * Hq * Sq] natural-log LSE per split; null when num_splits == 1
+  float* partial_lse;       // [num_splits][B * Hq * Sq] LSE per split in log2 units (log2 of the sum of 2^(score log2(e)));
+                            // null when num_splits == 1
   float* partial_out;       // [num_splits][B * Hq * Sq][Dv] per-split output, already normalised
 };
 
