@@ -565,6 +565,9 @@ class CapturedGraph {
 // per call, the phases of its CTAs relative to the call's first CTA start (median and max over CTAs, us), its
 // span (first start to last end), and the gap from its last CTA's end to the next call's last "waited" stamp
 // (the combine kernel and the launch chain). Printed; the medians over the calls go to `summary`.
+// The stamps' names (DecodeConfig::Stamp: the same events in every config).
+using St = BenchConfig<16, 64, 4, 3>;
+
 void report_timeline(std::vector<Copy>& copies, const CallFn& call, cudaStream_t stream, std::string* summary) {
   {
     CapturedGraph graph(stream, [&] {
@@ -594,9 +597,9 @@ void report_timeline(std::vector<Copy>& copies, const CallFn& call, cudaStream_t
   for (auto& kv : by_call) {
     CallTimes c{~0ull, 0, 0, kv.second};
     for (const TimelineRecord& r : kv.second) {
-      c.first_start = std::min(c.first_start, r.t[0]);
-      c.last_end = std::max(c.last_end, r.t[5]);
-      c.last_waited = std::max(c.last_waited, r.t[1]);
+      c.first_start = std::min(c.first_start, r.t[St::kStampStart]);
+      c.last_end = std::max(c.last_end, r.t[St::kStampEnd]);
+      c.last_waited = std::max(c.last_waited, r.t[St::kStampWaited]);
     }
     calls.push_back(std::move(c));
   }
@@ -629,22 +632,22 @@ void report_timeline(std::vector<Copy>& copies, const CallFn& call, cudaStream_t
     std::map<unsigned int, int> streaming_on_sm;  // CTAs that streamed tiles, per SM
     for (const TimelineRecord& r : c.ctas) {
       sms.insert(r.smid);
-      if (r.t[5] == 0 || r.t[3] == 0) continue;  // returned early (no tiles)
+      if (r.t[St::kStampEnd] == 0 || r.t[St::kStampFirstTile] == 0) continue;  // returned early (no tiles)
       ++streaming_on_sm[r.smid];
       const double t0 = double(c.first_start);
-      phase[0].push_back((double(r.t[1]) - double(r.t[0])) * 1e-3);
-      phase[1].push_back((double(r.t[2]) - double(r.t[1])) * 1e-3);
-      phase[2].push_back((double(r.t[3]) - double(r.t[2])) * 1e-3);
-      phase[3].push_back((double(r.t[4]) - double(r.t[3])) * 1e-3);
-      phase[4].push_back((double(r.t[6]) - double(r.t[4])) * 1e-3);
-      phase[5].push_back((double(r.t[7]) - double(r.t[6])) * 1e-3);
-      phase[6].push_back((double(r.t[5]) - double(r.t[7])) * 1e-3);
-      phase[7].push_back((double(r.t[0]) - t0) * 1e-3);
-      phase[8].push_back((double(r.t[5]) - t0) * 1e-3);
-      if (r.t[8] != 0 && r.t[9] != 0) {  // a cluster merge: its barriers and its reads (the "store" phase split up)
-        cluster_phase[0].push_back((double(r.t[8]) - double(r.t[7])) * 1e-3);
-        cluster_phase[1].push_back((double(r.t[9]) - double(r.t[8])) * 1e-3);
-        cluster_phase[2].push_back((double(r.t[5]) - double(r.t[9])) * 1e-3);
+      phase[0].push_back((double(r.t[St::kStampWaited]) - double(r.t[St::kStampStart])) * 1e-3);
+      phase[1].push_back((double(r.t[St::kStampPlanned]) - double(r.t[St::kStampWaited])) * 1e-3);
+      phase[2].push_back((double(r.t[St::kStampFirstTile]) - double(r.t[St::kStampPlanned])) * 1e-3);
+      phase[3].push_back((double(r.t[St::kStampLoopDone]) - double(r.t[St::kStampFirstTile])) * 1e-3);
+      phase[4].push_back((double(r.t[St::kStampDrained]) - double(r.t[St::kStampLoopDone])) * 1e-3);
+      phase[5].push_back((double(r.t[St::kStampMerged]) - double(r.t[St::kStampDrained])) * 1e-3);
+      phase[6].push_back((double(r.t[St::kStampEnd]) - double(r.t[St::kStampMerged])) * 1e-3);
+      phase[7].push_back((double(r.t[St::kStampStart]) - t0) * 1e-3);
+      phase[8].push_back((double(r.t[St::kStampEnd]) - t0) * 1e-3);
+      if (r.t[St::kStampClusterSynced] != 0 && r.t[St::kStampClusterRead] != 0) {  // a cluster merge: its barriers and its reads (the "store" phase split up)
+        cluster_phase[0].push_back((double(r.t[St::kStampClusterSynced]) - double(r.t[St::kStampMerged])) * 1e-3);
+        cluster_phase[1].push_back((double(r.t[St::kStampClusterRead]) - double(r.t[St::kStampClusterSynced])) * 1e-3);
+        cluster_phase[2].push_back((double(r.t[St::kStampEnd]) - double(r.t[St::kStampClusterRead])) * 1e-3);
       }
       for (int k = 0; k < kPhases; ++k) all_phases[k].push_back(phase[k].back());
       loop_on_sm[ci % 2][r.smid].push_back(phase[3].back());
