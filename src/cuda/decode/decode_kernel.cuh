@@ -26,7 +26,7 @@
 //              lazily (kMaxStaleLog2)
 //   O += P V   P stays in registers (accumulator layout = A-operand layout); V via ldmatrix.trans
 // Epilogue: the warps' (max, sum, O) are merged through shared memory; then either the final output (out in
-// the dtype, lse) when the sequence uses one split, or the split's normalised fp32 partial and its LSE: in
+// the dtype, lse) when the sequence uses one split, or the split's normalised fp32 partial and its LSE (log2 units): in
 // global memory for the combine kernel (decode_aux.cu), or, on sm_90 with a cluster per m-block, in shared
 // memory, merged by the cluster's CTAs through distributed shared memory (no second kernel).
 //

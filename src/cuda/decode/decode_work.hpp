@@ -54,7 +54,7 @@ struct DecodeArgs {
   int cluster_merge;        // 1 = the num_splits CTAs of one (m-block, K/V head, sequence) are a thread-block
                             // cluster (grid.x split-fastest) that merges its partials through distributed
                             // shared memory, with no combine kernel (sm_90+, <= kMaxClusterSplits; the launcher)
-  float* partial_lse;       // [num_splits][B * Hq * Sq] LSE per split in log2 units (log2 of the sum of 2^(score log2(e)));
+  float* partial_lse;       // [num_splits][B * Hq * Sq] LSE per split in log2 units (the natural-log LSE x log2(e));
                             // null when num_splits == 1
   float* partial_out;       // [num_splits][B * Hq * Sq][Dv] per-split output, already normalised
 };
