@@ -143,8 +143,8 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
 
   // out = sum_s exp2(lse_s - max) out_s / sum_s exp2(lse_s - max), lse = (max + log2(sum)) ln 2; the split LSEs
   // are in log2 units (decode_work.hpp), max over the splits (weights <= 1: no overflow); exp2, log2 and the
-  // reciprocal are single MUFU instructions (ptx.cuh). NaN from a split that met a bad block id poisons the row; no split saw a
-  // key: out = 0, lse = -inf (never NaN).
+  // reciprocal are single MUFU instructions (ptx.cuh). NaN from a split that met a bad block id poisons the row;
+  // no split saw a key: out = 0, lse = -inf (never NaN).
   float lse_max = -INFINITY, weight_sum = 0.f;
   bool any_nan = false;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -188,8 +188,9 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
                                      __shfl_xor_sync(group_mask, acc.z, offset), __shfl_xor_sync(group_mask, acc.w, offset));
     any_nan = __shfl_xor_sync(group_mask, int(any_nan), offset) != 0 || any_nan;
     const float new_max = fmaxf(lse_max, other_max);
-    const bool none = new_max == -INFINITY;  // neither lane saw a key: both weights 0 (exp(-inf - -inf) would be NaN)
-    const float mine = none ? 0.f : exp2_approx(lse_max - new_max), theirs = none ? 0.f : exp2_approx(other_max - new_max);
+    const bool none = new_max == -INFINITY;  // neither lane saw a key: both weights 0 (exp2(-inf - -inf) would be NaN)
+    const float mine = none ? 0.f : exp2_approx(lse_max - new_max);
+    const float theirs = none ? 0.f : exp2_approx(other_max - new_max);
     weight_sum = weight_sum * mine + other_sum * theirs;
     acc.x = acc.x * mine + other.x * theirs, acc.y = acc.y * mine + other.y * theirs;
     acc.z = acc.z * mine + other.z * theirs, acc.w = acc.w * mine + other.w * theirs;
@@ -199,7 +200,8 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
   const float inv = any_nan ? NAN : (weight_sum > 0.f ? rcp_approx(weight_sum) : 0.f);
   const uint2 packed = make_uint2(ElementTraits<Element>::pack(acc.x * inv, acc.y * inv), ElementTraits<Element>::pack(acc.z * inv, acc.w * inv));
   *reinterpret_cast<uint2*>(out + out_at) = packed;  // 8-byte aligned: 16-byte aligned rows, col % 4 == 0
-  if (lse_at >= 0) p.lse[lse_at] = any_nan ? NAN : (weight_sum > 0.f ? (lse_max + log2_approx(weight_sum)) * kLn2 : -INFINITY);
+  if (lse_at >= 0)
+    p.lse[lse_at] = any_nan ? NAN : (weight_sum > 0.f ? (lse_max + log2_approx(weight_sum)) * kLn2 : -INFINITY);
 }
 
 // ---- guard: one CTA per sequence ----

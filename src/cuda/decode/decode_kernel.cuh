@@ -26,9 +26,9 @@
 //              lazily (kMaxStaleLog2)
 //   O += P V   P stays in registers (accumulator layout = A-operand layout); V via ldmatrix.trans
 // Epilogue: the warps' (max, sum, O) are merged through shared memory; then either the final output (out in
-// the dtype, lse) when the sequence uses one split, or the split's normalised fp32 partial and its LSE (log2 units): in
-// global memory for the combine kernel (decode_aux.cu), or, on sm_90 with a cluster per m-block, in shared
-// memory, merged by the cluster's CTAs through distributed shared memory (no second kernel).
+// the dtype, lse) when the sequence uses one split, or the split's normalised fp32 partial and its LSE (in log2
+// units): in global memory for the combine kernel (decode_aux.cu), or, on sm_90 with a cluster per m-block, in
+// shared memory, merged by the cluster's CTAs through distributed shared memory (no second kernel).
 //
 // FP8 cache (C::kFp8Cache): the ring holds the K/V tiles as streamed, e4m3 codes (half the bytes; an fp8 row of D
 // codes is laid out as a 16-bit SwizzledTile row of D / 2 columns, so the load code is the same). The MMAs read
@@ -1173,7 +1173,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
-        const float4 o = *reinterpret_cast<const float4*>(merge_o + (w * kBlockM + row) * kMergeRow + 32 * k + col_lane);
+        const float* o_row = merge_o + (w * kBlockM + row) * kMergeRow;
+        const float4 o = *reinterpret_cast<const float4*>(o_row + 32 * k + col_lane);
         v[k].x = fmaf(weight[w], o.x, v[k].x), v[k].y = fmaf(weight[w], o.y, v[k].y);
         v[k].z = fmaf(weight[w], o.z, v[k].z), v[k].w = fmaf(weight[w], o.w, v[k].w);
       }
@@ -1198,7 +1199,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
         p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] = lse_log2 * kLn2;
     } else if (clustered) {
 #pragma unroll
-      for (int k = 0; k < kColSteps; ++k) *reinterpret_cast<float4*>(cluster_out + row * kHeadDim + 32 * k + col_lane) = v[k];
+      for (int k = 0; k < kColSteps; ++k)
+        *reinterpret_cast<float4*>(cluster_out + row * kHeadDim + 32 * k + col_lane) = v[k];
       if (lse_thread) cluster_lse[row] = lse_log2;
     } else {
       const int64_t prow = partial_base + partial_row(p, b, h, i);

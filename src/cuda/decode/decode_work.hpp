@@ -24,7 +24,8 @@
 
 namespace flashattn::cuda::decode {
 
-// ln(2): converts a log2-unit LSE (the split partials', decode kernel and combine) back to natural log.
+// ln(2): the decode kernel, its cluster merge and the combine kernel turn a log2-unit LSE (the split partials') into
+// the natural-log LSE of the API.
 constexpr float kLn2 = 0.6931471805599453f;
 
 // Everything the decode kernels read, passed by value (a __grid_constant__ kernel parameter).
