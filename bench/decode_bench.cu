@@ -635,19 +635,21 @@ void report_timeline(std::vector<Copy>& copies, const CallFn& call, cudaStream_t
       if (r.t[St::kStampEnd] == 0 || r.t[St::kStampFirstTile] == 0) continue;  // returned early (no tiles)
       ++streaming_on_sm[r.smid];
       const double t0 = double(c.first_start);
-      phase[0].push_back((double(r.t[St::kStampWaited]) - double(r.t[St::kStampStart])) * 1e-3);
-      phase[1].push_back((double(r.t[St::kStampPlanned]) - double(r.t[St::kStampWaited])) * 1e-3);
-      phase[2].push_back((double(r.t[St::kStampFirstTile]) - double(r.t[St::kStampPlanned])) * 1e-3);
-      phase[3].push_back((double(r.t[St::kStampLoopDone]) - double(r.t[St::kStampFirstTile])) * 1e-3);
-      phase[4].push_back((double(r.t[St::kStampDrained]) - double(r.t[St::kStampLoopDone])) * 1e-3);
-      phase[5].push_back((double(r.t[St::kStampMerged]) - double(r.t[St::kStampDrained])) * 1e-3);
-      phase[6].push_back((double(r.t[St::kStampEnd]) - double(r.t[St::kStampMerged])) * 1e-3);
+      auto us = [&](int from, int to) { return (double(r.t[to]) - double(r.t[from])) * 1e-3; };  // stamp to stamp
+      phase[0].push_back(us(St::kStampStart, St::kStampWaited));
+      phase[1].push_back(us(St::kStampWaited, St::kStampPlanned));
+      phase[2].push_back(us(St::kStampPlanned, St::kStampFirstTile));
+      phase[3].push_back(us(St::kStampFirstTile, St::kStampLoopDone));
+      phase[4].push_back(us(St::kStampLoopDone, St::kStampDrained));
+      phase[5].push_back(us(St::kStampDrained, St::kStampMerged));
+      phase[6].push_back(us(St::kStampMerged, St::kStampEnd));
       phase[7].push_back((double(r.t[St::kStampStart]) - t0) * 1e-3);
       phase[8].push_back((double(r.t[St::kStampEnd]) - t0) * 1e-3);
-      if (r.t[St::kStampClusterSynced] != 0 && r.t[St::kStampClusterRead] != 0) {  // a cluster merge: its barriers and its reads (the "store" phase split up)
-        cluster_phase[0].push_back((double(r.t[St::kStampClusterSynced]) - double(r.t[St::kStampMerged])) * 1e-3);
-        cluster_phase[1].push_back((double(r.t[St::kStampClusterRead]) - double(r.t[St::kStampClusterSynced])) * 1e-3);
-        cluster_phase[2].push_back((double(r.t[St::kStampEnd]) - double(r.t[St::kStampClusterRead])) * 1e-3);
+      // A cluster merge: its barriers and its reads (the "store" phase split up).
+      if (r.t[St::kStampClusterSynced] != 0 && r.t[St::kStampClusterRead] != 0) {
+        cluster_phase[0].push_back(us(St::kStampMerged, St::kStampClusterSynced));
+        cluster_phase[1].push_back(us(St::kStampClusterSynced, St::kStampClusterRead));
+        cluster_phase[2].push_back(us(St::kStampClusterRead, St::kStampEnd));
       }
       for (int k = 0; k < kPhases; ++k) all_phases[k].push_back(phase[k].back());
       loop_on_sm[ci % 2][r.smid].push_back(phase[3].back());
