@@ -179,6 +179,16 @@ typedef struct fa_kvcache_args {
      16-bit cache: unused; must be 0 (what a zero-initialised struct holds) or 1, both meaning "no scale". */
   float k_scale;
   float v_scale;
+  /* optional int32 (B), contiguous cache only: sequence b reads (and appends to) batch entry
+     cache_batch_idx[b] of k_cache / v_cache, whose dimension 0 is then the cache's own batch (any size >= 1)
+     instead of B: a server keeps one cache of many slots and decodes the active ones (flash_attn's
+     cache_batch_idx). Entries must be in [0, k_cache dimension 0) and, with k_new, distinct (two sequences
+     appending to one slot would race). Host tensors are checked; on CUDA, check_indices checks the range on the
+     device, and without it a sequence whose entry is out of range gets NaN in out and lse and writes nothing.
+     Every backend runs such a call as the paged cache it is (blocks of S_cache rows, cache_batch_idx as a
+     one-column block_table); on CUDA S_cache must then be a power of two >= 16 (else FA_ERROR_UNSUPPORTED).
+     Absent: sequence b is entry b. */
+  fa_tensor cache_batch_idx;
 } fa_kvcache_args;
 
 typedef struct fa_kvcache_plan {

@@ -17,8 +17,9 @@ flash_attn_with_kvcache), with these differences:
 - Dropout uses flashattn's Philox keep-mask (docs/DROPOUT.md), seeded from torch's default CPU
   generator: results are reproducible under torch.manual_seed, but the mask differs from
   flash_attn's. Each call with dropout draws a fresh (seed, offset) pair; backward reuses it.
-- flash_attn_with_kvcache: cache_batch_idx and cache_leftpad are not supported (an error says
-  so); cache_seqlens=None means "the whole cache is filled" and is refused when k/v are given.
+- flash_attn_with_kvcache: cache_leftpad is not supported (an error says so); cache_batch_idx
+  works with contiguous caches (as in flash_attn; with block_table it is refused);
+  cache_seqlens=None means "the whole cache is filled" and is refused when k/v are given.
 - Extra keyword-only argument ``backend`` ("auto", "reference", "flash", "standard", "cuda"):
   "reference" runs the float64 oracle (slow; for tests).
 
@@ -440,6 +441,7 @@ def _kvcache_impl(
     backend: int,
     k_scale: float = 0.0,
     v_scale: float = 0.0,
+    cache_batch_idx: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     out_shape, lse_shape = _dense_out_shapes(q, v_cache)
     out = _empty(out_shape, q)
@@ -454,7 +456,8 @@ def _kvcache_impl(
     args = (q, k_cache, v_cache, block_table, cache_seqlens, k, v, rotary_cos, rotary_sin, rotary_interleaved,
             out, lse, num_splits)
     options = (softmax_scale, causal, window_left, window_right, softcap, backend)
-    cache_options = {"fp8_cache": fp8, "k_scale": float(k_scale), "v_scale": float(v_scale)}
+    cache_options = {"fp8_cache": fp8, "k_scale": float(k_scale), "v_scale": float(v_scale),
+                     "cache_batch_idx": cache_batch_idx}
     workspace = None
     if q.device.type == "cuda":
         # Plan once on the host, then run allocation-free with torch's memory.
@@ -475,7 +478,8 @@ _kvcache = torch.library.custom_op("flashattn::kvcache", _kvcache_impl, mutates_
 
 @_kvcache.register_fake
 def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, alibi_slopes, softmax_scale,
-      causal, window_left, window_right, softcap, rotary_interleaved, num_splits, backend, k_scale=0.0, v_scale=0.0):
+      causal, window_left, window_right, softcap, rotary_interleaved, num_splits, backend, k_scale=0.0, v_scale=0.0,
+      cache_batch_idx=None):
     out_shape, lse_shape = _dense_out_shapes(q, v_cache)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -689,9 +693,12 @@ def flash_attn_with_kvcache(
     fp8 value * scale). Appended rows are quantised into the cache as e4m3(x / scale): x / scale in
     float32, rounded to nearest even, saturating to +-448 (NaN stays NaN); attention reads the cache as
     stored. With a 16-bit cache the scales are unused (None, 0 or 1).
+
+    cache_batch_idx (B,) int32, contiguous caches only: sequence b reads and appends to entry
+    cache_batch_idx[b] of k_cache / v_cache, whose dimension 0 is then the cache's own batch (a server's
+    slots). Entries in [0, k_cache.shape[0]) and, when k/v are appended, distinct; on CUDA, S_cache a power of two
+    >= 16.
     """
-    if cache_batch_idx is not None:
-        raise UnsupportedError("cache_batch_idx: not supported by flashattn; index the caches before the call")
     if cache_leftpad is not None:
         raise UnsupportedError("cache_leftpad: not supported by flashattn")
     _check_no_grad_for("flash_attn_with_kvcache", q, k, v)
@@ -712,5 +719,6 @@ def flash_attn_with_kvcache(
     run = _kvcache_impl if _eager() else _kvcache
     out, lse = run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, alibi_slopes,
                         _scale(softmax_scale), bool(causal), left, right, float(softcap), bool(rotary_interleaved),
-                        int(num_splits), backend_id(backend), float(k_scale or 0.0), float(v_scale or 0.0))
+                        int(num_splits), backend_id(backend), float(k_scale or 0.0), float(v_scale or 0.0),
+                        cache_batch_idx)
     return (out, lse) if return_softmax_lse else out

@@ -1,10 +1,13 @@
 #include "api/validate.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <type_traits>
 #include <string>
+#include <utility>
+#include <vector>
 #include <thread>
 
 #include "core/dtype.hpp"
@@ -522,6 +525,28 @@ Status make_kvcache_params(const fa_kvcache_args& a, const fa_options& options, 
   }
   FA_RETURN_IF_ERROR(check_ndim(kc, 4, cache_layout));
   FA_RETURN_IF_ERROR(check_ndim(vc, 4, cache_layout));
+  // cache_batch_idx: the contiguous cache [cache batch, S_cache, Hk, D] is the paged cache it is, blocks of S_cache
+  // rows, with cache_batch_idx as a one-column block table: every backend's paged path then reads and appends to
+  // entry cache_batch_idx[b] for sequence b (on CUDA the paged decode kernel, for S_cache a power of two >= 16:
+  // decode_plan.cpp, docs/PERFORMANCE.md). Its own rules first, with its own name in the messages.
+  const bool batch_idx = a.cache_batch_idx.data != nullptr;
+  fa_tensor batch_idx_table{};  // cache_batch_idx as (B, 1)
+  if (batch_idx) {
+    if (paged)
+      return FA_INVALID("cache_batch_idx: applies to a contiguous cache only (a paged cache reaches its blocks through "
+                        "block_table)");
+    const Arg bi{"cache_batch_idx", a.cache_batch_idx};
+    FA_RETURN_IF_ERROR(check_index(bi, q, 1, "(B)"));
+    FA_RETURN_IF_ERROR(check_extent(bi, 0, "B", a.q.shape[0], "q"));
+    if (a.k_cache.shape[0] < 1)
+      return FA_INVALID("k_cache: dimension 0 (the cache's batch) must be >= 1 with cache_batch_idx, got %lld",
+                        (long long)a.k_cache.shape[0]);
+    FA_RETURN_IF_ERROR(check_extent(vc, 0, "the cache's batch", a.k_cache.shape[0], "k_cache"));
+    batch_idx_table = a.cache_batch_idx;
+    batch_idx_table.ndim = 2;
+    batch_idx_table.shape[1] = 1;
+    batch_idx_table.strides[1] = 1;
+  }
   // The cache as k / v of a forward problem (paged through block_table, or contiguous per batch); an FP8
   // cache goes through the shape rules under q's dtype, and gets its own dtype and scales afterwards.
   fa_forward_args f{};
@@ -531,7 +556,7 @@ Status make_kvcache_params(const fa_kvcache_args& a, const fa_options& options, 
   if (fp8_cache) f.k.dtype = f.v.dtype = a.q.dtype;
   f.out = a.out;
   f.lse = a.lse;
-  f.block_table = a.block_table;
+  f.block_table = batch_idx ? batch_idx_table : a.block_table;
   const Core core{f.q, f.k, f.v, f.out, f.lse, f.cu_seqlens_q, f.cu_seqlens_k, 0, 0, nullptr, &f.block_table, /*lse_required=*/false,
                   /*check_block_ids=*/false};
   AttentionParams& base = *p;
@@ -554,6 +579,7 @@ Status make_kvcache_params(const fa_kvcache_args& a, const fa_options& options, 
   FA_RETURN_IF_ERROR(check_index(cs, q, 1, "(B)"));
   FA_RETURN_IF_ERROR(check_extent(cs, 0, "B", p->batch, "q"));
   p->cache_seqlens = static_cast<const int32_t*>(a.cache_seqlens.data);
+  p->block_table_is_batch_idx = batch_idx;
 
   if ((a.k_new.data == nullptr) != (a.v_new.data == nullptr))
     return FA_INVALID("%s: k_new and v_new must be given together", a.k_new.data == nullptr ? "k_new" : "v_new");
@@ -583,6 +609,25 @@ Status make_kvcache_params(const fa_kvcache_args& a, const fa_options& options, 
       if (n < 0 || n + p->seqlen_new > capacity)
         return FA_INVALID("cache_seqlens: entry %d = %lld plus S_new = %d must be in [0, %d] (the cache capacity)", b,
                           (long long)n, p->seqlen_new, capacity);
+    }
+  }
+
+  if (const int32_t* host = batch_idx ? host_index(a.cache_batch_idx) : nullptr) {
+    // In range, and distinct when appending (two sequences writing one cache entry would race).
+    std::vector<std::pair<int32_t, int>> entries;  // (cache entry, sequence)
+    for (int b = 0; b < p->batch; ++b) {
+      const int32_t entry = host[b * a.cache_batch_idx.strides[0]];
+      if (entry < 0 || entry >= p->num_blocks)  // the cache's batch (its blocks)
+        return FA_INVALID("cache_batch_idx: entry %d = %d is not a batch entry of k_cache in [0, %d)", b, entry, p->num_blocks);
+      entries.emplace_back(entry, b);
+    }
+    if (p->k_new != nullptr) {
+      std::sort(entries.begin(), entries.end());
+      for (size_t n = 1; n < entries.size(); ++n)
+        if (entries[n].first == entries[n - 1].first)
+          return FA_INVALID("cache_batch_idx: entries %d and %d are both %d; with k_new each sequence appends to its cache "
+                            "entry, so the entries must be distinct",
+                            entries[n - 1].second, entries[n].second, entries[n].first);
     }
   }
 

@@ -116,6 +116,11 @@ struct KvcacheParams : AttentionParams {
   bool rotary_interleaved;
   int num_splits;                // 0 = chosen by the backend (its plan), else >= 1
   bool check_indices;            // CUDA: check device index tensors before any write (syncs the stream)
+  // The caller passed cache_batch_idx with a contiguous cache [cache batch, S_cache, Hk, D]: validate.cpp made it the
+  // paged cache it is, blocks of S_cache rows, with block_table = cache_batch_idx as one column (sequence b's one
+  // block is entry cache_batch_idx[b]). Only messages read this (an index error names cache_batch_idx). Sits in
+  // check_indices' padding: the fields after it keep the offsets the decode kernels were tuned with.
+  bool block_table_is_batch_idx;
   void* workspace;
   int64_t workspace_bytes;
 };

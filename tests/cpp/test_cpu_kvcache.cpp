@@ -192,6 +192,65 @@ TEST(CpuKvcache, DecodeContiguousAndPaged) {
   }
 }
 
+// cache_batch_idx: sequence b reads and appends to slot idx[b] of a contiguous cache of more slots. The same call on
+// the gathered cache (slot idx[b] copied to entry b) must give the same out and lse bit for bit and the same
+// appended rows in those slots, and the other slots must stay as they were. Flash backend (1 and 3 splits) and
+// the reference; fp32 and bf16.
+TEST(CpuKvcache, CacheBatchIdxEqualsGatheredCache) {
+  for (const fa_backend backend : {FA_BACKEND_CPU_FLASH, FA_BACKEND_CPU_REFERENCE})
+    for (const fa_dtype dtype : {FA_FLOAT32, FA_BFLOAT16})
+      for (const int splits : {1, 3}) {
+        KvCase c;
+        c.batch = 3;
+        c.cached = {37, 300, 0};
+        c.seqlen_new = 2;
+        c.seqlen_q = 2;
+        c.causal = true;
+        c.rotary = 1;
+        c.dtype = dtype;
+        c.num_splits = splits;
+        const std::string what = std::string(backend == FA_BACKEND_CPU_FLASH ? "flash " : "reference ") + c.to_string();
+        auto rng = fa_test::make_rng("slots" + what);
+        KvTensors gathered = make_kv(c, rng);
+        constexpr int kSlots = 5;
+        const int32_t slot_of[3] = {4, 0, 2};
+        const int64_t entry = int64_t(c.capacity) * c.heads_k * c.head_dim;  // elements of one batch entry
+        KvTensors slotted = gathered;
+        slotted.k_cache = HostTensor({kSlots, c.capacity, c.heads_k, c.head_dim}, c.dtype);
+        slotted.v_cache = HostTensor({kSlots, c.capacity, c.heads_k, c.head_dim}, c.dtype);
+        slotted.k_cache.fill_normal(rng);
+        slotted.v_cache.fill_normal(rng);
+        HostTensor slots({c.batch}, FA_INT32);
+        for (int b = 0; b < c.batch; ++b) {
+          slots.set_int(b, slot_of[b]);
+          for (int64_t x = 0; x < entry; ++x) {
+            slotted.k_cache.set(slot_of[b] * entry + x, gathered.k_cache.get(b * entry + x));
+            slotted.v_cache.set(slot_of[b] * entry + x, gathered.v_cache.get(b * entry + x));
+          }
+        }
+        const KvTensors before = slotted;
+        fa_kvcache_args ga = gathered.args(), sa = slotted.args();
+        sa.cache_batch_idx = slots.view();
+        ga.num_splits = sa.num_splits = splits;
+        const Status gs = kvcache(ga, kv_options(c, backend, gathered));
+        ASSERT_TRUE(gs.ok()) << what << ": " << gs.to_string();
+        const Status ss = kvcache(sa, kv_options(c, backend, slotted));
+        ASSERT_TRUE(ss.ok()) << what << ": " << ss.to_string();
+        EXPECT_TRUE(same_bytes(slotted.out, gathered.out)) << what << ": out";
+        EXPECT_TRUE(same_bytes(slotted.lse, gathered.lse)) << what << ": lse";
+        for (int slot = 0; slot < kSlots; ++slot) {
+          const int b = int(std::find(slot_of, slot_of + 3, slot) - slot_of);  // 3: no sequence
+          for (int64_t x = 0; x < entry; ++x) {
+            const int64_t at = slot * entry + x;
+            ASSERT_EQ(slotted.k_cache.get(at), b < 3 ? gathered.k_cache.get(b * entry + x) : before.k_cache.get(at))
+                << what << ": k_cache slot " << slot << " element " << x;
+            ASSERT_EQ(slotted.v_cache.get(at), b < 3 ? gathered.v_cache.get(b * entry + x) : before.v_cache.get(at))
+                << what << ": v_cache slot " << slot << " element " << x;
+          }
+        }
+      }
+}
+
 TEST(CpuKvcache, RotaryHalvesAndInterleaved) {
   for (const int rotary : {1, 2})
     for (const int rotary_dim : {0, 32})

@@ -84,6 +84,7 @@ bool present(const HostTensor& t) { return !t.shape().empty(); }
 // The host tensors of one case. The paged cache hands out shuffled block ids and keeps spare blocks.
 struct KvTensors {
   HostTensor q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, cos, sin, out, lse, slopes;
+  HostTensor cache_batch_idx;  // optional (contiguous caches): the cache's batch entry of each sequence
   bool rotary_interleaved = false;
   float k_scale = 0.f, v_scale = 0.f;  // an FP8 cache's scales (0: a 16-bit cache)
   fa_kvcache_args args() {
@@ -94,6 +95,7 @@ struct KvTensors {
     a.k_cache = k_cache.view();
     a.v_cache = v_cache.view();
     if (present(block_table)) a.block_table = block_table.view();
+    if (present(cache_batch_idx)) a.cache_batch_idx = cache_batch_idx.view();
     a.cache_seqlens = cache_seqlens.view();
     if (present(k_new)) {
       a.k_new = k_new.view();
@@ -328,7 +330,7 @@ class DeviceKv {
  public:
   explicit DeviceKv(KvTensors& t) : t_(t) {
     for (HostTensor* h : {&t.q, &t.k_cache, &t.v_cache, &t.block_table, &t.cache_seqlens, &t.k_new, &t.v_new, &t.cos, &t.sin,
-                          &t.out, &t.lse, &t.slopes})
+                          &t.out, &t.lse, &t.slopes, &t.cache_batch_idx})
       if (present(*h)) upload(h);
   }
   ~DeviceKv() {
@@ -344,6 +346,7 @@ class DeviceKv {
     a.k_cache = view(t_.k_cache);
     a.v_cache = view(t_.v_cache);
     if (present(t_.block_table)) a.block_table = view(t_.block_table);
+    if (present(t_.cache_batch_idx)) a.cache_batch_idx = view(t_.cache_batch_idx);
     a.cache_seqlens = view(t_.cache_seqlens);
     if (present(t_.k_new)) {
       a.k_new = view(t_.k_new);
@@ -1342,6 +1345,163 @@ TEST(CudaKvcache, InvalidIndicesCheckedMode) {
   // And a valid call passes the check and computes.
   KvCase ok = c;
   check_case("checked mode, valid", ok);
+}
+
+// ---- cache_batch_idx: sequence b reads and appends to slot idx[b] of a contiguous cache of kSlots entries ----
+constexpr int kSlots = 5;
+
+// `gathered`'s cache entries placed in slots `slot_of` of a kSlots-slot cache (the other slots random), with the
+// index tensor set.
+KvTensors slotted_kv(const KvCase& c, const KvTensors& gathered, const std::vector<int32_t>& slot_of, std::mt19937_64& rng) {
+  const int64_t entry = int64_t(c.capacity) * c.heads_k * c.head_dim;  // elements of one batch entry
+  KvTensors t = gathered;
+  const fa_dtype cache_dtype = gathered.k_cache.dtype();
+  t.k_cache = HostTensor({kSlots, c.capacity, c.heads_k, c.head_dim}, cache_dtype);
+  t.v_cache = HostTensor({kSlots, c.capacity, c.heads_k, c.head_dim}, cache_dtype);
+  t.k_cache.fill_normal(rng, c.fp8 ? 1.0 / c.k_scale : 1.0);
+  t.v_cache.fill_normal(rng, c.fp8 ? 1.0 / c.v_scale : 1.0);
+  t.cache_batch_idx = HostTensor({c.batch}, FA_INT32);
+  for (int b = 0; b < c.batch; ++b) {
+    t.cache_batch_idx.set_int(b, slot_of[size_t(b)]);
+    if (slot_of[size_t(b)] < 0 || slot_of[size_t(b)] >= kSlots) continue;
+    for (int64_t x = 0; x < entry; ++x) {
+      t.k_cache.set(slot_of[size_t(b)] * entry + x, gathered.k_cache.get(b * entry + x));
+      t.v_cache.set(slot_of[size_t(b)] * entry + x, gathered.v_cache.get(b * entry + x));
+    }
+  }
+  return t;
+}
+
+// The slot cache through cache_batch_idx against the float64 oracle of the gathered cache (slot idx[b] as entry b);
+// its appended rows equal the gathered call's bit for bit in the sequences' slots, and the other slots stay as they
+// were. The library runs such a cache as the paged cache it is (blocks of S_cache rows; on CUDA S_cache a power of two
+// >= 16, else refused). Decode and a causal two-token step with rotary; 16-bit and FP8 caches; the library's split
+// count and explicit ones.
+TEST(CudaKvcache, CacheBatchIdxEqualsGatheredCache) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<int32_t> slot_of = {4, 0, 2};
+  for (const int capacity : {1024, 2048})
+    for (const bool fp8 : {false, true})
+      for (const bool step : {false, true})
+        for (const int splits : {0, 1, 3}) {
+          KvCase c;
+          c.batch = 3;
+          c.heads_q = 32;
+          c.heads_k = 8;
+          c.capacity = capacity;
+          c.cached = {37, capacity - 100, 0};
+          c.seqlen_new = 1;
+          c.fp8 = fp8;
+          c.num_splits = splits;
+          if (step) {
+            c.seqlen_q = c.seqlen_new = 2;
+            c.causal = true;
+            c.rotary = 1;
+          }
+          const std::string what = "cache_batch_idx " + c.to_string();
+          auto rng = fa_test::make_rng("slots" + what);
+          const KvTensors pristine = make_kv(c, rng);
+          KvTensors gathered = pristine;
+          ASSERT_TRUE(run_gpu(c, gathered).ok()) << what;
+          const KvTensors before = slotted_kv(c, pristine, slot_of, rng);
+          KvTensors slotted = before;
+          fa_stats stats{};
+          const Status s = run_gpu(c, slotted, &stats);
+          ASSERT_TRUE(s.ok()) << what << ": " << s.to_string();
+          if (splits > 0) EXPECT_EQ(stats.num_splits, splits) << what;
+          // The oracle's verdict on out and lse (judge's cache comparison is against the gathered layout: checked below).
+          Expected e = expected_for(c, pristine);
+          KvTensors as_gathered = gathered;
+          as_gathered.out = slotted.out;
+          as_gathered.lse = slotted.lse;
+          expect_matches(what, c, as_gathered, e, stats.kernel);
+          const int64_t entry = int64_t(c.capacity) * c.heads_k * c.head_dim;
+          for (int slot = 0; slot < kSlots; ++slot) {
+            const int b = int(std::find(slot_of.begin(), slot_of.end(), slot) - slot_of.begin());  // 3: no sequence's
+            for (int64_t x = 0; x < entry; ++x) {
+              const int64_t at = slot * entry + x;
+              const double k_expected = b < c.batch ? gathered.k_cache.get(b * entry + x) : before.k_cache.get(at);
+              const double v_expected = b < c.batch ? gathered.v_cache.get(b * entry + x) : before.v_cache.get(at);
+              ASSERT_TRUE(slotted.k_cache.get(at) == k_expected || (std::isnan(k_expected) && std::isnan(slotted.k_cache.get(at))))
+                  << what << ": k_cache slot " << slot << " element " << x;
+              ASSERT_TRUE(slotted.v_cache.get(at) == v_expected || (std::isnan(v_expected) && std::isnan(slotted.v_cache.get(at))))
+                  << what << ": v_cache slot " << slot << " element " << x;
+            }
+          }
+        }
+}
+
+// A cache_batch_idx entry outside the cache: by default the call returns OK, the sequence gets NaN and writes nothing,
+// the others are exactly as with a valid index; in the checked mode a clear error before any write.
+TEST(CudaKvcache, CacheBatchIdxOutOfRange) {
+  SKIP_WITHOUT_GPU();
+  for (const int splits : {1, 4}) {
+    KvCase c;
+    c.batch = 3;
+    c.capacity = 512;
+    c.cached = {100, 200, 390};
+    c.seqlen_new = 1;
+    c.num_splits = splits;
+    auto rng = fa_test::make_rng("slots-out-of-range");
+    const KvTensors pristine = make_kv(c, rng);
+    const KvTensors valid = slotted_kv(c, pristine, {4, 3, 0}, rng);
+    KvTensors good = valid;
+    ASSERT_TRUE(run_gpu(c, good).ok());
+    for (const int32_t bad_entry : {kSlots, -1}) {
+      KvTensors bad = valid;
+      bad.cache_batch_idx.set_int(1, bad_entry);
+      const KvTensors before = bad;
+      ASSERT_TRUE(run_gpu(c, bad).ok()) << "the default mode cannot see device indices";
+      const int64_t entry = int64_t(c.capacity) * c.heads_k * c.head_dim;
+      for (int64_t at = 0; at < kSlots * entry; ++at) {  // slot 3 (sequence 1's in the valid call) untouched
+        ASSERT_EQ(bad.k_cache.get(at), at / entry == 3 ? before.k_cache.get(at) : good.k_cache.get(at)) << "k_cache at " << at;
+        ASSERT_EQ(bad.v_cache.get(at), at / entry == 3 ? before.v_cache.get(at) : good.v_cache.get(at)) << "v_cache at " << at;
+      }
+      const int64_t per_seq = int64_t(c.seqlen_q) * c.heads_q * c.head_dim;
+      for (int64_t x = 0; x < per_seq; ++x) {
+        ASSERT_EQ(bad.out.get(x), good.out.get(x)) << "sequence 0 changed at " << x;
+        ASSERT_TRUE(std::isnan(bad.out.get(per_seq + x))) << "sequence 1 (entry " << bad_entry << ") not NaN at " << x;
+        ASSERT_EQ(bad.out.get(2 * per_seq + x), good.out.get(2 * per_seq + x)) << "sequence 2 changed at " << x;
+      }
+      for (int h = 0; h < c.heads_q; ++h) {
+        EXPECT_EQ(bad.lse.get(h), good.lse.get(h));
+        EXPECT_TRUE(std::isnan(bad.lse.get(c.heads_q + h)));
+        EXPECT_EQ(bad.lse.get(2 * c.heads_q + h), good.lse.get(2 * c.heads_q + h));
+      }
+      KvCase checked = c;
+      checked.check_indices = true;
+      KvTensors t = before;
+      const Status s = run_gpu(checked, t);
+      EXPECT_EQ(s.code(), FA_ERROR_INVALID_ARGUMENT) << s.to_string();
+      const std::string expected = "cache_batch_idx: entry 1 = " + std::to_string(bad_entry) + " is not a batch entry of k_cache in [0, 5)";
+      EXPECT_EQ(s.message().rfind(expected, 0), 0u) << s.message();
+      EXPECT_TRUE(same_bytes(t.k_cache, before.k_cache) && same_bytes(t.v_cache, before.v_cache)) << "cache written";
+      EXPECT_TRUE(same_bytes(t.out, before.out) && same_bytes(t.lse, before.lse)) << "out / lse written";
+    }
+  }
+}
+
+// S_cache not a power of two >= 16 with cache_batch_idx: a clear error before anything is written (it would run as
+// paged blocks of S_cache rows through the slow per-row block path).
+TEST(CudaKvcache, CacheBatchIdxNeedsPowerOfTwoCapacity) {
+  SKIP_WITHOUT_GPU();
+  for (const int capacity : {1100, 8}) {
+    KvCase c;
+    c.batch = 3;
+    c.capacity = capacity;
+    c.cached = {3, 5, 0};
+    c.seqlen_new = 1;
+    auto rng = fa_test::make_rng("slots-capacity");
+    const KvTensors before = slotted_kv(c, make_kv(c, rng), {4, 0, 2}, rng);
+    KvTensors t = before;
+    const Status s = run_gpu(c, t);
+    EXPECT_EQ(s.code(), FA_ERROR_UNSUPPORTED) << s.to_string();
+    const std::string expected = "cache_batch_idx: on the cuda backend k_cache's dimension 1 (S_cache) must be a power of two >= 16, got " +
+                                 std::to_string(capacity);
+    EXPECT_EQ(s.message().rfind(expected, 0), 0u) << s.message();
+    EXPECT_TRUE(same_bytes(t.k_cache, before.k_cache) && same_bytes(t.v_cache, before.v_cache)) << "cache written";
+    EXPECT_TRUE(same_bytes(t.out, before.out) && same_bytes(t.lse, before.lse)) << "out / lse written";
+  }
 }
 
 // Plan once, then run with the planned workspace: no allocation, and the call captures into a CUDA graph that

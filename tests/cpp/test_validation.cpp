@@ -314,6 +314,61 @@ TEST(Validation, Kvcache) {
   check_kvcache_rule("standard has no kvcache", [](KvcacheCall& c) { c.options.backend = FA_BACKEND_CPU_STANDARD; }, {FA_ERROR_UNSUPPORTED, "cpu_standard does not implement KV-cache attention"});
 }
 
+// A contiguous cache of 5 slots, sequences 0 and 1 in slots 4 and 1 (cache_batch_idx).
+struct SlotCall {
+  HostTensor q{{2, 3, 4, 8}, FA_FLOAT32}, k_cache{{5, 12, 2, 8}, FA_FLOAT32}, v_cache{{5, 12, 2, 8}, FA_FLOAT32};
+  HostTensor k_new{{2, 2, 2, 8}, FA_FLOAT32}, v_new{{2, 2, 2, 8}, FA_FLOAT32}, out{{2, 3, 4, 8}, FA_FLOAT32};
+  HostTensor seqlens{{2}, FA_INT32}, slots{{2}, FA_INT32};
+  fa_kvcache_args args{};
+  fa_options options = fa_test::options_for(FA_BACKEND_CPU_REFERENCE);
+  SlotCall() {
+    auto rng = fa_test::make_rng("slot-validation");
+    for (HostTensor* t : {&q, &k_cache, &v_cache, &k_new, &v_new}) t->fill_normal(rng);
+    seqlens.set_int(0, 7), seqlens.set_int(1, 3);
+    slots.set_int(0, 4), slots.set_int(1, 1);
+    args.q = q.view();
+    args.k_cache = k_cache.view();
+    args.v_cache = v_cache.view();
+    args.cache_seqlens = seqlens.view();
+    args.cache_batch_idx = slots.view();
+    args.k_new = k_new.view();
+    args.v_new = v_new.view();
+    args.out = out.view();
+  }
+};
+
+void check_slot_rule(const std::string& what, const std::function<void(SlotCall&)>& breaker, Expect e) {
+  SlotCall c;
+  {
+    SlotCall valid;
+    ASSERT_TRUE(kvcache(valid.args, valid.options).ok()) << "baseline call must be valid";
+  }
+  breaker(c);
+  const HostTensor k_before = c.k_cache;
+  c.out.poison();
+  expect_rejected(kvcache(c.args, c.options), e, what);
+  for (int64_t n = 0; n < c.out.numel(); ++n) ASSERT_TRUE(std::isnan(c.out.get(n))) << what << ": out written";
+  for (int64_t n = 0; n < c.k_cache.numel(); ++n) ASSERT_EQ(c.k_cache.get(n), k_before.get(n)) << what << ": cache written";
+}
+
+TEST(Validation, KvcacheBatchIdx) {
+  check_slot_rule("entry past the slots", [](SlotCall& c) { c.slots.set_int(0, 5); }, {kInvalid, "cache_batch_idx: entry 0 = 5 is not a batch entry of k_cache in [0, 5)"});
+  check_slot_rule("negative entry", [](SlotCall& c) { c.slots.set_int(1, -1); }, {kInvalid, "cache_batch_idx: entry 1 = -1 is not a batch entry"});
+  check_slot_rule("repeated entry with append", [](SlotCall& c) { c.slots.set_int(0, 1); }, {kInvalid, "cache_batch_idx: entries 0 and 1 are both 1; with k_new"});
+  check_slot_rule("B", [](SlotCall& c) { c.args.cache_batch_idx.shape[0] = 1; }, {kInvalid, "cache_batch_idx: dimension 0 (B) must be 2 like q"});
+  check_slot_rule("dtype", [](SlotCall& c) { c.args.cache_batch_idx.dtype = FA_FLOAT32; }, {kInvalid, "cache_batch_idx: dtype must be int32"});
+  check_slot_rule("2-D", [](SlotCall& c) { c.args.cache_batch_idx.ndim = 2; c.args.cache_batch_idx.shape[1] = 1; c.args.cache_batch_idx.strides[1] = 1; }, {kInvalid, "cache_batch_idx: expected 1 dimensions (B)"});
+  check_slot_rule("v_cache slots", [](SlotCall& c) { c.args.v_cache.shape[0] = 4; }, {kInvalid, "v_cache: dimension 0 (the cache's batch) must be 5 like k_cache"});
+  check_slot_rule("no slots", [](SlotCall& c) { c.args.k_cache.shape[0] = c.args.v_cache.shape[0] = 0; }, {kInvalid, "k_cache: dimension 0 (the cache's batch) must be >= 1 with cache_batch_idx"});
+  check_slot_rule("without cache_batch_idx", [](SlotCall& c) { c.args.cache_batch_idx = fa_tensor{}; }, {kInvalid, "k_cache: dimension 0 (B) must be 2 like q"});
+  check_kvcache_rule("with a paged cache", [](KvcacheCall& c) { c.args.cache_batch_idx = c.seqlens.view(); }, {kInvalid, "cache_batch_idx: applies to a contiguous cache only"});
+  // Without an append, sequences may share a slot (they only read it).
+  SlotCall shared;
+  shared.slots.set_int(0, 1);
+  shared.args.k_new = shared.args.v_new = fa_tensor{};
+  EXPECT_TRUE(kvcache(shared.args, shared.options).ok());
+}
+
 TEST(Validation, PagedForward) {
   KvcacheCall c;
   HostTensor used({2}, FA_INT32);

@@ -424,6 +424,35 @@ def test_kvcache_fp8_bad_arguments(rng):
         fat.flash_attn_with_kvcache(q, cache16, cache16.clone(), cache_seqlens=3, k_scale=0.5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kvcache_cache_batch_idx(rng, backend):
+    """Sequence b reads and appends to slot cache_batch_idx[b] of a cache of more slots: the same out as the call
+    on the gathered cache, the appended rows in those slots, the other slots untouched; and the rules."""
+    b, slots, s_cache, s_new, hq, hk, d = 3, 5, 24, 2, 4, 2, 32
+    idx = torch.tensor([4, 0, 2], dtype=torch.int32)
+    cached = torch.tensor([5, 20, 0], dtype=torch.int32)
+    q = randn(rng, (b, s_new, hq, d), torch.float32)
+    k_new, v_new = randn(rng, (b, s_new, hk, d), torch.float32), randn(rng, (b, s_new, hk, d), torch.float32)
+    k_slots, v_slots = randn(rng, (slots, s_cache, hk, d), torch.float32), randn(rng, (slots, s_cache, hk, d), torch.float32)
+    k_before, v_before = k_slots.clone(), v_slots.clone()
+    k_gathered, v_gathered = k_slots[idx.long()].clone(), v_slots[idx.long()].clone()
+    kw = dict(cache_seqlens=cached, causal=True, return_softmax_lse=True, backend=backend)
+    out, lse = fat.flash_attn_with_kvcache(q, k_slots, v_slots, k_new, v_new, cache_batch_idx=idx, **kw)
+    expected_out, expected_lse = fat.flash_attn_with_kvcache(q, k_gathered, v_gathered, k_new, v_new, **kw)
+    assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
+    assert torch.equal(k_slots[idx.long()], k_gathered) and torch.equal(v_slots[idx.long()], v_gathered)
+    for slot in (1, 3):
+        assert torch.equal(k_slots[slot], k_before[slot]) and torch.equal(v_slots[slot], v_before[slot])
+    with pytest.raises(ValueError, match=r"cache_batch_idx: entry 1 = 5 is not a batch entry of k_cache in \[0, 5\)"):
+        fat.flash_attn_with_kvcache(q, k_slots, v_slots, cache_batch_idx=torch.tensor([0, 5, 1], dtype=torch.int32), **kw)
+    with pytest.raises(ValueError, match="cache_batch_idx: entries 0 and 2 are both 1"):
+        fat.flash_attn_with_kvcache(q, k_slots, v_slots, k_new, v_new, cache_batch_idx=torch.tensor([1, 0, 1], dtype=torch.int32),
+                                    **kw)
+    table = torch.arange(b, dtype=torch.int32)[:, None]
+    with pytest.raises(ValueError, match="cache_batch_idx: applies to a contiguous cache only"):
+        fat.flash_attn_with_kvcache(q, k_slots, v_slots, cache_batch_idx=idx, block_table=table, **kw)
+
+
 def test_kvcache_int_seqlens_and_no_append(rng):
     b, s_cache, hq, hk, d = 2, 20, 2, 1, 32
     q = randn(rng, (b, 1, hq, d), torch.float32)
@@ -537,8 +566,8 @@ def test_bad_arguments_raise_value_error_with_the_library_message(rng):
 def test_unsupported_arguments_raise_not_implemented(rng):
     q = randn(rng, (2, 1, 4, 32), torch.float32)
     cache = randn(rng, (2, 8, 4, 32), torch.float32)
-    with pytest.raises(NotImplementedError, match="cache_batch_idx"):
-        fat.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, cache_batch_idx=torch.tensor([1, 0]))
+    with pytest.raises(NotImplementedError, match="cache_leftpad"):
+        fat.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, cache_leftpad=torch.tensor([1, 0]))
     with pytest.raises(ValueError, match="cache_seqlens: required when k and v are appended"):
         fat.flash_attn_with_kvcache(q, cache, cache, q, q)
     out, lse = fat._fwd(q, cache, cache, None, None, 0.0, False, -1, -1, 0.0, 0.0, False, fat.backend_id("reference"))

@@ -53,6 +53,16 @@ Status check_kvcache_support(const KvcacheParams& p) {
   if (p.head_dim % 8 != 0)
     return FA_UNSUPPORTED("q: head dim %d must be a multiple of 8 on the cuda backend (rows move in 16-byte chunks)",
                           p.head_dim);
+  // cache_batch_idx runs as paged blocks of S_cache rows (validate.cpp); blocks that are not a power of two >= 16 take
+  // the per-row block ids, 0.41-0.65x of the contiguous call (H200, 2026-12-04 15:12 UTC, S_cache 1000 and 8000):
+  // refused instead of slow.
+  const bool pow2_block = p.page_block_size >= 16 && (p.page_block_size & (p.page_block_size - 1)) == 0;
+  if (p.block_table_is_batch_idx && !pow2_block)
+    return FA_UNSUPPORTED("cache_batch_idx: on the cuda backend k_cache's dimension 1 (S_cache) must be a power of two "
+                          ">= 16, got %d (the cache runs as paged blocks of S_cache rows; other sizes would take the "
+                          "slow per-row block path). Allocate a power-of-two capacity, or pass the cache as paged blocks "
+                          "with block_table",
+                          p.page_block_size);
   if (p.dropout_p > 0.f)
     return FA_UNSUPPORTED("options.dropout_p: the cuda kvcache (decode) kernels do not implement dropout (got p = %g); "
                           "use p = 0, or a cpu backend",

@@ -71,8 +71,8 @@ Status check_indices(const DecodeArgs& args, cudaStream_t stream) {
   FA_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
   if (capture != cudaStreamCaptureStatusNone)
     return error(FA_ERROR_UNSUPPORTED,
-                 "check_indices: checking cache_seqlens and block_table synchronises the stream, which a CUDA "
-                 "graph capture does not allow; set check_indices = 0 while capturing");
+                 "check_indices: checking the index tensors (cache_seqlens, block_table or cache_batch_idx) synchronises "
+                 "the stream, which a CUDA graph capture does not allow; set check_indices = 0 while capturing");
   unsigned long long* status_device = nullptr;
   FA_CUDA_RETURN_IF_ERROR(cudaMalloc(&status_device, sizeof(unsigned long long)));
   unsigned long long status = kGuardAllValid;
@@ -99,6 +99,11 @@ Status check_indices(const DecodeArgs& args, cudaStream_t stream) {
   int32_t id = 0;
   FA_CUDA_RETURN_IF_ERROR(
       cudaMemcpy(&id, p.block_table + b * p.block_table_batch_stride + column, sizeof(id), cudaMemcpyDeviceToHost));
+  if (p.block_table_is_batch_idx)  // the caller's cache_batch_idx, as a one-column table (validate.cpp)
+    return error(FA_ERROR_INVALID_ARGUMENT,
+                 "cache_batch_idx: entry %d = %d is not a batch entry of k_cache in [0, %d); checked on the device "
+                 "(check_indices), nothing was written",
+                 b, id, p.num_blocks);
   return error(FA_ERROR_INVALID_ARGUMENT,
                "block_table: entry (%d, %d) = %d is not a block id in [0, %d); checked on the device (check_indices), "
                "nothing was written",

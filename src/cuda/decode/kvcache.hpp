@@ -10,11 +10,12 @@
 // strides with 16-byte alignment, or paged with any block_size >= 1: power-of-two sizes (1, 16, 32, 64, 128,
 // 256, ...) address rows with shifts, other sizes with divisions (correct, slower per row).
 //
-// Index checks. cache_seqlens and block_table live in device memory, which the host cannot read without a
-// synchronisation, so the default path checks them on the device, free of cost: the kernels never read or
-// write through a block id outside [0, num_blocks) or past a sequence's cache, a sequence whose
-// cache_seqlens entry is outside [0, capacity - S_new] is not appended to and gets NaN in out and lse, and a
-// split that meets a bad block id makes its rows NaN (the call itself returns OK: it cannot know).
+// Index checks. cache_seqlens and block_table (or cache_batch_idx, which validate.cpp makes a one-column block table)
+// live in device memory, which the host cannot read without a synchronisation, so the default path checks them on
+// the device, free of cost: the kernels never read or write through a block id outside [0, num_blocks) or past a
+// sequence's cache, a sequence whose cache_seqlens entry is outside [0, capacity - S_new] is not appended to and
+// gets NaN in out and lse, and a split that meets a bad block id makes its rows NaN (the call itself returns OK: it
+// cannot know).
 // The checked mode, fa_kvcache_args.check_indices (for debugging and servers that cannot trust their
 // tables), runs a guard kernel first and synchronises the stream: a bad entry is then reported as
 // FA_ERROR_INVALID_ARGUMENT naming the entry (the same wording as the host-side rules of validate.cpp),
