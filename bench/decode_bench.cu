@@ -5,7 +5,9 @@
 // batch 1..256, cache 1k..128k keys (every sequence full: cache_seqlens = S), contiguous cache and paged
 // cache (page 16, block ids shuffled; "paged-seq": ids in order, to tell table/translation costs apart;
 // "paged-local": ids shuffled only within each 2 MiB of the pool (one large page of the allocation), so that a
-// sequence's blocks are scattered as in "paged" but reach as few translation pages as "paged-seq").
+// sequence's blocks are scattered as in "paged" but reach as few translation pages as "paged-seq"; "paged-sorted" and
+// "paged-sortedN": shuffled, then each table row sorted, whole or in runs of N entries: see Shape::sorted_run);
+// "contiguous-idx": the contiguous cache through cache_batch_idx (Shape::batch_idx).
 // Points whose K/V exceed --budget-gib are skipped (and listed).
 // K/V bytes of a call = B * S * Hk * (D + Dv) * 2; with --kv fp8 (a float8 e4m3 cache, k_scale = v_scale =
 // 1/256, random finite codes) 1 byte per element: B * S * Hk * (D + Dv). Each call is planned once (fa_plan_kvcache) and runs with
@@ -50,7 +52,7 @@
 //
 // Usage: flashattn_decode_bench [--json FILE] [--batches 1,4,16,64,256] [--caches 1024,...,131072]
 //                               [--heads 32:8] [--dim 128] [--page 16] [--dtype bf16|f16] [--kv 16|fp8]
-//                               [--layouts contiguous,paged,paged-seq,paged-local] [--budget-gib 32] [--reps 10] [--rounds 1]
+//                               [--layouts contiguous,contiguous-idx,paged,paged-seq,...] [--budget-gib 32] [--reps 10] [--rounds 1]
 //                               [--splits 0,...] [--runners lib,...] [--pdl 0,1] [--min-tiles N]
 //                               [--cluster -1,0,1] [--cluster-policy 0,1,2] [--smem-pad 0,N] [--early -1,0,1]
 //                               [--prefetch -1,0,1] [--speculate -1,0,1,2,3]
@@ -259,13 +261,20 @@ struct Shape {
   bool local_pages;       // paged, not sequential: ids shuffled within each 2 MiB of the pool only
   fa_dtype dtype;
   bool fp8_cache;  // K/V cache float8 e4m3 (1 byte per element)
+  // paged, shuffled: each sequence's table row then sorted ascending in runs of this many entries (0: not sorted).
+  // "paged-sorted" (whole rows) and "paged-sortedN" (runs of N entries) are probes: the pool's blocks as scattered as
+  // in "paged", visited in address order (what a kernel that reorders its blocks would see).
+  int sorted_run = 0;
+  // contiguous, "contiguous-idx": the call addresses the cache through cache_batch_idx (sequence b in entry B - 1 - b),
+  // what a server with a slot cache passes.
+  bool batch_idx = false;
   fa_dtype cache_dtype() const { return fp8_cache ? FA_FLOAT8_E4M3 : dtype; }
   int64_t kv_bytes() const { return batch * cache * heads_k * int64_t(2 * dim) * (fp8_cache ? 1 : 2); }
 };
 
 // One copy of a point's inputs (device memory) and its call arguments.
 struct Copy {
-  Buffer q, k, v, out, lse, seqlens, table;
+  Buffer q, k, v, out, lse, seqlens, table, slots;
   fa_kvcache_args args{};
 };
 
@@ -302,6 +311,10 @@ Copy make_copy(const Shape& s, uint32_t seed, std::mt19937_64& rng) {
       for (int64_t w = 0; w < blocks; w += window) std::shuffle(ids.begin() + w, ids.begin() + std::min(blocks, w + window), rng);
     } else if (!s.sequential_pages) {
       std::shuffle(ids.begin(), ids.end(), rng);  // a serving cache's pages are scattered
+      if (s.sorted_run > 0)
+        for (int64_t row = 0; row < s.batch; ++row)
+          for (int64_t e = 0; e < per_seq; e += s.sorted_run)
+            std::sort(ids.begin() + row * per_seq + e, ids.begin() + row * per_seq + std::min<int64_t>(per_seq, e + s.sorted_run));
     }
     c.table = Buffer(blocks * 4);
     CHECK_CUDA(cudaMemcpy(c.table.data, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
@@ -311,8 +324,24 @@ Copy make_copy(const Shape& s, uint32_t seed, std::mt19937_64& rng) {
   } else {
     a.k_cache = tensor(c.k.data, {s.batch, s.cache, s.heads_k, s.dim}, s.cache_dtype());
     a.v_cache = tensor(c.v.data, {s.batch, s.cache, s.heads_k, s.dim}, s.cache_dtype());
+    if (s.batch_idx) {
+      std::vector<int32_t> slots(static_cast<size_t>(s.batch));
+      for (int64_t b = 0; b < s.batch; ++b) slots[size_t(b)] = int32_t(s.batch - 1 - b);
+      c.slots = Buffer(s.batch * 4);
+      CHECK_CUDA(cudaMemcpy(c.slots.data, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice));
+      a.cache_batch_idx = tensor(c.slots.data, {s.batch}, FA_INT32);
+    }
   }
   return c;
+}
+
+// "paged-sortedN" (N >= 1): table rows sorted in runs of N entries (Shape::sorted_run); 0 for any other name.
+int sorted_run_of(const std::string& layout) {
+  const std::string prefix = "paged-sorted";
+  if (layout.rfind(prefix, 0) != 0 || layout.size() == prefix.size()) return 0;
+  const std::string digits = layout.substr(prefix.size());
+  if (digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 6) return 0;
+  return std::stoi(digits);
 }
 
 // Quotes would break the JSON string of an error message.
@@ -1149,8 +1178,11 @@ int main(int argc, char** argv) {
     while (std::getline(ss, item, ',')) layouts.push_back(item);
   }
   for (const std::string& layout : layouts)
-    if (layout != "contiguous" && layout != "paged" && layout != "paged-seq" && layout != "paged-local") {
-      std::fprintf(stderr, "unknown layout %s (contiguous, paged, paged-seq, paged-local)\n", layout.c_str());
+    if (layout != "contiguous" && layout != "paged" && layout != "paged-seq" && layout != "paged-local" &&
+        layout != "paged-sorted" && sorted_run_of(layout) == 0 && layout != "contiguous-idx") {
+      std::fprintf(stderr,
+                   "unknown layout %s (contiguous, contiguous-idx, paged, paged-seq, paged-local, paged-sorted, paged-sortedN)\n",
+                   layout.c_str());
       return 2;
     }
   // Per point, the layouts (and --rounds repetitions) run back to back, so that a ratio between layouts compares
@@ -1159,8 +1191,10 @@ int main(int argc, char** argv) {
     for (const int64_t cache : caches)
       for (int round = 0; round < rounds; ++round)
       for (const std::string& layout : layouts) {
-        const Shape s{batch, cache, heads_q, heads_k, dim, page, layout != "contiguous", layout == "paged-seq",
+        Shape s{batch, cache, heads_q, heads_k, dim, page, layout.rfind("paged", 0) == 0, layout == "paged-seq",
                       layout == "paged-local", dtype, fp8_cache};
+        s.sorted_run = layout == "paged-sorted" ? 1 << 30 : sorted_run_of(layout);
+        s.batch_idx = layout == "contiguous-idx";
         std::vector<std::pair<Knobs, Result>> results;
         if (double(s.kv_bytes()) > budget_gib * double(int64_t(1) << 30)) {
           if (round > 0) continue;  // listed once
