@@ -118,8 +118,9 @@ struct KvcacheParams : AttentionParams {
   bool check_indices;            // CUDA: check device index tensors before any write (syncs the stream)
   // The caller passed cache_batch_idx with a contiguous cache [cache batch, S_cache, Hk, D]: validate.cpp made it the
   // paged cache it is, blocks of S_cache rows, with block_table = cache_batch_idx as one column (sequence b's one
-  // block is entry cache_batch_idx[b]). Only messages read this (an index error names cache_batch_idx). Sits in
-  // check_indices' padding: the fields after it keep the offsets the decode kernels were tuned with.
+  // block is entry cache_batch_idx[b]). Read by the messages (an index error names cache_batch_idx) and by the CUDA
+  // backend's S_cache rule (decode_plan.cpp); no kernel reads it. Sits in check_indices' padding: the fields after
+  // it keep the offsets the decode kernels were tuned with.
   bool block_table_is_batch_idx;
   void* workspace;
   int64_t workspace_bytes;

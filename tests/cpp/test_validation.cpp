@@ -278,10 +278,12 @@ struct KvcacheCall {
   }
 };
 
-void check_kvcache_rule(const std::string& what, const std::function<void(KvcacheCall&)>& breaker, Expect e) {
-  KvcacheCall c;
+// A valid call of type Call (KvcacheCall, SlotCall) broken by `breaker`: rejected as `e` says, nothing written.
+template <typename Call>
+void check_call_rule(const std::string& what, const std::function<void(Call&)>& breaker, Expect e) {
+  Call c;
   {
-    KvcacheCall valid;
+    Call valid;
     ASSERT_TRUE(kvcache(valid.args, valid.options).ok()) << "baseline call must be valid";
   }
   breaker(c);
@@ -290,6 +292,10 @@ void check_kvcache_rule(const std::string& what, const std::function<void(Kvcach
   expect_rejected(kvcache(c.args, c.options), e, what);
   for (int64_t n = 0; n < c.out.numel(); ++n) ASSERT_TRUE(std::isnan(c.out.get(n))) << what << ": out written";
   for (int64_t n = 0; n < c.k_cache.numel(); ++n) ASSERT_EQ(c.k_cache.get(n), k_before.get(n)) << what << ": cache written";
+}
+
+void check_kvcache_rule(const std::string& what, const std::function<void(KvcacheCall&)>& breaker, Expect e) {
+  check_call_rule<KvcacheCall>(what, breaker, e);
 }
 
 TEST(Validation, Kvcache) {
@@ -338,17 +344,7 @@ struct SlotCall {
 };
 
 void check_slot_rule(const std::string& what, const std::function<void(SlotCall&)>& breaker, Expect e) {
-  SlotCall c;
-  {
-    SlotCall valid;
-    ASSERT_TRUE(kvcache(valid.args, valid.options).ok()) << "baseline call must be valid";
-  }
-  breaker(c);
-  const HostTensor k_before = c.k_cache;
-  c.out.poison();
-  expect_rejected(kvcache(c.args, c.options), e, what);
-  for (int64_t n = 0; n < c.out.numel(); ++n) ASSERT_TRUE(std::isnan(c.out.get(n))) << what << ": out written";
-  for (int64_t n = 0; n < c.k_cache.numel(); ++n) ASSERT_EQ(c.k_cache.get(n), k_before.get(n)) << what << ": cache written";
+  check_call_rule<SlotCall>(what, breaker, e);
 }
 
 TEST(Validation, KvcacheBatchIdx) {
