@@ -6,7 +6,10 @@
 // cache (page 16, block ids shuffled; "paged-seq": ids in order, to tell table/translation costs apart;
 // "paged-local": ids shuffled only within each 2 MiB of the pool (one large page of the allocation), so that a
 // sequence's blocks are scattered as in "paged" but reach as few translation pages as "paged-seq"; "paged-sorted" and
-// "paged-sortedN": shuffled, then each table row sorted, whole or in runs of N entries: see Shape::sorted_run);
+// "paged-sortedN": shuffled, then each table row sorted, whole or in runs of N entries: see Shape::sorted_run;
+// "paged-rev": as "paged-seq", each row's ids in descending order: see Shape::reversed_pages; "paged-lifo" and
+// "paged-lowest": the rows a block allocator hands out after churn, most recently freed block first or lowest free id
+// first: see churned_table);
 // "contiguous-idx": the contiguous cache through cache_batch_idx (Shape::batch_idx).
 // Points whose K/V exceed --budget-gib are skipped (and listed).
 // K/V bytes of a call = B * S * Hk * (D + Dv) * 2; with --kv fp8 (a float8 e4m3 cache, k_scale = v_scale =
@@ -52,7 +55,7 @@
 //
 // Usage: flashattn_decode_bench [--json FILE] [--batches 1,4,16,64,256] [--caches 1024,...,131072]
 //                               [--heads 32:8] [--dim 128] [--page 16] [--dtype bf16|f16] [--kv 16|fp8]
-//                               [--layouts contiguous,contiguous-idx,paged,paged-seq,...] [--budget-gib 32] [--reps 10] [--rounds 1]
+//                               [--layouts contiguous,contiguous-idx,paged,paged-seq,paged-rev,...] [--budget-gib 32] [--reps 10] [--rounds 1]
 //                               [--splits 0,...] [--runners lib,...] [--pdl 0,1] [--min-tiles N]
 //                               [--cluster -1,0,1] [--cluster-policy 0,1,2] [--smem-pad 0,N] [--early -1,0,1]
 //                               [--prefetch -1,0,1] [--speculate -1,0,1,2,3]
@@ -268,9 +271,62 @@ struct Shape {
   // contiguous, "contiguous-idx": the call addresses the cache through cache_batch_idx (sequence b in entry B - 1 - b),
   // what a server with a slot cache passes.
   bool batch_idx = false;
+  // paged, sequential: each table row's ids in descending order ("paged-rev": a sequence's blocks in one run of the
+  // pool, visited from its end; what a LIFO free list gives the next sequence after one is released in table order).
+  bool reversed_pages = false;
+  // paged: the table a block allocator gives after churn (churned_table): 1 = most recently freed block first (a LIFO
+  // free list, "paged-lifo"), 2 = lowest free id first ("paged-lowest"); 0 = not churned.
+  int churn_policy = 0;
   fa_dtype cache_dtype() const { return fp8_cache ? FA_FLOAT8_E4M3 : dtype; }
   int64_t kv_bytes() const { return batch * cache * heads_k * int64_t(2 * dim) * (fp8_cache ? 1 : 2); }
 };
+
+// The block table (batch x per_seq ids of a pool of batch x per_seq blocks) that an allocator hands out under churn.
+// Older sequences first fill the pool, growing one block per step each, interleaved, to random lengths of 1 to per_seq
+// blocks (2 x batch of them, or fewer when the pool is full). Then the batch's sequences grow one block per step each,
+// interleaved, from empty to per_seq blocks; before each step, older sequences in a random order finish (their blocks
+// freed in table order) until the step's blocks are free. `lowest`: the allocator hands out the lowest free id, else
+// the most recently freed block (a LIFO free list, as the library's PagedKvCache has). The free list
+// starts in id order either way.
+std::vector<int32_t> churned_table(int64_t batch, int64_t per_seq, bool lowest, std::mt19937_64& rng) {
+  const int64_t blocks = batch * per_seq;
+  std::vector<int32_t> free_list;  // lifo: taken from the back; lowest: a min-heap
+  for (int64_t n = blocks - 1; n >= 0; --n) free_list.push_back(int32_t(n));
+  if (lowest) std::make_heap(free_list.begin(), free_list.end(), std::greater<int32_t>());
+  auto take = [&]() {
+    if (lowest) std::pop_heap(free_list.begin(), free_list.end(), std::greater<int32_t>());
+    const int32_t id = free_list.back();
+    free_list.pop_back();
+    return id;
+  };
+  auto give = [&](int32_t id) {
+    free_list.push_back(id);
+    if (lowest) std::push_heap(free_list.begin(), free_list.end(), std::greater<int32_t>());
+  };
+  std::vector<std::vector<int32_t>> older(static_cast<size_t>(2 * batch));
+  std::vector<int64_t> target(older.size());
+  for (int64_t& t : target) t = 1 + int64_t(rng() % uint64_t(per_seq));
+  for (bool grew = true; grew;) {  // one block per older sequence per step, until each has its length or the pool is full
+    grew = false;
+    for (size_t i = 0; i < older.size() && !free_list.empty(); ++i)
+      if (int64_t(older[i].size()) < target[i]) {
+        older[i].push_back(take());
+        grew = true;
+      }
+    if (free_list.empty()) break;
+  }
+  std::vector<size_t> finish_order(older.size());
+  std::iota(finish_order.begin(), finish_order.end(), size_t(0));
+  std::shuffle(finish_order.begin(), finish_order.end(), rng);
+  size_t finished = 0;
+  std::vector<int32_t> table(static_cast<size_t>(blocks));
+  for (int64_t step = 0; step < per_seq; ++step) {
+    while (int64_t(free_list.size()) < batch && finished < finish_order.size())
+      for (int32_t id : older[finish_order[finished++]]) give(id);
+    for (int64_t b = 0; b < batch; ++b) table[size_t(b * per_seq + step)] = take();
+  }
+  return table;
+}
 
 // One copy of a point's inputs (device memory) and its call arguments.
 struct Copy {
@@ -305,10 +361,14 @@ Copy make_copy(const Shape& s, uint32_t seed, std::mt19937_64& rng) {
     const int64_t per_seq = (s.cache + s.page - 1) / s.page, blocks = s.batch * per_seq;
     std::vector<int32_t> ids(static_cast<size_t>(blocks));
     std::iota(ids.begin(), ids.end(), 0);
-    if (s.local_pages) {  // within each 2 MiB window of the pool (cudaMalloc aligns large buffers to 2 MiB)
+    if (s.churn_policy != 0) {
+      ids = churned_table(s.batch, per_seq, s.churn_policy == 2, rng);
+    } else if (s.local_pages) {  // within each 2 MiB window of the pool (cudaMalloc aligns large buffers to 2 MiB)
       const int64_t block_bytes = int64_t(s.page) * s.heads_k * s.dim * (s.fp8_cache ? 1 : 2);
       const int64_t window = std::max<int64_t>(1, (int64_t(2) << 20) / block_bytes);
       for (int64_t w = 0; w < blocks; w += window) std::shuffle(ids.begin() + w, ids.begin() + std::min(blocks, w + window), rng);
+    } else if (s.reversed_pages) {
+      for (int64_t row = 0; row < s.batch; ++row) std::reverse(ids.begin() + row * per_seq, ids.begin() + (row + 1) * per_seq);
     } else if (!s.sequential_pages) {
       std::shuffle(ids.begin(), ids.end(), rng);  // a serving cache's pages are scattered
       if (s.sorted_run > 0)
@@ -1179,9 +1239,11 @@ int main(int argc, char** argv) {
   }
   for (const std::string& layout : layouts)
     if (layout != "contiguous" && layout != "paged" && layout != "paged-seq" && layout != "paged-local" &&
-        layout != "paged-sorted" && sorted_run_of(layout) == 0 && layout != "contiguous-idx") {
+        layout != "paged-sorted" && sorted_run_of(layout) == 0 && layout != "contiguous-idx" && layout != "paged-rev" &&
+        layout != "paged-lifo" && layout != "paged-lowest") {
       std::fprintf(stderr,
-                   "unknown layout %s (contiguous, contiguous-idx, paged, paged-seq, paged-local, paged-sorted, paged-sortedN)\n",
+                   "unknown layout %s (contiguous, contiguous-idx, paged, paged-seq, paged-rev, paged-local, paged-sorted, "
+                   "paged-sortedN, paged-lifo, paged-lowest)\n",
                    layout.c_str());
       return 2;
     }
@@ -1195,6 +1257,8 @@ int main(int argc, char** argv) {
                       layout == "paged-local", dtype, fp8_cache};
         s.sorted_run = layout == "paged-sorted" ? 1 << 30 : sorted_run_of(layout);
         s.batch_idx = layout == "contiguous-idx";
+        s.reversed_pages = layout == "paged-rev";
+        s.churn_policy = layout == "paged-lifo" ? 1 : layout == "paged-lowest" ? 2 : 0;
         std::vector<std::pair<Knobs, Result>> results;
         if (double(s.kv_bytes()) > budget_gib * double(int64_t(1) << 30)) {
           if (round > 0) continue;  // listed once

@@ -1408,7 +1408,9 @@ TEST(CudaKvcache, CacheBatchIdxEqualsGatheredCache) {
           fa_stats stats{};
           const Status s = run_gpu(c, slotted, &stats);
           ASSERT_TRUE(s.ok()) << what << ": " << s.to_string();
-          if (splits > 0) EXPECT_EQ(stats.num_splits, splits) << what;
+          if (splits > 0) {
+            EXPECT_EQ(stats.num_splits, splits) << what;
+          }
           // The oracle's verdict on out and lse (judge's cache comparison is against the gathered layout: checked below).
           Expected e = expected_for(c, pristine);
           KvTensors as_gathered = gathered;
