@@ -1,5 +1,5 @@
-// XLA FFI handlers: attention forward and backward as XLA custom calls (CPU and CUDA), for
-// flashattn.jax. Built when CMake found the XLA FFI headers that ship inside jaxlib
+// XLA FFI handlers: attention forward and backward, and KV-cache attention (decode), as XLA custom calls (CPU and
+// CUDA), for flashattn.jax. Built when CMake found the XLA FFI headers that ship inside jaxlib
 // (jax.ffi.include_dir()); otherwise add_xla_ffi_targets() only records that they are absent.
 //
 // Operands (row-major, XLA's default layout; names as in flashattn.jax):
@@ -9,6 +9,13 @@
 //   backward q, k, v, out, lse, dout, alibi_slopes, rng -> dq, dk, dv
 // alibi_slopes is read only when the attribute has_alibi is set (otherwise a (0,) placeholder),
 // rng only when dropout_p > 0.
+//   kvcache  q (B, Sq, Hq, D), k_cache, v_cache (contiguous (B_cache, S_cache, Hk, D) or paged (num_blocks, block_size,
+//            Hk, D)), k_new, v_new (B, S_new, Hk, D), cache_seqlens (B) s32, block_table (B, max_blocks) s32,
+//            rotary_cos, rotary_sin (S_rotary, rotary_dim / 2), cache_batch_idx (B) s32, alibi_slopes (B, Hq) f32
+//            -> out (B, Sq, Hq, Dv), lse (B, Hq, Sq) f32; the "append" target also -> k_cache, v_cache, which
+//            flashattn.jax aliases to the k_cache and v_cache operands (input_output_aliases): the new rows are
+//            written into the caches in place, and XLA copies them first only where the caller did not donate them.
+//            Optional operands are (0,) placeholders unless their has_* attribute is set. No vmap.
 //
 // jax.vmap: flashattn.jax calls these with vmap_method="expand_dims", so under vmap every operand
 // gains leading "vmap" dimensions, each either the full vmapped extent or 1 (not mapped: read by
@@ -62,7 +69,11 @@ fa_dtype to_fa_dtype(ffi::DataType t, const char* name) {
     case ffi::DataType::F16: return FA_FLOAT16;
     case ffi::DataType::BF16: return FA_BFLOAT16;
     case ffi::DataType::U32: return FA_INT32;  // rng words: same width, read as raw bits
-    default: fail(FA_ERROR_INVALID_ARGUMENT, std::string(name) + ": dtype must be float32, float16 or bfloat16");
+    case ffi::DataType::S32: return FA_INT32;  // kvcache: cache_seqlens, block_table, cache_batch_idx
+    case ffi::DataType::F8E4M3FN: return FA_FLOAT8_E4M3;  // kvcache: an FP8 cache
+    default:
+      fail(FA_ERROR_INVALID_ARGUMENT, std::string(name) + ": dtype must be float32, float16, bfloat16, int32 or "
+                                                          "float8_e4m3fn (by operand: see flashattn.jax)");
   }
 }
 
@@ -269,6 +280,171 @@ ffi::Error backward(fa_device_kind device, void* stream, int device_id, ffi::Any
   return ffi::Error::Success();
 }
 
+// ---- KV-cache attention ----
+struct KvcacheAttrs {
+  float softmax_scale;
+  int32_t causal, window_left, window_right;
+  float softcap;
+  int32_t rotary_interleaved, num_splits;
+  float k_scale, v_scale;
+  int32_t has_block_table, has_rotary, has_batch_idx, has_alibi, backend;
+};
+
+// One fa_kvcache call. k_cache / v_cache are the buffers the call reads and, with k_new, writes: the results of the
+// append target (aliased to its cache operands), else the operands themselves (read only).
+ffi::Error kvcache(fa_device_kind device, void* stream, int device_id, ffi::AnyBuffer q, void* k_cache_data,
+                   const ffi::AnyBuffer& k_cache, void* v_cache_data, const ffi::AnyBuffer& v_cache, ffi::AnyBuffer* k_new,
+                   ffi::AnyBuffer* v_new, ffi::AnyBuffer cache_seqlens, ffi::AnyBuffer block_table,
+                   ffi::AnyBuffer rotary_cos, ffi::AnyBuffer rotary_sin, ffi::AnyBuffer cache_batch_idx,
+                   ffi::AnyBuffer alibi_slopes, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                   const KvcacheAttrs& a) {
+  try {
+    auto whole = [&](const char* name, void* data, const ffi::AnyBuffer& b) {  // no vmap: every dimension is the tensor's
+      return view_at(operand(name, data, b.element_type(), b.dimensions(), int(b.dimensions().size())), {}, device, device_id);
+    };
+    auto result = [&](const char* name, ffi::Result<ffi::AnyBuffer>& b) {
+      return view_at(operand(name, b, int(b->dimensions().size())), {}, device, device_id);
+    };
+    fa_kvcache_args args;
+    std::memset(&args, 0, sizeof(args));
+    args.q = whole("q", q.untyped_data(), q);
+    args.k_cache = whole("k_cache", k_cache_data, k_cache);
+    args.v_cache = whole("v_cache", v_cache_data, v_cache);
+    if (k_new != nullptr) {
+      args.k_new = whole("k", k_new->untyped_data(), *k_new);
+      args.v_new = whole("v", v_new->untyped_data(), *v_new);
+    }
+    args.cache_seqlens = whole("cache_seqlens", cache_seqlens.untyped_data(), cache_seqlens);
+    if (a.has_block_table) args.block_table = whole("block_table", block_table.untyped_data(), block_table);
+    if (a.has_rotary) {
+      args.rotary_cos = whole("rotary_cos", rotary_cos.untyped_data(), rotary_cos);
+      args.rotary_sin = whole("rotary_sin", rotary_sin.untyped_data(), rotary_sin);
+    }
+    args.rotary_interleaved = a.rotary_interleaved;
+    if (a.has_batch_idx) args.cache_batch_idx = whole("cache_batch_idx", cache_batch_idx.untyped_data(), cache_batch_idx);
+    args.out = result("out", out);
+    args.lse = result("lse", lse);
+    args.num_splits = a.num_splits;
+    args.k_scale = a.k_scale;
+    args.v_scale = a.v_scale;
+    CallOptions o;
+    o.softmax_scale = a.softmax_scale;
+    o.causal = a.causal != 0;
+    o.window_left = a.window_left;
+    o.window_right = a.window_right;
+    o.softcap = a.softcap;
+    o.backend = a.backend;
+    o.stream = stream;
+    fa_tensor slopes;
+    std::memset(&slopes, 0, sizeof(slopes));
+    if (a.has_alibi) slopes = whole("alibi_slopes", alibi_slopes.untyped_data(), alibi_slopes);
+    const fa_options options = to_fa_options(o, slopes, nullptr);
+    fa_error error{};
+    check(fa_kvcache(&args, &options, &error), error);
+  } catch (const CallError& e) {
+    return to_ffi_error(e);
+  }
+  return ffi::Error::Success();
+}
+
+KvcacheAttrs kvcache_attrs_of(float softmax_scale, int32_t causal, int32_t window_left, int32_t window_right,
+                              float softcap, int32_t rotary_interleaved, int32_t num_splits, float k_scale, float v_scale,
+                              int32_t has_block_table, int32_t has_rotary, int32_t has_batch_idx, int32_t has_alibi,
+                              int32_t backend) {
+  return KvcacheAttrs{softmax_scale, causal,      window_left, window_right,  softcap,   rotary_interleaved, num_splits,
+                      k_scale,       v_scale,     has_block_table, has_rotary, has_batch_idx, has_alibi,     backend};
+}
+
+// The handlers' attribute parameters, in FA_FFI_KVCACHE_ATTRS' order.
+#define FA_KVCACHE_ATTR_PARAMS                                                                                      \
+  float softmax_scale, int32_t causal, int32_t window_left, int32_t window_right, float softcap,                   \
+      int32_t rotary_interleaved, int32_t num_splits, float k_scale, float v_scale, int32_t has_block_table,        \
+      int32_t has_rotary, int32_t has_batch_idx, int32_t has_alibi, int32_t backend
+#define FA_KVCACHE_ATTR_VALUES                                                                                      \
+  kvcache_attrs_of(softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved, num_splits,       \
+                   k_scale, v_scale, has_block_table, has_rotary, has_batch_idx, has_alibi, backend)
+
+// Read only (no k / v): 2 results.
+ffi::Error kvcache_read(fa_device_kind device, void* stream, int device_id, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                        ffi::AnyBuffer v_cache, ffi::AnyBuffer cache_seqlens, ffi::AnyBuffer block_table,
+                        ffi::AnyBuffer rotary_cos, ffi::AnyBuffer rotary_sin, ffi::AnyBuffer cache_batch_idx,
+                        ffi::AnyBuffer alibi, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                        const KvcacheAttrs& a) {
+  return kvcache(device, stream, device_id, q, k_cache.untyped_data(), k_cache, v_cache.untyped_data(), v_cache, nullptr,
+                 nullptr, cache_seqlens, block_table, rotary_cos, rotary_sin, cache_batch_idx, alibi, out, lse, a);
+}
+
+// Append (k / v written into the caches first): 4 results, the last two the caches (aliased to k_cache, v_cache).
+ffi::Error kvcache_append(fa_device_kind device, void* stream, int device_id, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                          ffi::AnyBuffer v_cache, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::AnyBuffer cache_seqlens,
+                          ffi::AnyBuffer block_table, ffi::AnyBuffer rotary_cos, ffi::AnyBuffer rotary_sin,
+                          ffi::AnyBuffer cache_batch_idx, ffi::AnyBuffer alibi, ffi::Result<ffi::AnyBuffer> out,
+                          ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> k_cache_out,
+                          ffi::Result<ffi::AnyBuffer> v_cache_out, const KvcacheAttrs& a) {
+  // The aliasing makes each result the operand's buffer; if XLA ever handed out another one, copy the cache there
+  // first (the call must see the cache's old rows).
+  auto same_or_copied = [&](const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& res) -> bool {
+    if (res->untyped_data() == in.untyped_data()) return true;
+    if (res->size_bytes() != in.size_bytes()) return false;
+    if (device == FA_DEVICE_CPU) {
+      std::memcpy(res->untyped_data(), in.untyped_data(), in.size_bytes());
+      return true;
+    }
+#if defined(FLASHATTN_WITH_CUDA)
+    return cudaMemcpyAsync(res->untyped_data(), in.untyped_data(), in.size_bytes(), cudaMemcpyDeviceToDevice,
+                           static_cast<cudaStream_t>(stream)) == cudaSuccess;
+#else
+    return false;
+#endif
+  };
+  if (!same_or_copied(k_cache, k_cache_out) || !same_or_copied(v_cache, v_cache_out))
+    return ffi::Error(ffi::ErrorCode::kInternal, "flashattn: the updated caches must have the caches' shapes");
+  return kvcache(device, stream, device_id, q, k_cache_out->untyped_data(), k_cache, v_cache_out->untyped_data(), v_cache,
+                 &k_new, &v_new, cache_seqlens, block_table, rotary_cos, rotary_sin, cache_batch_idx, alibi, out, lse, a);
+}
+
+ffi::Error kvcache_read_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer cache_seqlens,
+                            ffi::AnyBuffer block_table, ffi::AnyBuffer rotary_cos, ffi::AnyBuffer rotary_sin,
+                            ffi::AnyBuffer cache_batch_idx, ffi::AnyBuffer alibi, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::AnyBuffer> lse, FA_KVCACHE_ATTR_PARAMS) {
+  return kvcache_read(FA_DEVICE_CPU, nullptr, 0, q, k_cache, v_cache, cache_seqlens, block_table, rotary_cos, rotary_sin,
+                      cache_batch_idx, alibi, out, lse, FA_KVCACHE_ATTR_VALUES);
+}
+
+ffi::Error kvcache_append_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer k_new,
+                              ffi::AnyBuffer v_new, ffi::AnyBuffer cache_seqlens, ffi::AnyBuffer block_table,
+                              ffi::AnyBuffer rotary_cos, ffi::AnyBuffer rotary_sin, ffi::AnyBuffer cache_batch_idx,
+                              ffi::AnyBuffer alibi, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                              ffi::Result<ffi::AnyBuffer> k_cache_out, ffi::Result<ffi::AnyBuffer> v_cache_out,
+                              FA_KVCACHE_ATTR_PARAMS) {
+  return kvcache_append(FA_DEVICE_CPU, nullptr, 0, q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
+                        rotary_cos, rotary_sin, cache_batch_idx, alibi, out, lse, k_cache_out, v_cache_out,
+                        FA_KVCACHE_ATTR_VALUES);
+}
+
+#if defined(FLASHATTN_WITH_CUDA)
+ffi::Error kvcache_read_cuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                             ffi::AnyBuffer v_cache, ffi::AnyBuffer cache_seqlens, ffi::AnyBuffer block_table,
+                             ffi::AnyBuffer rotary_cos, ffi::AnyBuffer rotary_sin, ffi::AnyBuffer cache_batch_idx,
+                             ffi::AnyBuffer alibi, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                             FA_KVCACHE_ATTR_PARAMS) {
+  return kvcache_read(FA_DEVICE_CUDA, stream, device_ordinal, q, k_cache, v_cache, cache_seqlens, block_table, rotary_cos,
+                      rotary_sin, cache_batch_idx, alibi, out, lse, FA_KVCACHE_ATTR_VALUES);
+}
+
+ffi::Error kvcache_append_cuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                               ffi::AnyBuffer v_cache, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
+                               ffi::AnyBuffer cache_seqlens, ffi::AnyBuffer block_table, ffi::AnyBuffer rotary_cos,
+                               ffi::AnyBuffer rotary_sin, ffi::AnyBuffer cache_batch_idx, ffi::AnyBuffer alibi,
+                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                               ffi::Result<ffi::AnyBuffer> k_cache_out, ffi::Result<ffi::AnyBuffer> v_cache_out,
+                               FA_KVCACHE_ATTR_PARAMS) {
+  return kvcache_append(FA_DEVICE_CUDA, stream, device_ordinal, q, k_cache, v_cache, k_new, v_new, cache_seqlens,
+                        block_table, rotary_cos, rotary_sin, cache_batch_idx, alibi, out, lse, k_cache_out, v_cache_out,
+                        FA_KVCACHE_ATTR_VALUES);
+}
+#endif
+
 // ---- bindings: one CPU and one CUDA handler per entry point ----
 
 Attrs attrs_of(float softmax_scale, int32_t causal, int32_t window_left, int32_t window_right, float softcap,
@@ -328,6 +504,23 @@ ffi::Error backward_cuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer q,
       .Arg<ffi::AnyBuffer>() /* out */.Arg<ffi::AnyBuffer>() /* lse */.Arg<ffi::AnyBuffer>() /* dout */ \
       .Arg<ffi::AnyBuffer>() /* alibi_slopes */.Arg<ffi::AnyBuffer>() /* rng */                        \
       .Ret<ffi::AnyBuffer>() /* dq */.Ret<ffi::AnyBuffer>() /* dk */.Ret<ffi::AnyBuffer>() /* dv */
+#define FA_FFI_KVCACHE_LEAD_OPERANDS                                                                   \
+  .Arg<ffi::AnyBuffer>() /* q */.Arg<ffi::AnyBuffer>() /* k_cache */.Arg<ffi::AnyBuffer>() /* v_cache */
+#define FA_FFI_KVCACHE_TAIL_OPERANDS                                                                   \
+  .Arg<ffi::AnyBuffer>() /* cache_seqlens */.Arg<ffi::AnyBuffer>() /* block_table */                   \
+      .Arg<ffi::AnyBuffer>() /* rotary_cos */.Arg<ffi::AnyBuffer>() /* rotary_sin */                   \
+      .Arg<ffi::AnyBuffer>() /* cache_batch_idx */.Arg<ffi::AnyBuffer>() /* alibi_slopes */            \
+      .Ret<ffi::AnyBuffer>() /* out */.Ret<ffi::AnyBuffer>() /* lse */
+#define FA_FFI_KVCACHE_READ_OPERANDS FA_FFI_KVCACHE_LEAD_OPERANDS FA_FFI_KVCACHE_TAIL_OPERANDS
+#define FA_FFI_KVCACHE_APPEND_OPERANDS                                                                 \
+  FA_FFI_KVCACHE_LEAD_OPERANDS.Arg<ffi::AnyBuffer>() /* k */.Arg<ffi::AnyBuffer>() /* v */             \
+      FA_FFI_KVCACHE_TAIL_OPERANDS.Ret<ffi::AnyBuffer>() /* k_cache */.Ret<ffi::AnyBuffer>() /* v_cache */
+#define FA_FFI_KVCACHE_ATTRS                                                                           \
+  .Attr<float>("softmax_scale").Attr<int32_t>("causal").Attr<int32_t>("window_left")                   \
+      .Attr<int32_t>("window_right").Attr<float>("softcap").Attr<int32_t>("rotary_interleaved")        \
+      .Attr<int32_t>("num_splits").Attr<float>("k_scale").Attr<float>("v_scale")                       \
+      .Attr<int32_t>("has_block_table").Attr<int32_t>("has_rotary").Attr<int32_t>("has_batch_idx")     \
+      .Attr<int32_t>("has_alibi").Attr<int32_t>("backend")
 #define FA_FFI_COMMON_ATTRS                                                                            \
   .Attr<float>("softmax_scale").Attr<int32_t>("causal").Attr<int32_t>("window_left")                   \
       .Attr<int32_t>("window_right").Attr<float>("softcap").Attr<float>("dropout_p")                   \
@@ -339,7 +532,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnBackwardCpu, flashattn::python::backward_
                               ffi::Ffi::Bind() FA_FFI_BACKWARD_OPERANDS FA_FFI_COMMON_ATTRS
                                   .Attr<int32_t>("deterministic")
                                   .Attr<int32_t>("backend"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnKvcacheCpu, flashattn::python::kvcache_read_cpu,
+                              ffi::Ffi::Bind() FA_FFI_KVCACHE_READ_OPERANDS FA_FFI_KVCACHE_ATTRS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnKvcacheAppendCpu, flashattn::python::kvcache_append_cpu,
+                              ffi::Ffi::Bind() FA_FFI_KVCACHE_APPEND_OPERANDS FA_FFI_KVCACHE_ATTRS);
 #if defined(FLASHATTN_WITH_CUDA)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnKvcacheCuda, flashattn::python::kvcache_read_cuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Ctx<ffi::DeviceOrdinal>() FA_FFI_KVCACHE_READ_OPERANDS FA_FFI_KVCACHE_ATTRS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnKvcacheAppendCuda, flashattn::python::kvcache_append_cuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Ctx<ffi::DeviceOrdinal>() FA_FFI_KVCACHE_APPEND_OPERANDS FA_FFI_KVCACHE_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnForwardCuda, flashattn::python::forward_cuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
@@ -362,15 +567,21 @@ nb::object handler_capsule(XLA_FFI_Handler* handler) {
 
 void add_xla_ffi_targets(nb::module_& m) {
   nb::dict targets;
-  nb::dict forward, backward;
+  nb::dict forward, backward, kvcache, kvcache_append;
   forward["cpu"] = handler_capsule(FlashattnForwardCpu);
   backward["cpu"] = handler_capsule(FlashattnBackwardCpu);
+  kvcache["cpu"] = handler_capsule(FlashattnKvcacheCpu);
+  kvcache_append["cpu"] = handler_capsule(FlashattnKvcacheAppendCpu);
 #if defined(FLASHATTN_WITH_CUDA)
   forward["CUDA"] = handler_capsule(FlashattnForwardCuda);
   backward["CUDA"] = handler_capsule(FlashattnBackwardCuda);
+  kvcache["CUDA"] = handler_capsule(FlashattnKvcacheCuda);
+  kvcache_append["CUDA"] = handler_capsule(FlashattnKvcacheAppendCuda);
 #endif
   targets["flashattn_forward"] = forward;
   targets["flashattn_backward"] = backward;
+  targets["flashattn_kvcache"] = kvcache;
+  targets["flashattn_kvcache_append"] = kvcache_append;
   m.attr("xla_ffi_targets") = targets;
   m.attr("has_xla_ffi") = true;
 }

@@ -27,6 +27,10 @@ Same layout and argument names as jax.nn.dot_product_attention, for the subset i
 jax.grad works through a custom VJP (the backward kernel recomputes from the saved log-sum-exp),
 jax.jit traces the custom calls, and jax.vmap maps over any leading axes (the handlers loop over
 the mapped entries; unmapped operands are read in place, not copied).
+
+flash_attn_with_kvcache: attention against a KV cache for decoding (contiguous or paged, with an append of new
+rows, rotary, an FP8 cache), flash_attn's arguments; JAX arrays are immutable, so the updated caches are returned
+(see its docstring). Forward only, no vmap.
 """
 
 import functools
@@ -38,7 +42,7 @@ import numpy as np
 
 from flashattn import InvalidArgumentError, UnsupportedError, _ext, backend_id
 
-__all__ = ["dot_product_attention"]
+__all__ = ["dot_product_attention", "flash_attn_with_kvcache"]
 
 if not _ext.has_xla_ffi:
     raise ImportError(
@@ -232,3 +236,130 @@ def dot_product_attention(
         # (B, N, T) -> jax.nn's (B, T, N); no gradient flows through it (see _attention_bwd).
         return out, jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2))
     return out
+
+
+def _int32_array(name, x, shape_hint):
+    x = jnp.asarray(x)
+    if x.dtype != jnp.int32:
+        raise InvalidArgumentError(f"{name}: dtype must be int32, got {x.dtype}")
+    if shape_hint is not None and x.ndim != shape_hint:
+        raise InvalidArgumentError(f"{name}: expected {shape_hint} dimensions, got shape {tuple(x.shape)}")
+    return x
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+    *,
+    backend=None,
+    k_scale=None,
+    v_scale=None,
+):
+    """Attention of q (B, Sq, Hq, D) against a KV cache, appending k/v (B, S_new, Hk, D) first (decode, forward only).
+
+    flash_attn.flash_attn_with_kvcache's arguments and semantics (flashattn.torch has the same function):
+    k_cache/v_cache are (B, S_cache, Hk, D) or, with block_table (B, max_blocks) int32, paged (num_blocks,
+    block_size, Hk, D); cache_seqlens is an int or (B,) int32: rows already in sequence b's cache. When k and v are
+    given they are written at rows cache_seqlens[b].. (rotated by rotary_cos / rotary_sin (S_rotary, rotary_dim / 2)
+    when given; q is rotated at cache_seqlens + i when causal or windowed, else at cache_seqlens), and attention
+    covers cache_seqlens[b] + S_new keys. causal and window_size (left, right; -1 unbounded) are aligned to the
+    bottom-right corner; softcap, alibi_slopes (Hq) or (B, Hq) float32, num_splits (0: the library's choice),
+    cache_batch_idx (B,) int32 (contiguous caches: sequence b uses cache entry cache_batch_idx[b]), an FP8 cache
+    (dtype float8_e4m3fn with the float scales k_scale, v_scale; real value = fp8 value * scale), backend ("auto",
+    "cpu", "cuda" or "reference").
+
+    Returns out (B, Sq, Hq, Dv), then softmax_lse (B, Hq, Sq) float32 with return_softmax_lse. JAX arrays are
+    immutable: with k and v the updated caches follow, (out, k_cache, v_cache) or (out, softmax_lse, k_cache,
+    v_cache). They alias the cache operands, so a jitted decode step that donates its caches
+    (jax.jit(step, donate_argnums=...)) appends in place; without donation XLA first copies the caches. The call
+    runs in XLA as one custom call (CPU or CUDA, where the arrays live); jax.vmap is not supported. Not supported
+    (an error names it): cache_leftpad.
+    """
+    if cache_leftpad is not None:
+        raise UnsupportedError("cache_leftpad: not supported by flashattn")
+    q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
+    if q.ndim != 4 or k_cache.ndim != 4 or v_cache.ndim != 4:
+        raise InvalidArgumentError(
+            f"q, k_cache, v_cache: expected 4 dimensions each, got shapes {tuple(q.shape)}, {tuple(k_cache.shape)}, "
+            f"{tuple(v_cache.shape)}")
+    if (k is None) != (v is None):
+        raise InvalidArgumentError("k, v: give both (rows to append) or neither")
+    append = k is not None
+    if append:
+        k, v = jnp.asarray(k), jnp.asarray(v)
+    batch = q.shape[0]
+    if block_table is not None:
+        block_table = _int32_array("block_table", block_table, 2)
+    if cache_batch_idx is not None:
+        cache_batch_idx = _int32_array("cache_batch_idx", cache_batch_idx, 1)
+    if cache_seqlens is None:
+        if append:
+            raise InvalidArgumentError("cache_seqlens: required when k and v are appended (where would they go?)")
+        cache_seqlens = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    if isinstance(cache_seqlens, (int, np.integer)):
+        cache_seqlens = jnp.full((batch,), int(cache_seqlens), jnp.int32)
+    cache_seqlens = _int32_array("cache_seqlens", cache_seqlens, 1)
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise InvalidArgumentError("rotary_cos, rotary_sin: give both or neither")
+    fp8 = k_cache.dtype == jnp.float8_e4m3fn
+    if fp8 and (k_scale is None or v_scale is None):
+        raise InvalidArgumentError(("k_scale" if k_scale is None else "v_scale") + ": required with a float8_e4m3fn "
+                                   "cache (real value = fp8 value * scale)")
+    if alibi_slopes is not None:
+        alibi_slopes = jnp.asarray(alibi_slopes)
+        if alibi_slopes.dtype != jnp.float32:
+            raise InvalidArgumentError(f"alibi_slopes: dtype must be float32, got {alibi_slopes.dtype}")
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(
+            f"window_size: must be a pair (left, right) with -1 for unbounded, got {window_size!r}") from None
+
+    def present_or(x, dtype):  # absent operands are (0,) placeholders that the handler never reads
+        return x if x is not None else jnp.zeros((0,), dtype)
+
+    attributes = dict(
+        softmax_scale=np.float32(0.0 if softmax_scale is None else softmax_scale),
+        causal=np.int32(bool(causal)),
+        window_left=np.int32(left),
+        window_right=np.int32(right),
+        softcap=np.float32(softcap),
+        rotary_interleaved=np.int32(bool(rotary_interleaved)),
+        num_splits=np.int32(num_splits),
+        k_scale=np.float32(k_scale or 0.0),
+        v_scale=np.float32(v_scale or 0.0),
+        has_block_table=np.int32(block_table is not None),
+        has_rotary=np.int32(rotary_cos is not None),
+        has_batch_idx=np.int32(cache_batch_idx is not None),
+        has_alibi=np.int32(alibi_slopes is not None),
+        backend=np.int32(backend_id(backend)),
+    )
+    tail = (cache_seqlens, present_or(block_table, jnp.int32), present_or(rotary_cos, q.dtype),
+            present_or(rotary_sin, q.dtype), present_or(cache_batch_idx, jnp.int32),
+            present_or(alibi_slopes, jnp.float32))
+    results = [jax.ShapeDtypeStruct(q.shape[:3] + (v_cache.shape[3],), q.dtype),
+               jax.ShapeDtypeStruct((batch, q.shape[2], q.shape[1]), jnp.float32)]
+    if append:
+        results += [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+        call = jax.ffi.ffi_call("flashattn_kvcache_append", results, input_output_aliases={1: 2, 2: 3})
+        out, lse, k_cache, v_cache = call(q, k_cache, v_cache, k, v, *tail, **attributes)
+        return (out, lse, k_cache, v_cache) if return_softmax_lse else (out, k_cache, v_cache)
+    out, lse = jax.ffi.ffi_call("flashattn_kvcache", results)(q, k_cache, v_cache, *tail, **attributes)
+    return (out, lse) if return_softmax_lse else out

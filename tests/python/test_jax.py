@@ -2,7 +2,8 @@
 
 Checks the XLA FFI custom calls under jax.jit, jax.grad (custom VJP) and jax.vmap, the
 top-left mask translation of jax.nn's is_causal / local_window_size, dropout bit for bit, and
-errors raised while tracing.
+errors raised while tracing; and flash_attn_with_kvcache (contiguous and paged caches, the append
+returned as updated caches, in place under donation).
 """
 
 import numpy as np
@@ -12,7 +13,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
 import flashattn  # noqa: E402
-from oracle import attention, rel_l2  # noqa: E402
+from oracle import attention, rel_l2, rotary  # noqa: E402
 
 fj = pytest.importorskip("flashattn.jax")
 
@@ -199,3 +200,117 @@ def test_errors_raise_while_tracing(rng):
         fj.dot_product_attention(q, q, q, dropout_rate=1.0, dropout_rng=jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match=r"alibi_slopes: dimension 0 \(Hq\) must be 4"):
         fj.dot_product_attention(q, q, q, alibi_slopes=jnp.ones((3,), jnp.float32))
+
+
+# ---- flash_attn_with_kvcache ----
+
+
+def paged_layout(dense, table):
+    """dense (B, S, Hk, D) as a paged cache: the pool whose blocks table[b] hold sequence b's rows in order."""
+    block = dense.shape[1] // table.shape[1]
+    pool = np.empty((table.size, block) + dense.shape[2:], dense.dtype)
+    for seq in range(table.shape[0]):
+        for c in range(table.shape[1]):
+            pool[table[seq, c]] = dense[seq, c * block:(c + 1) * block]
+    return pool
+
+
+def gather(cache, table, seq):
+    """Sequence seq's rows of a contiguous (table None) or paged cache."""
+    cache = np.asarray(cache)
+    return cache[seq] if table is None else np.concatenate([cache[c] for c in table[seq]])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_kvcache_append_rotary_matches_oracle(rng, backend, paged, causal):
+    b, s_cache, s_new, sq, hq, hk, d, rot, block = 3, 64, 3, 3, 4, 2, 32, 16, 16
+    cached = np.array([0, 17, 40], dtype=np.int32)
+    q = rng.standard_normal((b, sq, hq, d)).astype(np.float32)
+    k_new = rng.standard_normal((b, s_new, hk, d)).astype(np.float32)
+    v_new = rng.standard_normal((b, s_new, hk, d)).astype(np.float32)
+    cos = np.cos(rng.uniform(0, 6.3, (s_cache, rot // 2))).astype(np.float32)
+    sin = np.sin(rng.uniform(0, 6.3, (s_cache, rot // 2))).astype(np.float32)
+    dense_k = rng.standard_normal((b, s_cache, hk, d)).astype(np.float32)
+    dense_v = rng.standard_normal((b, s_cache, hk, d)).astype(np.float32)
+    if paged:  # shuffled blocks
+        table = rng.permutation(b * s_cache // block).reshape(b, s_cache // block).astype(np.int32)
+        k_before, v_before = paged_layout(dense_k, table), paged_layout(dense_v, table)
+    else:
+        k_before, v_before, table = dense_k, dense_v, None
+
+    def step(k_cache, v_cache):
+        return fj.flash_attn_with_kvcache(jnp.asarray(q), k_cache, v_cache, jnp.asarray(k_new), jnp.asarray(v_new),
+                                          rotary_cos=jnp.asarray(cos), rotary_sin=jnp.asarray(sin),
+                                          cache_seqlens=jnp.asarray(cached),
+                                          block_table=None if table is None else jnp.asarray(table), causal=causal,
+                                          rotary_interleaved=False, return_softmax_lse=True, backend=backend)
+
+    # Donated caches: the append happens in the caches' own buffers.
+    out, lse, k_cache, v_cache = jax.jit(step, donate_argnums=(0, 1))(jnp.asarray(k_before), jnp.asarray(v_before))
+    assert out.shape == (b, sq, hq, d) and lse.shape == (b, hq, sq) and lse.dtype == jnp.float32
+    assert k_cache.shape == k_before.shape and v_cache.shape == v_before.shape
+    for seq in range(b):
+        n = cached[seq]
+        k_rot = rotary(k_new[seq], cos.astype(np.float64), sin.astype(np.float64), np.arange(n, n + s_new), False)
+        assert rel_l2(gather(k_cache, table, seq)[n:n + s_new], k_rot) <= 1e-6, "rotated new keys in the cache"
+        np.testing.assert_array_equal(gather(v_cache, table, seq)[n:n + s_new], v_new[seq])
+        np.testing.assert_array_equal(gather(k_cache, table, seq)[:n], gather(k_before, table, seq)[:n])
+        q_positions = np.arange(n, n + sq) if causal else np.full(sq, n)
+        q_rot = rotary(q[seq], cos.astype(np.float64), sin.astype(np.float64), q_positions, False)
+        keys = np.concatenate([gather(k_before, table, seq)[:n].astype(np.float64), k_rot])
+        values = np.concatenate([gather(v_before, table, seq)[:n].astype(np.float64), v_new[seq].astype(np.float64)])
+        expected, expected_lse = attention(q_rot[None], keys[None], values[None], causal=causal)
+        assert rel_l2(f64(out[seq][None]), expected) <= FP32_TOLERANCE, f"out of sequence {seq}"
+        assert rel_l2(f64(lse[seq]), expected_lse[0]) <= FP32_TOLERANCE, f"lse of sequence {seq}"
+
+    # Without donation the operands stay as they were (XLA copies them for the in-place append).
+    k_keep, v_keep = jnp.asarray(k_before), jnp.asarray(v_before)
+    again = jax.jit(step)(k_keep, v_keep)
+    np.testing.assert_array_equal(np.asarray(k_keep), k_before)
+    np.testing.assert_array_equal(np.asarray(again[2]), np.asarray(k_cache))
+    np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(out))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kvcache_read_only_batch_idx_softcap_alibi(rng, backend):
+    b, slots, s_cache, hq, hk, d = 2, 5, 48, 6, 3, 64
+    k_slots = normal(rng, (slots, s_cache, hk, d))
+    v_slots = normal(rng, (slots, s_cache, hk, d))
+    q = normal(rng, (b, 1, hq, d))
+    idx = np.array([4, 1], dtype=np.int32)
+    lengths = np.array([48, 9], dtype=np.int32)
+    slopes = rng.uniform(0.05, 0.5, (hq,)).astype(np.float32)
+    out = jax.jit(lambda q, kc, vc: fj.flash_attn_with_kvcache(
+        q, kc, vc, cache_seqlens=jnp.asarray(lengths), cache_batch_idx=jnp.asarray(idx), softcap=5.0,
+        alibi_slopes=jnp.asarray(slopes), backend=backend))(q, k_slots, v_slots)
+    assert not isinstance(out, tuple) and out.shape == (b, 1, hq, d)
+    for seq in range(b):
+        n = lengths[seq]
+        expected, _ = attention(f64(q[seq][None]), f64(k_slots[idx[seq]][None, :n]), f64(v_slots[idx[seq]][None, :n]),
+                                softcap=5.0, alibi_slopes=slopes)
+        assert rel_l2(f64(out[seq][None]), expected) <= FP32_TOLERANCE, f"sequence {seq}"
+    # An int cache_seqlens: every sequence holds that many rows.
+    whole = fj.flash_attn_with_kvcache(q, k_slots[:b], v_slots[:b], cache_seqlens=s_cache, backend=backend)
+    expected, _ = attention(f64(q), f64(k_slots[:b]), f64(v_slots[:b]))
+    assert rel_l2(f64(whole), expected) <= FP32_TOLERANCE
+
+
+def test_kvcache_errors(rng):
+    q = normal(rng, (1, 1, 2, 32))
+    cache = normal(rng, (1, 16, 2, 32))
+    new = normal(rng, (1, 1, 2, 32))
+    with pytest.raises(flashattn.InvalidArgumentError, match="k, v: give both"):
+        fj.flash_attn_with_kvcache(q, cache, cache, new, None, cache_seqlens=3)
+    with pytest.raises(flashattn.InvalidArgumentError, match="cache_seqlens: required"):
+        fj.flash_attn_with_kvcache(q, cache, cache, new, new)
+    with pytest.raises(flashattn.InvalidArgumentError, match="cache_seqlens: dtype must be int32"):
+        fj.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=jnp.asarray([3], jnp.int64 if jax.config.jax_enable_x64 else jnp.int16))
+    with pytest.raises(flashattn.UnsupportedError, match="cache_leftpad"):
+        fj.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, cache_leftpad=jnp.asarray([1], jnp.int32))
+    # The library's own rules, raised when the call runs: the message names the argument.
+    with pytest.raises(Exception, match="cache_seqlens"):
+        jax.block_until_ready(fj.flash_attn_with_kvcache(q, cache, cache, new, new, cache_seqlens=jnp.asarray([16], jnp.int32)))
+    with pytest.raises(Exception, match="k_cache"):
+        jax.block_until_ready(fj.flash_attn_with_kvcache(q, normal(rng, (1, 16, 2, 64)), cache, cache_seqlens=3))
