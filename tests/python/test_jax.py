@@ -202,6 +202,19 @@ def test_errors_raise_while_tracing(rng):
         fj.dot_product_attention(q, q, q, alibi_slopes=jnp.ones((3,), jnp.float32))
 
 
+def test_import_flashattn_before_jax_in_a_fresh_process():
+    """flashattn first, then jax (numpy, ml_dtypes) in a new interpreter. With ~5000 symbols of a statically linked
+    libstdc++ exported from the extension, this order crashed (segfault in ml_dtypes' import) on the H200 machine
+    (2026-12-04); python/CMakeLists.txt keeps them inside now."""
+    import subprocess
+    import sys
+
+    code = "import flashattn; import jax; import flashattn.jax; print(jax.numpy.ones(2).sum())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
+    assert r.stdout.strip() == "2.0"
+
+
 # ---- flash_attn_with_kvcache ----
 
 
