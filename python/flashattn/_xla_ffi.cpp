@@ -11,7 +11,7 @@
 // rng only when dropout_p > 0.
 //   kvcache  q (B, Sq, Hq, D), k_cache, v_cache (contiguous (B_cache, S_cache, Hk, D) or paged (num_blocks, block_size,
 //            Hk, D)), k_new, v_new (B, S_new, Hk, D), cache_seqlens (B) s32, block_table (B, max_blocks) s32,
-//            rotary_cos, rotary_sin (S_rotary, rotary_dim / 2), cache_batch_idx (B) s32, alibi_slopes (B, Hq) f32
+//            rotary_cos, rotary_sin (S_rotary, rotary_dim / 2), cache_batch_idx (B) s32, alibi_slopes (Hq) or (B, Hq) f32
 //            -> out (B, Sq, Hq, Dv), lse (B, Hq, Sq) f32; the "append" target also -> k_cache, v_cache, which
 //            flashattn.jax aliases to the k_cache and v_cache operands (input_output_aliases): the new rows are
 //            written into the caches in place, and XLA copies them first only where the caller did not donate them.
@@ -193,19 +193,26 @@ struct Attrs {
   int32_t has_alibi, deterministic, backend;
 };
 
-fa_options options_at(const Attrs& a, const Operand& alibi, const Operand& rng, const std::vector<int64_t>& index,
-                      fa_device_kind device, int device_id, void* stream) {
+// The options that every entry point takes from its attributes (scale, masks, softcap, backend) and its stream.
+template <typename A>
+CallOptions score_options(const A& a, void* stream) {
   CallOptions o;
   o.softmax_scale = a.softmax_scale;
   o.causal = a.causal != 0;
   o.window_left = a.window_left;
   o.window_right = a.window_right;
   o.softcap = a.softcap;
+  o.backend = a.backend;
+  o.stream = stream;
+  return o;
+}
+
+fa_options options_at(const Attrs& a, const Operand& alibi, const Operand& rng, const std::vector<int64_t>& index,
+                      fa_device_kind device, int device_id, void* stream) {
+  CallOptions o = score_options(a, stream);
   o.dropout_p = a.dropout_p;
   if (a.dropout_p > 0.f) read_rng(rng, index, device, stream, &o.dropout_seed, &o.dropout_offset);
   o.deterministic = a.deterministic != 0;
-  o.backend = a.backend;
-  o.stream = stream;
   fa_tensor slopes;
   std::memset(&slopes, 0, sizeof(slopes));
   if (a.has_alibi) slopes = view_at(alibi, index, device, device_id);
@@ -291,7 +298,9 @@ struct KvcacheAttrs {
 };
 
 // One fa_kvcache call. k_cache / v_cache are the buffers the call reads and, with k_new, writes: the results of the
-// append target (aliased to its cache operands), else the operands themselves (read only).
+// append target (aliased to its cache operands), else the operands themselves (read only). The split partials'
+// workspace is the library's own (stream-ordered) allocation: XLA's ffi::ScratchAllocator refused even 0.2 MB under
+// jax 0.11 on the H200 machine (RESOURCE_EXHAUSTED, 2026-12-04).
 ffi::Error kvcache(fa_device_kind device, void* stream, int device_id, ffi::AnyBuffer q, void* k_cache_data,
                    const ffi::AnyBuffer& k_cache, void* v_cache_data, const ffi::AnyBuffer& v_cache, ffi::AnyBuffer* k_new,
                    ffi::AnyBuffer* v_new, ffi::AnyBuffer cache_seqlens, ffi::AnyBuffer block_table,
@@ -300,7 +309,8 @@ ffi::Error kvcache(fa_device_kind device, void* stream, int device_id, ffi::AnyB
                    const KvcacheAttrs& a) {
   try {
     auto whole = [&](const char* name, void* data, const ffi::AnyBuffer& b) {  // no vmap: every dimension is the tensor's
-      return view_at(operand(name, data, b.element_type(), b.dimensions(), int(b.dimensions().size())), {}, device, device_id);
+      const Operand o = operand(name, data, b.element_type(), b.dimensions(), int(b.dimensions().size()));
+      return view_at(o, {}, device, device_id);
     };
     auto result = [&](const char* name, ffi::Result<ffi::AnyBuffer>& b) {
       return view_at(operand(name, b, int(b->dimensions().size())), {}, device, device_id);
@@ -327,14 +337,7 @@ ffi::Error kvcache(fa_device_kind device, void* stream, int device_id, ffi::AnyB
     args.num_splits = a.num_splits;
     args.k_scale = a.k_scale;
     args.v_scale = a.v_scale;
-    CallOptions o;
-    o.softmax_scale = a.softmax_scale;
-    o.causal = a.causal != 0;
-    o.window_left = a.window_left;
-    o.window_right = a.window_right;
-    o.softcap = a.softcap;
-    o.backend = a.backend;
-    o.stream = stream;
+    const CallOptions o = score_options(a, stream);
     fa_tensor slopes;
     std::memset(&slopes, 0, sizeof(slopes));
     if (a.has_alibi) slopes = whole("alibi_slopes", alibi_slopes.untyped_data(), alibi_slopes);
