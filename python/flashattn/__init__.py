@@ -50,6 +50,24 @@ def backend_id(name):
         ) from None
 
 
+def window_pair(window_size):
+    """flash_attn's window_size (left, right), -1 unbounded, as two ints (flashattn.torch and flashattn.jax)."""
+    try:
+        left, right = window_size
+        return int(left), int(right)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(
+            f"window_size: must be a pair (left, right) with -1 for unbounded, got {window_size!r}"
+        ) from None
+
+
+def check_fp8_scales(fp8_cache, k_scale, v_scale):
+    """A float8_e4m3fn cache needs both dequantisation scales (flash_attn_with_kvcache, torch and jax)."""
+    if fp8_cache and (k_scale is None or v_scale is None):
+        raise InvalidArgumentError(("k_scale" if k_scale is None else "v_scale") + ": required with a float8_e4m3fn "
+                                   "cache (real value = fp8 value * scale)")
+
+
 def build_info():
     """What this build holds: backends, compiled CUDA head dims and dtypes, XLA FFI support."""
     jax_line = "xla ffi: " + (
@@ -74,5 +92,7 @@ __all__ = [
     "UnsupportedError",
     "backend_id",
     "build_info",
+    "check_fp8_scales",
     "cuda_device_count",
+    "window_pair",
 ]

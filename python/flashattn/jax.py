@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flashattn import InvalidArgumentError, UnsupportedError, _ext, backend_id
+from flashattn import InvalidArgumentError, UnsupportedError, _ext, backend_id, check_fp8_scales, window_pair
 
 __all__ = ["dot_product_attention", "flash_attn_with_kvcache"]
 
@@ -318,19 +318,12 @@ def flash_attn_with_kvcache(
     cache_seqlens = _int32_array("cache_seqlens", cache_seqlens, 1)
     if (rotary_cos is None) != (rotary_sin is None):
         raise InvalidArgumentError("rotary_cos, rotary_sin: give both or neither")
-    fp8 = k_cache.dtype == jnp.float8_e4m3fn
-    if fp8 and (k_scale is None or v_scale is None):
-        raise InvalidArgumentError(("k_scale" if k_scale is None else "v_scale") + ": required with a float8_e4m3fn "
-                                   "cache (real value = fp8 value * scale)")
+    check_fp8_scales(k_cache.dtype == jnp.float8_e4m3fn, k_scale, v_scale)
     if alibi_slopes is not None:
         alibi_slopes = jnp.asarray(alibi_slopes)
         if alibi_slopes.dtype != jnp.float32:
             raise InvalidArgumentError(f"alibi_slopes: dtype must be float32, got {alibi_slopes.dtype}")
-    try:
-        left, right = (int(w) for w in window_size)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(
-            f"window_size: must be a pair (left, right) with -1 for unbounded, got {window_size!r}") from None
+    left, right = window_pair(window_size)
 
     def present_or(x, dtype):  # absent operands are (0,) placeholders that the handler never reads
         return x if x is not None else jnp.zeros((0,), dtype)

@@ -34,7 +34,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from flashattn import InvalidArgumentError, UnsupportedError, _ext, backend_id
+from flashattn import InvalidArgumentError, UnsupportedError, _ext, backend_id, check_fp8_scales, window_pair
 
 __all__ = [
     "flash_attn_func",
@@ -97,13 +97,7 @@ def _empty(shape, like: Tensor, dtype=None) -> Tensor:
 
 
 def _window(window_size) -> Tuple[int, int]:
-    try:
-        left, right = window_size
-        return int(left), int(right)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(
-            f"window_size: must be a pair (left, right) with -1 for unbounded, got {window_size!r}"
-        ) from None
+    return window_pair(window_size)
 
 
 def _scale(softmax_scale) -> float:
@@ -713,9 +707,7 @@ def flash_attn_with_kvcache(
     left, right = _window(window_size)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     rotary_cos, rotary_sin = _last_dim_contiguous(rotary_cos), _last_dim_contiguous(rotary_sin)
-    if _is_fp8(k_cache) and (k_scale is None or v_scale is None):
-        raise InvalidArgumentError(("k_scale" if k_scale is None else "v_scale") + ": required with a float8_e4m3fn "
-                                   "cache (real value = fp8 value * scale)")
+    check_fp8_scales(_is_fp8(k_cache), k_scale, v_scale)
     run = _kvcache_impl if _eager() else _kvcache
     out, lse = run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, alibi_slopes,
                         _scale(softmax_scale), bool(causal), left, right, float(softcap), bool(rotary_interleaved),
