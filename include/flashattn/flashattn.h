@@ -189,6 +189,14 @@ typedef struct fa_kvcache_args {
      one-column block_table); on CUDA S_cache must then be a power of two >= 16 (else FA_ERROR_UNSUPPORTED).
      Absent: sequence b is entry b. */
   fa_tensor cache_batch_idx;
+  /* optional int32 (B): left padding (flash_attn's cache_leftpad). Sequence b's keys are cache rows
+     [cache_leftpad[b], cache_seqlens[b] + S_new); the rows before are padding that no query sees and that is
+     never read. Positions stay those of the cache rows: rotary positions, the causal / window alignment and
+     ALiBi distances are the same as without padding (only which keys exist changes). Entries must be in
+     [0, cache_seqlens[b]]. Host tensors are checked; on CUDA, check_indices checks them on the device, and
+     without it a sequence whose entry is out of range gets NaN in out and lse and writes nothing.
+     Contiguous and paged caches (and cache_batch_idx). Absent: every sequence starts at row 0. */
+  fa_tensor cache_leftpad;
 } fa_kvcache_args;
 
 typedef struct fa_kvcache_plan {

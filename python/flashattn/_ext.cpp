@@ -244,7 +244,7 @@ fa_kvcache_args kvcache_args(const Array& q, const Array& k_cache, const Array& 
                              const Array& cache_seqlens, const Array& k_new, const Array& v_new,
                              const Array& rotary_cos, const Array& rotary_sin, bool rotary_interleaved,
                              const Array& out, const Array& lse, int num_splits, const Array& workspace, bool fp8_cache,
-                             float k_scale, float v_scale, const Array& cache_batch_idx) {
+                             float k_scale, float v_scale, const Array& cache_batch_idx, const Array& cache_leftpad) {
   fa_kvcache_args args;
   std::memset(&args, 0, sizeof(args));
   args.q = view(q, "q");
@@ -264,6 +264,7 @@ fa_kvcache_args kvcache_args(const Array& q, const Array& k_cache, const Array& 
   args.num_splits = num_splits;
   args.workspace = view(workspace, "workspace");
   args.cache_batch_idx = view(cache_batch_idx, "cache_batch_idx");
+  args.cache_leftpad = view(cache_leftpad, "cache_leftpad");
   return args;
 }
 
@@ -272,10 +273,11 @@ std::string kvcache(const Array& q, const Array& k_cache, const Array& v_cache, 
                     const Array& rotary_sin, bool rotary_interleaved, const Array& out, const Array& lse,
                     int num_splits, const Array& workspace, const Array& alibi_slopes, float softmax_scale,
                     bool causal, int window_left, int window_right, float softcap, int backend, int num_threads,
-                    uintptr_t stream, bool fp8_cache, float k_scale, float v_scale, const Array& cache_batch_idx) {
+                    uintptr_t stream, bool fp8_cache, float k_scale, float v_scale, const Array& cache_batch_idx,
+                    const Array& cache_leftpad) {
   const fa_kvcache_args args = kvcache_args(q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, rotary_cos,
                                             rotary_sin, rotary_interleaved, out, lse, num_splits, workspace, fp8_cache,
-                                            k_scale, v_scale, cache_batch_idx);
+                                            k_scale, v_scale, cache_batch_idx, cache_leftpad);
   fa_stats stats{};
   const CallOptions o =
       make_options(softmax_scale, causal, window_left, window_right, softcap, 0.f, 0, 0, false, backend, num_threads, stream);
@@ -297,10 +299,10 @@ std::tuple<int, int64_t> plan_kvcache(const Array& q, const Array& k_cache, cons
                                       bool rotary_interleaved, const Array& out, const Array& lse, int num_splits,
                                       const Array& alibi_slopes, float softmax_scale, bool causal, int window_left,
                                       int window_right, float softcap, int backend, bool fp8_cache, float k_scale,
-                                      float v_scale, const Array& cache_batch_idx) {
+                                      float v_scale, const Array& cache_batch_idx, const Array& cache_leftpad) {
   const fa_kvcache_args args = kvcache_args(q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, rotary_cos,
                                             rotary_sin, rotary_interleaved, out, lse, num_splits, Array(), fp8_cache,
-                                            k_scale, v_scale, cache_batch_idx);
+                                            k_scale, v_scale, cache_batch_idx, cache_leftpad);
   const CallOptions o =
       make_options(softmax_scale, causal, window_left, window_right, softcap, 0.f, 0, 0, false, backend, 0, 0);
   const fa_options options = to_fa_options(o, view(alibi_slopes, "alibi_slopes"), nullptr);
@@ -444,16 +446,19 @@ NB_MODULE(_ext, m) {
         nb::arg("softmax_scale"), nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"),
         nb::arg("softcap"), nb::arg("backend"), nb::arg("num_threads"), nb::arg("stream"), nb::arg("fp8_cache") = false,
         nb::arg("k_scale") = 0.f, nb::arg("v_scale") = 0.f, nb::arg("cache_batch_idx").none() = nb::none(),
+        nb::arg("cache_leftpad").none() = nb::none(),
         "Append k_new/v_new into the cache (in place), then attend. Returns the kernel that ran. fp8_cache: the "
         "caches are uint8 views of float8 e4m3 codes, dequantised with k_scale / v_scale. cache_batch_idx: the "
-        "cache's batch entry of each sequence (contiguous caches).");
+        "cache's batch entry of each sequence (contiguous caches). cache_leftpad: the first cache row of each "
+        "sequence (the rows before are padding).");
   m.def("plan_kvcache", &plan_kvcache, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"),
         nb::arg("block_table").none(), nb::arg("cache_seqlens"), nb::arg("k_new").none(), nb::arg("v_new").none(),
         nb::arg("rotary_cos").none(), nb::arg("rotary_sin").none(), nb::arg("rotary_interleaved"), nb::arg("out"),
         nb::arg("lse").none(), nb::arg("num_splits"), nb::arg("alibi_slopes").none(), nb::arg("softmax_scale"),
         nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"), nb::arg("softcap"), nb::arg("backend"),
         nb::arg("fp8_cache") = false, nb::arg("k_scale") = 0.f, nb::arg("v_scale") = 0.f,
-        nb::arg("cache_batch_idx").none() = nb::none(), "(num_splits, workspace_bytes) for this batch shape.");
+        nb::arg("cache_batch_idx").none() = nb::none(), nb::arg("cache_leftpad").none() = nb::none(),
+        "(num_splits, workspace_bytes) for this batch shape.");
   m.def("check_dense", &check_dense, nb::arg("q_shape"), nb::arg("k_shape"), nb::arg("v_shape"),
         nb::arg("q_dtype"), nb::arg("k_dtype"), nb::arg("v_dtype"), nb::arg("alibi_shape").none(),
         nb::arg("softmax_scale"), nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"),

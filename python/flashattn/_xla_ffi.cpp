@@ -11,7 +11,8 @@
 // rng only when dropout_p > 0.
 //   kvcache  q (B, Sq, Hq, D), k_cache, v_cache (contiguous (B_cache, S_cache, Hk, D) or paged (num_blocks, block_size,
 //            Hk, D)), k_new, v_new (B, S_new, Hk, D), cache_seqlens (B) s32, block_table (B, max_blocks) s32,
-//            rotary_cos, rotary_sin (S_rotary, rotary_dim / 2), cache_batch_idx (B) s32, alibi_slopes (Hq) or (B, Hq) f32
+//            rotary_cos, rotary_sin (S_rotary, rotary_dim / 2), cache_batch_idx (B) s32, cache_leftpad (B) s32,
+//            alibi_slopes (Hq) or (B, Hq) f32
 //            -> out (B, Sq, Hq, Dv), lse (B, Hq, Sq) f32; the "append" target also -> k_cache, v_cache, which
 //            flashattn.jax aliases to the k_cache and v_cache operands (input_output_aliases): the new rows are
 //            written into the caches in place, and XLA copies them first only where the caller did not donate them.
@@ -294,7 +295,7 @@ struct KvcacheAttrs {
   float softcap;
   int32_t rotary_interleaved, num_splits;
   float k_scale, v_scale;
-  int32_t has_block_table, has_rotary, has_batch_idx, has_alibi, backend;
+  int32_t has_block_table, has_rotary, has_batch_idx, has_leftpad, has_alibi, backend;
 };
 
 // One fa_kvcache call. k_cache / v_cache are the buffers the call reads and, with k_new, writes: the results of the
@@ -304,7 +305,7 @@ struct KvcacheAttrs {
 ffi::Error kvcache(fa_device_kind device, void* stream, int device_id, ffi::AnyBuffer q, void* k_cache_data,
                    const ffi::AnyBuffer& k_cache, void* v_cache_data, const ffi::AnyBuffer& v_cache, ffi::AnyBuffer* k_new,
                    ffi::AnyBuffer* v_new, ffi::AnyBuffer cache_seqlens, ffi::AnyBuffer block_table,
-                   ffi::AnyBuffer rotary_cos, ffi::AnyBuffer rotary_sin, ffi::AnyBuffer cache_batch_idx,
+                   ffi::AnyBuffer rotary_cos, ffi::AnyBuffer rotary_sin, ffi::AnyBuffer cache_batch_idx, ffi::AnyBuffer cache_leftpad,
                    ffi::AnyBuffer alibi_slopes, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                    const KvcacheAttrs& a) {
   try {
@@ -332,6 +333,7 @@ ffi::Error kvcache(fa_device_kind device, void* stream, int device_id, ffi::AnyB
     }
     args.rotary_interleaved = a.rotary_interleaved;
     if (a.has_batch_idx) args.cache_batch_idx = whole("cache_batch_idx", cache_batch_idx.untyped_data(), cache_batch_idx);
+    if (a.has_leftpad) args.cache_leftpad = whole("cache_leftpad", cache_leftpad.untyped_data(), cache_leftpad);
     args.out = result("out", out);
     args.lse = result("lse", lse);
     args.num_splits = a.num_splits;
@@ -352,36 +354,37 @@ ffi::Error kvcache(fa_device_kind device, void* stream, int device_id, ffi::AnyB
 
 KvcacheAttrs kvcache_attrs_of(float softmax_scale, int32_t causal, int32_t window_left, int32_t window_right,
                               float softcap, int32_t rotary_interleaved, int32_t num_splits, float k_scale, float v_scale,
-                              int32_t has_block_table, int32_t has_rotary, int32_t has_batch_idx, int32_t has_alibi,
-                              int32_t backend) {
-  return KvcacheAttrs{softmax_scale, causal,      window_left, window_right,  softcap,   rotary_interleaved, num_splits,
-                      k_scale,       v_scale,     has_block_table, has_rotary, has_batch_idx, has_alibi,     backend};
+                              int32_t has_block_table, int32_t has_rotary, int32_t has_batch_idx, int32_t has_leftpad,
+                              int32_t has_alibi, int32_t backend) {
+  return KvcacheAttrs{softmax_scale, causal,     window_left, window_right,  softcap,     rotary_interleaved, num_splits,
+                      k_scale,       v_scale,    has_block_table, has_rotary, has_batch_idx, has_leftpad, has_alibi,
+                      backend};
 }
 
 // The handlers' attribute parameters, in FA_FFI_KVCACHE_ATTRS' order.
 #define FA_KVCACHE_ATTR_PARAMS                                                                                      \
   float softmax_scale, int32_t causal, int32_t window_left, int32_t window_right, float softcap,                   \
       int32_t rotary_interleaved, int32_t num_splits, float k_scale, float v_scale, int32_t has_block_table,        \
-      int32_t has_rotary, int32_t has_batch_idx, int32_t has_alibi, int32_t backend
+      int32_t has_rotary, int32_t has_batch_idx, int32_t has_leftpad, int32_t has_alibi, int32_t backend
 #define FA_KVCACHE_ATTR_VALUES                                                                                      \
   kvcache_attrs_of(softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved, num_splits,       \
-                   k_scale, v_scale, has_block_table, has_rotary, has_batch_idx, has_alibi, backend)
+                   k_scale, v_scale, has_block_table, has_rotary, has_batch_idx, has_leftpad, has_alibi, backend)
 
 // Read only (no k / v): 2 results.
 ffi::Error kvcache_read(fa_device_kind device, void* stream, int device_id, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                         ffi::AnyBuffer v_cache, ffi::AnyBuffer cache_seqlens, ffi::AnyBuffer block_table,
-                        ffi::AnyBuffer rotary_cos, ffi::AnyBuffer rotary_sin, ffi::AnyBuffer cache_batch_idx,
+                        ffi::AnyBuffer rotary_cos, ffi::AnyBuffer rotary_sin, ffi::AnyBuffer cache_batch_idx, ffi::AnyBuffer cache_leftpad,
                         ffi::AnyBuffer alibi, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                         const KvcacheAttrs& a) {
   return kvcache(device, stream, device_id, q, k_cache.untyped_data(), k_cache, v_cache.untyped_data(), v_cache, nullptr,
-                 nullptr, cache_seqlens, block_table, rotary_cos, rotary_sin, cache_batch_idx, alibi, out, lse, a);
+                 nullptr, cache_seqlens, block_table, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, alibi, out, lse, a);
 }
 
 // Append (k / v written into the caches first): 4 results, the last two the caches (aliased to k_cache, v_cache).
 ffi::Error kvcache_append(fa_device_kind device, void* stream, int device_id, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                           ffi::AnyBuffer v_cache, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::AnyBuffer cache_seqlens,
                           ffi::AnyBuffer block_table, ffi::AnyBuffer rotary_cos, ffi::AnyBuffer rotary_sin,
-                          ffi::AnyBuffer cache_batch_idx, ffi::AnyBuffer alibi, ffi::Result<ffi::AnyBuffer> out,
+                          ffi::AnyBuffer cache_batch_idx, ffi::AnyBuffer cache_leftpad, ffi::AnyBuffer alibi, ffi::Result<ffi::AnyBuffer> out,
                           ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> k_cache_out,
                           ffi::Result<ffi::AnyBuffer> v_cache_out, const KvcacheAttrs& a) {
   // The aliasing makes each result the operand's buffer; if XLA ever handed out another one, copy the cache there
@@ -403,47 +406,47 @@ ffi::Error kvcache_append(fa_device_kind device, void* stream, int device_id, ff
   if (!same_or_copied(k_cache, k_cache_out) || !same_or_copied(v_cache, v_cache_out))
     return ffi::Error(ffi::ErrorCode::kInternal, "flashattn: the updated caches must have the caches' shapes");
   return kvcache(device, stream, device_id, q, k_cache_out->untyped_data(), k_cache, v_cache_out->untyped_data(), v_cache,
-                 &k_new, &v_new, cache_seqlens, block_table, rotary_cos, rotary_sin, cache_batch_idx, alibi, out, lse, a);
+                 &k_new, &v_new, cache_seqlens, block_table, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, alibi, out, lse, a);
 }
 
 ffi::Error kvcache_read_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer cache_seqlens,
                             ffi::AnyBuffer block_table, ffi::AnyBuffer rotary_cos, ffi::AnyBuffer rotary_sin,
-                            ffi::AnyBuffer cache_batch_idx, ffi::AnyBuffer alibi, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::AnyBuffer cache_batch_idx, ffi::AnyBuffer cache_leftpad, ffi::AnyBuffer alibi, ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::AnyBuffer> lse, FA_KVCACHE_ATTR_PARAMS) {
   return kvcache_read(FA_DEVICE_CPU, nullptr, 0, q, k_cache, v_cache, cache_seqlens, block_table, rotary_cos, rotary_sin,
-                      cache_batch_idx, alibi, out, lse, FA_KVCACHE_ATTR_VALUES);
+                      cache_batch_idx, cache_leftpad, alibi, out, lse, FA_KVCACHE_ATTR_VALUES);
 }
 
 ffi::Error kvcache_append_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer k_new,
                               ffi::AnyBuffer v_new, ffi::AnyBuffer cache_seqlens, ffi::AnyBuffer block_table,
-                              ffi::AnyBuffer rotary_cos, ffi::AnyBuffer rotary_sin, ffi::AnyBuffer cache_batch_idx,
+                              ffi::AnyBuffer rotary_cos, ffi::AnyBuffer rotary_sin, ffi::AnyBuffer cache_batch_idx, ffi::AnyBuffer cache_leftpad,
                               ffi::AnyBuffer alibi, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                               ffi::Result<ffi::AnyBuffer> k_cache_out, ffi::Result<ffi::AnyBuffer> v_cache_out,
                               FA_KVCACHE_ATTR_PARAMS) {
   return kvcache_append(FA_DEVICE_CPU, nullptr, 0, q, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
-                        rotary_cos, rotary_sin, cache_batch_idx, alibi, out, lse, k_cache_out, v_cache_out,
+                        rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, alibi, out, lse, k_cache_out, v_cache_out,
                         FA_KVCACHE_ATTR_VALUES);
 }
 
 #if defined(FLASHATTN_WITH_CUDA)
 ffi::Error kvcache_read_cuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                              ffi::AnyBuffer v_cache, ffi::AnyBuffer cache_seqlens, ffi::AnyBuffer block_table,
-                             ffi::AnyBuffer rotary_cos, ffi::AnyBuffer rotary_sin, ffi::AnyBuffer cache_batch_idx,
+                             ffi::AnyBuffer rotary_cos, ffi::AnyBuffer rotary_sin, ffi::AnyBuffer cache_batch_idx, ffi::AnyBuffer cache_leftpad,
                              ffi::AnyBuffer alibi, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                              FA_KVCACHE_ATTR_PARAMS) {
   return kvcache_read(FA_DEVICE_CUDA, stream, device_ordinal, q, k_cache, v_cache, cache_seqlens, block_table, rotary_cos,
-                      rotary_sin, cache_batch_idx, alibi, out, lse, FA_KVCACHE_ATTR_VALUES);
+                      rotary_sin, cache_batch_idx, cache_leftpad, alibi, out, lse, FA_KVCACHE_ATTR_VALUES);
 }
 
 ffi::Error kvcache_append_cuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                                ffi::AnyBuffer v_cache, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
                                ffi::AnyBuffer cache_seqlens, ffi::AnyBuffer block_table, ffi::AnyBuffer rotary_cos,
-                               ffi::AnyBuffer rotary_sin, ffi::AnyBuffer cache_batch_idx, ffi::AnyBuffer alibi,
+                               ffi::AnyBuffer rotary_sin, ffi::AnyBuffer cache_batch_idx, ffi::AnyBuffer cache_leftpad, ffi::AnyBuffer alibi,
                                ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                                ffi::Result<ffi::AnyBuffer> k_cache_out, ffi::Result<ffi::AnyBuffer> v_cache_out,
                                FA_KVCACHE_ATTR_PARAMS) {
   return kvcache_append(FA_DEVICE_CUDA, stream, device_ordinal, q, k_cache, v_cache, k_new, v_new, cache_seqlens,
-                        block_table, rotary_cos, rotary_sin, cache_batch_idx, alibi, out, lse, k_cache_out, v_cache_out,
+                        block_table, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, alibi, out, lse, k_cache_out, v_cache_out,
                         FA_KVCACHE_ATTR_VALUES);
 }
 #endif
@@ -512,7 +515,8 @@ ffi::Error backward_cuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer q,
 #define FA_FFI_KVCACHE_TAIL_OPERANDS                                                                   \
   .Arg<ffi::AnyBuffer>() /* cache_seqlens */.Arg<ffi::AnyBuffer>() /* block_table */                   \
       .Arg<ffi::AnyBuffer>() /* rotary_cos */.Arg<ffi::AnyBuffer>() /* rotary_sin */                   \
-      .Arg<ffi::AnyBuffer>() /* cache_batch_idx */.Arg<ffi::AnyBuffer>() /* alibi_slopes */            \
+      .Arg<ffi::AnyBuffer>() /* cache_batch_idx */.Arg<ffi::AnyBuffer>() /* cache_leftpad */           \
+      .Arg<ffi::AnyBuffer>() /* alibi_slopes */                                                        \
       .Ret<ffi::AnyBuffer>() /* out */.Ret<ffi::AnyBuffer>() /* lse */
 #define FA_FFI_KVCACHE_READ_OPERANDS FA_FFI_KVCACHE_LEAD_OPERANDS FA_FFI_KVCACHE_TAIL_OPERANDS
 #define FA_FFI_KVCACHE_APPEND_OPERANDS                                                                 \
@@ -523,7 +527,7 @@ ffi::Error backward_cuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer q,
       .Attr<int32_t>("window_right").Attr<float>("softcap").Attr<int32_t>("rotary_interleaved")        \
       .Attr<int32_t>("num_splits").Attr<float>("k_scale").Attr<float>("v_scale")                       \
       .Attr<int32_t>("has_block_table").Attr<int32_t>("has_rotary").Attr<int32_t>("has_batch_idx")     \
-      .Attr<int32_t>("has_alibi").Attr<int32_t>("backend")
+      .Attr<int32_t>("has_leftpad").Attr<int32_t>("has_alibi").Attr<int32_t>("backend")
 #define FA_FFI_COMMON_ATTRS                                                                            \
   .Attr<float>("softmax_scale").Attr<int32_t>("causal").Attr<int32_t>("window_left")                   \
       .Attr<int32_t>("window_right").Attr<float>("softcap").Attr<float>("dropout_p")                   \

@@ -281,7 +281,9 @@ def flash_attn_with_kvcache(
     when given; q is rotated at cache_seqlens + i when causal or windowed, else at cache_seqlens), and attention
     covers cache_seqlens[b] + S_new keys. causal and window_size (left, right; -1 unbounded) are aligned to the
     bottom-right corner; softcap, alibi_slopes (Hq) or (B, Hq) float32, num_splits (0: the library's choice),
-    cache_batch_idx (B,) int32 (contiguous caches: sequence b uses cache entry cache_batch_idx[b]), an FP8 cache
+    cache_batch_idx (B,) int32 (contiguous caches: sequence b uses cache entry cache_batch_idx[b]), cache_leftpad
+    (B,) int32 (left padding: sequence b's keys are cache rows [cache_leftpad[b], cache_seqlens[b] + S_new), positions
+    stay the rows' own; entries in [0, cache_seqlens[b]]; contiguous and paged caches), an FP8 cache
     (dtype float8_e4m3fn with the float scales k_scale, v_scale; real value = fp8 value * scale), backend ("auto",
     "cpu", "cuda" or "reference").
 
@@ -289,11 +291,8 @@ def flash_attn_with_kvcache(
     immutable: with k and v the updated caches follow, (out, k_cache, v_cache) or (out, softmax_lse, k_cache,
     v_cache). They alias the cache operands, so a jitted decode step that donates its caches
     (jax.jit(step, donate_argnums=...)) appends in place; without donation XLA first copies the caches. The call
-    runs in XLA as one custom call (CPU or CUDA, where the arrays live); jax.vmap is not supported. Not supported
-    (an error names it): cache_leftpad.
+    runs in XLA as one custom call (CPU or CUDA, where the arrays live); jax.vmap is not supported.
     """
-    if cache_leftpad is not None:
-        raise UnsupportedError("cache_leftpad: not supported by flashattn")
     q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
     if q.ndim != 4 or k_cache.ndim != 4 or v_cache.ndim != 4:
         raise InvalidArgumentError(
@@ -309,6 +308,8 @@ def flash_attn_with_kvcache(
         block_table = _int32_array("block_table", block_table, 2)
     if cache_batch_idx is not None:
         cache_batch_idx = _int32_array("cache_batch_idx", cache_batch_idx, 1)
+    if cache_leftpad is not None:
+        cache_leftpad = _int32_array("cache_leftpad", cache_leftpad, 1)
     if cache_seqlens is None:
         if append:
             raise InvalidArgumentError("cache_seqlens: required when k and v are appended (where would they go?)")
@@ -341,12 +342,13 @@ def flash_attn_with_kvcache(
         has_block_table=np.int32(block_table is not None),
         has_rotary=np.int32(rotary_cos is not None),
         has_batch_idx=np.int32(cache_batch_idx is not None),
+        has_leftpad=np.int32(cache_leftpad is not None),
         has_alibi=np.int32(alibi_slopes is not None),
         backend=np.int32(backend_id(backend)),
     )
     tail = (cache_seqlens, present_or(block_table, jnp.int32), present_or(rotary_cos, q.dtype),
             present_or(rotary_sin, q.dtype), present_or(cache_batch_idx, jnp.int32),
-            present_or(alibi_slopes, jnp.float32))
+            present_or(cache_leftpad, jnp.int32), present_or(alibi_slopes, jnp.float32))
     results = [jax.ShapeDtypeStruct(q.shape[:3] + (v_cache.shape[3],), q.dtype),
                jax.ShapeDtypeStruct((batch, q.shape[2], q.shape[1]), jnp.float32)]
     if append:

@@ -17,8 +17,9 @@ flash_attn_with_kvcache), with these differences:
 - Dropout uses flashattn's Philox keep-mask (docs/DROPOUT.md), seeded from torch's default CPU
   generator: results are reproducible under torch.manual_seed, but the mask differs from
   flash_attn's. Each call with dropout draws a fresh (seed, offset) pair; backward reuses it.
-- flash_attn_with_kvcache: cache_leftpad is not supported (an error says so); cache_batch_idx
-  works with contiguous caches (as in flash_attn; with block_table it is refused);
+- flash_attn_with_kvcache: cache_batch_idx works with contiguous caches (as in flash_attn; with
+  block_table it is refused); cache_leftpad works with contiguous and paged caches (flash_attn
+  refuses it with block_table);
   cache_seqlens=None means "the whole cache is filled" and is refused when k/v are given.
 - Extra keyword-only argument ``backend`` ("auto", "reference", "flash", "standard", "cuda"):
   "reference" runs the float64 oracle (slow; for tests).
@@ -436,6 +437,7 @@ def _kvcache_impl(
     k_scale: float = 0.0,
     v_scale: float = 0.0,
     cache_batch_idx: Optional[Tensor] = None,
+    cache_leftpad: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     out_shape, lse_shape = _dense_out_shapes(q, v_cache)
     out = _empty(out_shape, q)
@@ -451,7 +453,7 @@ def _kvcache_impl(
             out, lse, num_splits)
     options = (softmax_scale, causal, window_left, window_right, softcap, backend)
     cache_options = {"fp8_cache": fp8, "k_scale": float(k_scale), "v_scale": float(v_scale),
-                     "cache_batch_idx": cache_batch_idx}
+                     "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad}
     workspace = None
     if q.device.type == "cuda":
         # Plan once on the host, then run allocation-free with torch's memory.
@@ -473,7 +475,7 @@ _kvcache = torch.library.custom_op("flashattn::kvcache", _kvcache_impl, mutates_
 @_kvcache.register_fake
 def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, alibi_slopes, softmax_scale,
       causal, window_left, window_right, softcap, rotary_interleaved, num_splits, backend, k_scale=0.0, v_scale=0.0,
-      cache_batch_idx=None):
+      cache_batch_idx=None, cache_leftpad=None):
     out_shape, lse_shape = _dense_out_shapes(q, v_cache)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -692,9 +694,12 @@ def flash_attn_with_kvcache(
     cache_batch_idx[b] of k_cache / v_cache, whose dimension 0 is then the cache's own batch (a server's
     slots). Entries in [0, k_cache.shape[0]) and, when k/v are appended, distinct; on CUDA, S_cache a power of two
     >= 16.
+
+    cache_leftpad (B,) int32: left padding, as in flash_attn. Sequence b's keys are cache rows
+    [cache_leftpad[b], cache_seqlens[b] + S_new); the rows before are never read. Positions are the rows' own:
+    rotary, causal / window alignment and ALiBi are as without padding. Entries in [0, cache_seqlens[b]].
+    Contiguous and paged caches (flash_attn refuses it with block_table).
     """
-    if cache_leftpad is not None:
-        raise UnsupportedError("cache_leftpad: not supported by flashattn")
     _check_no_grad_for("flash_attn_with_kvcache", q, k, v)
     if cache_seqlens is None:
         if k is not None or v is not None:
@@ -712,5 +717,5 @@ def flash_attn_with_kvcache(
     out, lse = run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, alibi_slopes,
                         _scale(softmax_scale), bool(causal), left, right, float(softcap), bool(rotary_interleaved),
                         int(num_splits), backend_id(backend), float(k_scale or 0.0), float(v_scale or 0.0),
-                        cache_batch_idx)
+                        cache_batch_idx, cache_leftpad)
     return (out, lse) if return_softmax_lse else out

@@ -215,10 +215,10 @@ struct Core {
   bool check_block_ids;          // kvcache checks them itself, with its own lengths
 };
 
-// Every block that holds one of the first length(b) keys of sequence b must be a valid block id.
-// Only host memory can be read here; entries past the used length are never read by any backend.
-template <typename Length>
-Status check_block_ids(const fa_tensor& table, const AttentionParams& p, Length length) {
+// Every block that holds one of the keys [first(b), length(b)) of sequence b must be a valid block id.
+// Only host memory can be read here; entries outside that range are never read by any backend.
+template <typename Length, typename First>
+Status check_block_ids(const fa_tensor& table, const AttentionParams& p, Length length, First first) {
   const int32_t* host = host_index(table);
   if (host == nullptr) return Status();
   for (int b = 0; b < p.batch; ++b) {
@@ -226,7 +226,7 @@ Status check_block_ids(const fa_tensor& table, const AttentionParams& p, Length 
     if (used_blocks > table.shape[1])
       return FA_INVALID("block_table: sequence %d needs %lld blocks but the table has %lld columns", b, (long long)used_blocks,
                         (long long)table.shape[1]);
-    for (int64_t n = 0; n < used_blocks; ++n) {
+    for (int64_t n = first(b) / p.page_block_size; n < used_blocks; ++n) {
       const int32_t id = host[b * table.strides[0] + n * table.strides[1]];
       if (id < 0 || id >= p.num_blocks)
         return FA_INVALID("block_table: entry (%d, %lld) = %d is not a block id in [0, %d)", b, (long long)n, id, p.num_blocks);
@@ -353,7 +353,7 @@ Status fill_core(const Core& c, const fa_options& options, AttentionParams* p) {
       if (used != nullptr) return used[b * c.seqused_k->strides[0]];
       if (cu_k != nullptr) return cu_k[(b + 1) * c.cu_seqlens_k.strides[0]] - cu_k[b * c.cu_seqlens_k.strides[0]];
       return p->seqlen_k;
-    }));
+    }, [](int) { return 0; }));
   }
 
   strides_of(c.q, &p->q_batch_stride, &p->q_row_stride, &p->q_head_stride);
@@ -612,6 +612,24 @@ Status make_kvcache_params(const fa_kvcache_args& a, const fa_options& options, 
     }
   }
 
+  // cache_leftpad: sequence b's keys are rows [cache_leftpad[b], cache_seqlens[b] + S_new) (flash_attn's argument).
+  if (a.cache_leftpad.data != nullptr) {
+    const Arg lp{"cache_leftpad", a.cache_leftpad};
+    FA_RETURN_IF_ERROR(check_index(lp, q, 1, "(B)"));
+    FA_RETURN_IF_ERROR(check_extent(lp, 0, "B", p->batch, "q"));
+    p->cache_leftpad = static_cast<const int32_t*>(a.cache_leftpad.data);
+    const int32_t* host = host_index(a.cache_leftpad);
+    const int32_t* cached = host_index(a.cache_seqlens);
+    if (host != nullptr && cached != nullptr)
+      for (int b = 0; b < p->batch; ++b) {
+        const int32_t pad = host[b * a.cache_leftpad.strides[0]], length = cached[b * a.cache_seqlens.strides[0]];
+        if (pad < 0 || pad > length)
+          return FA_INVALID("cache_leftpad: entry %d = %d must be in [0, cache_seqlens[%d] = %d] (padding rows before the "
+                            "sequence's cached keys)",
+                            b, pad, b, length);
+      }
+  }
+
   if (const int32_t* host = batch_idx ? host_index(a.cache_batch_idx) : nullptr) {
     // In range, and distinct when appending (two sequences writing one cache entry would race).
     std::vector<std::pair<int32_t, int>> entries;  // (cache entry, sequence)
@@ -665,9 +683,10 @@ Status make_kvcache_params(const fa_kvcache_args& a, const fa_options& options, 
   }
   if (paged) {
     const int32_t* cached = host_index(a.cache_seqlens);
-    FA_RETURN_IF_ERROR(check_block_ids(a.block_table, *p, [&](int b) {
-      return cached ? cached[b * a.cache_seqlens.strides[0]] + p->seqlen_new : 0;
-    }));
+    const int32_t* leftpad = p->cache_leftpad != nullptr ? host_index(a.cache_leftpad) : nullptr;
+    FA_RETURN_IF_ERROR(check_block_ids(
+        a.block_table, *p, [&](int b) { return cached ? cached[b * a.cache_seqlens.strides[0]] + p->seqlen_new : 0; },
+        [&](int b) { return leftpad ? leftpad[b * a.cache_leftpad.strides[0]] : 0; }));
   }
   if (a.num_splits < 0) return FA_INVALID("num_splits: must be >= 0 (0 = chosen by the backend), got %d", a.num_splits);
   p->num_splits = a.num_splits;

@@ -46,6 +46,27 @@ struct WindowMask {
   }
 };
 
+// A KV-cache call's mask (fa_kvcache_args.cache_leftpad): the WindowMask of the call over the cache's own positions,
+// and keys below key_floor, the sequence's left padding, visible to no query. The padding changes which keys exist,
+// not where they are: the diagonal, the window and ALiBi distances are those of the call without it. A separate type so
+// that the forward and backward kernels' masks stay as they are.
+struct PaddedWindowMask : WindowMask {
+  int key_floor;  // the first key of the sequence (0: no padding)
+
+  FA_HD PaddedWindowMask(int left, int right, int seqlen_q, int seqlen_k, int floor)
+      : WindowMask(left, right, seqlen_q, seqlen_k), key_floor(floor) {}
+
+  FA_HD bool visible(int i, int j) const { return j >= key_floor && WindowMask::visible(i, j); }
+  // First key visible to any query in [i_begin, i_end): at least key_floor.
+  FA_HD int key_begin(int i_begin) const {
+    const int j = WindowMask::key_begin(i_begin);
+    return j > key_floor ? j : key_floor;
+  }
+  FA_HD bool tile_fully_visible(int i0, int i1, int j0, int j1) const {
+    return visible(i1 - 1, j0) && visible(i0, j1 - 1);
+  }
+};
+
 // The transform of a scaled score before masking: softcap, then ALiBi. Pure function of (i, j).
 struct ScoreTransform {
   float softcap;       // 0 = off

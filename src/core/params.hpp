@@ -124,6 +124,10 @@ struct KvcacheParams : AttentionParams {
   bool block_table_is_batch_idx;
   void* workspace;
   int64_t workspace_bytes;
+  // cache_leftpad [B], optional (null: none): sequence b's keys are rows [cache_leftpad[b], cache_seqlens[b] +
+  // seqlen_new) of its cache; positions (rotary, mask alignment, ALiBi) stay the rows' own. Last, so that the fields
+  // above keep the offsets the decode kernels were tuned with.
+  const int32_t* cache_leftpad;
 };
 
 // Per-sequence extents, the one place that reads cu_seqlens / seqused_k (host or device memory,

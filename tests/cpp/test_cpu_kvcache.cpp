@@ -20,6 +20,7 @@ using fa_test::HostTensor;
 struct KvCase {
   int batch = 2, seqlen_q = 1, heads_q = 4, heads_k = 2, head_dim = 64;
   std::vector<int> cached = {37, 300};  // cache_seqlens per sequence
+  std::vector<int> leftpad;             // cache_leftpad per sequence (empty: none)
   int seqlen_new = 0;
   int capacity = 400;                   // keys per sequence the cache can hold
   int block_size = 0;                   // 0: contiguous cache; else paged with this block size
@@ -42,14 +43,20 @@ struct KvCase {
                     std::to_string(causal) + " window=(" + std::to_string(window_left) + "," + std::to_string(window_right) +
                     ") splits=" + std::to_string(num_splits) + " cached=[";
     for (int c : cached) s += std::to_string(c) + ",";
+    if (!leftpad.empty()) {
+      s += "] leftpad=[";
+      for (int c : leftpad) s += std::to_string(c) + ",";
+    }
     if (fp8) s += " fp8 k_scale=" + std::to_string(k_scale) + " v_scale=" + std::to_string(v_scale);
     return s + "]";
   }
+  int floor_of(int b) const { return leftpad.empty() ? 0 : leftpad[size_t(b)]; }
 };
 
 // The tensors of one case. The paged cache hands out shuffled block ids and keeps spare blocks.
 struct KvTensors {
   HostTensor q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, cos, sin, out, lse, slopes;
+  HostTensor cache_leftpad;  // optional
   bool rotary_interleaved = false;
   float k_scale = 0.f, v_scale = 0.f;  // an FP8 cache's scales (0: a 16-bit cache)
   fa_kvcache_args args() {
@@ -61,6 +68,7 @@ struct KvTensors {
     a.v_cache = v_cache.view();
     if (block_table.numel() > 0 && !block_table.shape().empty()) a.block_table = block_table.view();
     a.cache_seqlens = cache_seqlens.view();
+    if (!cache_leftpad.shape().empty()) a.cache_leftpad = cache_leftpad.view();
     if (k_new.numel() > 0 && !k_new.shape().empty()) {
       a.k_new = k_new.view();
       a.v_new = v_new.view();
@@ -105,6 +113,24 @@ KvTensors make_kv(const KvCase& c, std::mt19937_64& rng) {
   t.v_cache.fill_normal(rng, c.fp8 ? 1.0 / c.v_scale : 1.0);
   t.cache_seqlens = HostTensor({c.batch}, FA_INT32);
   for (int b = 0; b < c.batch; ++b) t.cache_seqlens.set_int(b, c.cached[size_t(b)]);
+  if (!c.leftpad.empty()) {
+    // The padding rows hold NaN: a result that read one would show it.
+    t.cache_leftpad = HostTensor({c.batch}, FA_INT32);
+    const int64_t row = int64_t(c.heads_k) * d;
+    for (int b = 0; b < c.batch; ++b) {
+      t.cache_leftpad.set_int(b, c.leftpad[size_t(b)]);
+      for (int j = 0; j < c.leftpad[size_t(b)]; ++j) {
+        int64_t cache_row = int64_t(b) * c.capacity + j;
+        if (c.block_size > 0)
+          cache_row = int64_t(t.block_table.get_int(int64_t(b) * t.block_table.shape()[1] + j / c.block_size)) * c.block_size +
+                      j % c.block_size;
+        for (int64_t x = 0; x < row; ++x) {
+          t.k_cache.set(cache_row * row + x, std::numeric_limits<double>::quiet_NaN());
+          t.v_cache.set(cache_row * row + x, std::numeric_limits<double>::quiet_NaN());
+        }
+      }
+    }
+  }
   if (c.seqlen_new > 0) {
     t.k_new = HostTensor({c.batch, c.seqlen_new, c.heads_k, d}, c.dtype);
     t.v_new = HostTensor({c.batch, c.seqlen_new, c.heads_k, d}, c.dtype);
@@ -486,17 +512,19 @@ void expect_kvcache_like_oracle(const KvCase& c, const std::string& what) {
   pr.head_dim = c.head_dim;
   pr.dtype = c.dtype;
   pr.varlen_q.assign(size_t(c.batch), c.seqlen_q);
-  for (int b = 0; b < c.batch; ++b) pr.varlen_k.push_back(c.cached[size_t(b)] + c.seqlen_new);
+  // the keys of sequence b are rows [leftpad, cached + new) of its cache
+  for (int b = 0; b < c.batch; ++b) pr.varlen_k.push_back(c.cached[size_t(b)] + c.seqlen_new - c.floor_of(b));
   fa_test::Tensors v = fa_test::make_tensors(pr, rng);
   const double k_scale = c.fp8 ? c.k_scale : 1.0, v_scale = c.fp8 ? c.v_scale : 1.0;
   const int row = c.heads_k * c.head_dim;
   int64_t k0 = 0;
   for (int b = 0; b < c.batch; ++b) {
     for (int j = 0; j < pr.varlen_k[size_t(b)]; ++j) {
-      int64_t src_row = int64_t(b) * c.capacity + j;
+      const int row_j = j + c.floor_of(b);  // the key's row in the cache
+      int64_t src_row = int64_t(b) * c.capacity + row_j;
       if (c.block_size > 0)
-        src_row = int64_t(t.block_table.get_int(int64_t(b) * t.block_table.shape()[1] + j / c.block_size)) * c.block_size +
-                  j % c.block_size;
+        src_row = int64_t(t.block_table.get_int(int64_t(b) * t.block_table.shape()[1] + row_j / c.block_size)) * c.block_size +
+                  row_j % c.block_size;
       for (int x = 0; x < row; ++x) {
         const double kv = t.k_cache.get(src_row * row + x) * k_scale, vv = t.v_cache.get(src_row * row + x) * v_scale;
         v.k.set((k0 + j) * row + x, kv);
@@ -531,6 +559,68 @@ TEST(CpuKvcache, HalfPrecisionAgainstOracle) {
       c.causal = true;
       c.cached = {200, 57};
       expect_kvcache_like_oracle(c, "kvcache 16-bit block " + std::to_string(block_size));
+    }
+}
+
+// cache_leftpad: sequence b's keys are cache rows [leftpad[b], cached[b] + new); the padding rows hold NaN (make_kv).
+// Against the float64 oracle over exactly those keys (causal alignment unchanged: positions are the rows'), and the
+// flash backend against the reference with the options the oracle does not take (rotary at the rows' positions,
+// windows, ALiBi, softcap), contiguous and paged, every split count.
+TEST(CpuKvcache, LeftPaddingAgainstOracle) {
+  for (const int block_size : {0, 1, 3, 16})
+    for (const fa_dtype dtype : {FA_FLOAT32, FA_BFLOAT16}) {
+      KvCase c;
+      c.batch = 4;
+      c.cached = {200, 57, 9, 120};
+      c.leftpad = {13, 57, 0, 64};  // one sequence wholly padding before its new keys, one none, one tile-aligned
+      c.seqlen_q = 3;
+      c.seqlen_new = 3;
+      c.causal = true;
+      c.block_size = block_size;
+      c.dtype = dtype;
+      expect_kvcache_like_oracle(c, "leftpad block " + std::to_string(block_size));
+      c.num_splits = 3;
+      expect_kvcache_like_oracle(c, "leftpad 3 splits block " + std::to_string(block_size));
+    }
+}
+
+TEST(CpuKvcache, LeftPaddingLikeReference) {
+  std::vector<KvCase> cases(6);
+  for (KvCase& c : cases) {
+    c.batch = 3;
+    c.cached = {300, 40, 77};
+    c.leftpad = {250, 40, 5};
+    c.seqlen_new = 2;
+    c.seqlen_q = 2;
+  }
+  cases[0].rotary = 1;
+  cases[0].causal = true;
+  cases[1].rotary = 2;  // non-causal: every query at position cached (flash_attn's convention)
+  cases[1].block_size = 16;
+  cases[2].window_left = 30;
+  cases[2].window_right = 0;
+  cases[2].block_size = 3;
+  cases[3].alibi = true;
+  cases[3].causal = true;
+  cases[4].softcap = 5.f;
+  cases[4].num_splits = 4;
+  cases[5].seqlen_new = 0;  // read only, one sequence without keys: leftpad = cached
+  for (const KvCase& c : cases)
+    for (const int splits : {0, 1, 5}) {
+      KvCase s = c;
+      if (s.num_splits == 0) s.num_splits = splits;
+      expect_kvcache_like_reference(s, "leftpad");
+    }
+  // No key at all: out = 0, lse = -inf
+  KvCase empty = cases[5];
+  auto rng = fa_test::make_rng("leftpad empty");
+  KvTensors t = make_kv(empty, rng);
+  ASSERT_TRUE(kvcache(t.args(), kv_options(empty, FA_BACKEND_CPU_FLASH, t)).ok());
+  for (int h = 0; h < empty.heads_q; ++h)
+    for (int i = 0; i < empty.seqlen_q; ++i) {
+      EXPECT_EQ(t.lse.get((int64_t(1) * empty.heads_q + h) * empty.seqlen_q + i), -std::numeric_limits<double>::infinity());
+      for (int e = 0; e < empty.head_dim; ++e)
+        EXPECT_EQ(t.out.get(((int64_t(1) * empty.seqlen_q + i) * empty.heads_q + h) * empty.head_dim + e), 0.0);
     }
 }
 

@@ -43,6 +43,7 @@ constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 struct KvCase {
   int batch = 2, seqlen_q = 1, heads_q = 8, heads_k = 2, head_dim = 128;
   std::vector<int> cached = {37, 300};  // cache_seqlens per sequence
+  std::vector<int> leftpad;             // cache_leftpad per sequence (empty: none); make_kv fills the padding with NaN
   int seqlen_new = 0;
   bool check_indices = false;           // fa_kvcache_args.check_indices (the checked mode)
   int capacity = 400;                   // keys per sequence the cache holds
@@ -74,9 +75,14 @@ struct KvCase {
                     std::to_string(softcap) + " alibi=" + std::to_string(alibi) + " splits=" + std::to_string(num_splits) +
                     " std=" + std::to_string(input_std) + " cached=[";
     for (int c : cached) s += std::to_string(c) + ",";
+    if (!leftpad.empty()) {
+      s += "] leftpad=[";
+      for (int c : leftpad) s += std::to_string(c) + ",";
+    }
     if (fp8) s += " fp8 k_scale=" + std::to_string(k_scale) + " v_scale=" + std::to_string(v_scale);
     return s + "]";
   }
+  int floor_of(int b) const { return leftpad.empty() ? 0 : leftpad[size_t(b)]; }
 };
 
 bool present(const HostTensor& t) { return !t.shape().empty(); }
@@ -85,6 +91,7 @@ bool present(const HostTensor& t) { return !t.shape().empty(); }
 struct KvTensors {
   HostTensor q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, cos, sin, out, lse, slopes;
   HostTensor cache_batch_idx;  // optional (contiguous caches): the cache's batch entry of each sequence
+  HostTensor cache_leftpad;    // optional
   bool rotary_interleaved = false;
   float k_scale = 0.f, v_scale = 0.f;  // an FP8 cache's scales (0: a 16-bit cache)
   fa_kvcache_args args() {
@@ -96,6 +103,7 @@ struct KvTensors {
     a.v_cache = v_cache.view();
     if (present(block_table)) a.block_table = block_table.view();
     if (present(cache_batch_idx)) a.cache_batch_idx = cache_batch_idx.view();
+    if (present(cache_leftpad)) a.cache_leftpad = cache_leftpad.view();
     a.cache_seqlens = cache_seqlens.view();
     if (present(k_new)) {
       a.k_new = k_new.view();
@@ -111,6 +119,9 @@ struct KvTensors {
     return a;
   }
 };
+
+struct KvTensors;
+void poison_cache_rows(const KvCase& c, KvTensors& t, int b, int j_begin, int j_end);
 
 KvTensors make_kv(const KvCase& c, std::mt19937_64& rng) {
   KvTensors t;
@@ -147,6 +158,10 @@ KvTensors make_kv(const KvCase& c, std::mt19937_64& rng) {
   t.v_cache.fill_normal(rng, 1.0 / (c.fp8 ? c.v_scale : 1.0));
   t.cache_seqlens = HostTensor({c.batch}, FA_INT32);
   for (int b = 0; b < c.batch; ++b) t.cache_seqlens.set_int(b, c.cached[size_t(b)]);
+  if (!c.leftpad.empty()) {
+    t.cache_leftpad = HostTensor({c.batch}, FA_INT32);
+    for (int b = 0; b < c.batch; ++b) t.cache_leftpad.set_int(b, c.leftpad[size_t(b)]);
+  }
   if (c.seqlen_new > 0) {
     t.k_new = HostTensor({c.batch, c.seqlen_new, c.heads_k, d}, c.dtype);
     t.v_new = HostTensor({c.batch, c.seqlen_new, c.heads_k, d}, c.dtype);
@@ -174,6 +189,8 @@ KvTensors make_kv(const KvCase& c, std::mt19937_64& rng) {
   t.lse = HostTensor({c.batch, c.heads_q, c.seqlen_q}, FA_FLOAT32);
   t.out.poison();
   t.lse.poison();
+  // The padding rows hold NaN: a result that read one (or multiplied it by a masked zero) would show it.
+  for (int b = 0; b < int(c.leftpad.size()); ++b) poison_cache_rows(c, t, b, 0, c.leftpad[size_t(b)]);
   return t;
 }
 
@@ -234,7 +251,7 @@ Expected expected_for(const KvCase& c, const KvTensors& pristine) {
   std::vector<int> seqlen_k(size_t(c.batch));
   int total_k = 0, max_k = 0;
   for (int b = 0; b < c.batch; ++b) {
-    seqlen_k[size_t(b)] = c.cached[size_t(b)] + c.seqlen_new;
+    seqlen_k[size_t(b)] = c.cached[size_t(b)] + c.seqlen_new - c.floor_of(b);  // keys: rows [leftpad, cached + new)
     total_k += seqlen_k[size_t(b)];
     max_k = std::max(max_k, seqlen_k[size_t(b)]);
   }
@@ -265,7 +282,7 @@ Expected expected_for(const KvCase& c, const KvTensors& pristine) {
       for (int hk = 0; hk < c.heads_k; ++hk)
         for (int x = 0; x < d; ++x) {
           const int64_t to = ((int64_t(k0) + j) * c.heads_k + hk) * d + x;
-          const int64_t from = cache_index(c, e.after, b, j, hk, x);  // logical index: get() applies the strides
+          const int64_t from = cache_index(c, e.after, b, j + c.floor_of(b), hk, x);  // logical: get() applies the strides
           k_exact.set(to, e.after.k_cache.get(from) * k_scale);
           v_exact.set(to, e.after.v_cache.get(from) * v_scale);
           k_naive.set(to, e.after.k_cache.get(from));
@@ -330,7 +347,7 @@ class DeviceKv {
  public:
   explicit DeviceKv(KvTensors& t) : t_(t) {
     for (HostTensor* h : {&t.q, &t.k_cache, &t.v_cache, &t.block_table, &t.cache_seqlens, &t.k_new, &t.v_new, &t.cos, &t.sin,
-                          &t.out, &t.lse, &t.slopes, &t.cache_batch_idx})
+                          &t.out, &t.lse, &t.slopes, &t.cache_batch_idx, &t.cache_leftpad})
       if (present(*h)) upload(h);
   }
   ~DeviceKv() {
@@ -347,6 +364,7 @@ class DeviceKv {
     a.v_cache = view(t_.v_cache);
     if (present(t_.block_table)) a.block_table = view(t_.block_table);
     if (present(t_.cache_batch_idx)) a.cache_batch_idx = view(t_.cache_batch_idx);
+    if (present(t_.cache_leftpad)) a.cache_leftpad = view(t_.cache_leftpad);
     a.cache_seqlens = view(t_.cache_seqlens);
     if (present(t_.k_new)) {
       a.k_new = view(t_.k_new);
@@ -1225,6 +1243,126 @@ TEST(CudaKvcacheFp8, QMagnitudesWithinAndAcrossBlocks) {
                          std::to_string(scaling.k_scale_exponent) + (paged ? " paged" : ""),
                      c, t, e, stats.kernel);
     }
+}
+
+// ---- cache_leftpad: sequence b's keys are cache rows [leftpad[b], cached[b] + new); the padding holds NaN ----
+
+// Cases over the kernel's load paths: contiguous (plain and checked copies), paged with 16-row slot ids (the lean
+// copies of 64-key tiles at D = 128; D = 64's 128-key tiles take the other paths), per-row ids (block size 3), one-row
+// blocks; paddings inside a tile, on a tile boundary, equal to the length, none; every split count family.
+std::vector<KvCase> leftpad_cases() {
+  std::vector<KvCase> cases;
+  for (const int block_size : {0, 16, 64, 256, 3, 1}) {
+    KvCase c;
+    c.batch = 4;
+    c.capacity = 700;
+    c.cached = {600, 64, 130, 5};
+    c.leftpad = {301, 64, 0, 5};  // inside a tile, = the length (only new keys), none, = the length of a short one
+    c.seqlen_q = 4;
+    c.seqlen_new = 4;
+    c.causal = true;
+    c.block_size = block_size;
+    cases.push_back(c);
+  }
+  KvCase d64 = cases[1];  // 128-key tiles
+  d64.head_dim = 64;
+  cases.push_back(d64);
+  KvCase read_only = cases[0];
+  read_only.seqlen_new = 0;
+  read_only.seqlen_q = 1;
+  read_only.causal = false;
+  read_only.leftpad = {128, 63, 1, 4};  // on a tile boundary, one key, 129 keys, one key
+  cases.push_back(read_only);
+  read_only.block_size = 16;
+  cases.push_back(read_only);
+  return cases;
+}
+
+TEST(CudaKvcacheHarness, JudgesLeftPaddingOnTheCpuFlashBackend) {
+  for (KvCase c : leftpad_cases())
+    for (const int splits : {1, 3}) {
+      c.num_splits = splits;
+      check_case("leftpad, cpu flash", c, FA_BACKEND_CPU_FLASH);
+    }
+}
+
+TEST(CudaKvcache, LeftPadding) {
+  SKIP_WITHOUT_GPU();
+  for (KvCase c : leftpad_cases())
+    for (const int splits : {0, 1, 2, 7, 40}) {
+      c.num_splits = splits;
+      check_case("leftpad", c);
+    }
+  // With rotary (at the rows' own positions), windows, ALiBi and softcap, and FP8 caches.
+  KvCase rotary = leftpad_cases()[1];
+  rotary.rotary = 1;
+  rotary.rotary_dim = 64;
+  check_case("leftpad rotary", rotary);
+  rotary.rotary = 2;
+  rotary.causal = false;  // every query at position cached
+  rotary.block_size = 0;
+  check_case("leftpad rotary non-causal", rotary);
+  KvCase window = leftpad_cases()[0];
+  window.window_left = 200;
+  window.window_right = 0;
+  check_case("leftpad window", window);
+  window.block_size = 16;
+  window.alibi = true;
+  window.softcap = 4.f;
+  check_case("leftpad window alibi softcap", window);
+  for (const int block_size : {0, 16}) {
+    KvCase fp8 = leftpad_cases()[1];
+    fp8.fp8 = true;
+    fp8.block_size = block_size;
+    for (const int splits : {0, 1, 5}) {
+      fp8.num_splits = splits;
+      check_case("leftpad fp8", fp8);
+    }
+  }
+}
+
+// A padding entry out of range: NaN for that sequence and nothing written for it (default mode); a clear error
+// before any write (checked mode).
+TEST(CudaKvcache, LeftPaddingOutOfRange) {
+  SKIP_WITHOUT_GPU();
+  for (const int block_size : {0, 16}) {
+    KvCase c;
+    c.batch = 3;
+    c.cached = {100, 200, 50};
+    c.leftpad = {10, 20, 5};
+    c.seqlen_new = 1;
+    c.block_size = block_size;
+    auto rng = fa_test::make_rng("leftpad-range");
+    const KvTensors valid = make_kv(c, rng);
+    KvTensors good = valid;
+    ASSERT_TRUE(run_gpu(c, good).ok());
+    for (const int32_t bad_pad : {201, -1}) {
+      KvTensors bad = valid;
+      bad.cache_leftpad.set_int(1, bad_pad);
+      const KvTensors before = bad;
+      const std::string where = c.to_string() + ", leftpad[1] = " + std::to_string(bad_pad);
+      ASSERT_TRUE(run_gpu(c, bad).ok()) << where;
+      const int64_t per_seq = int64_t(c.seqlen_q) * c.heads_q * c.head_dim;
+      for (int64_t x = 0; x < per_seq; ++x) {
+        ASSERT_EQ(bad.out.get(x), good.out.get(x)) << where;
+        ASSERT_TRUE(std::isnan(bad.out.get(per_seq + x))) << where;
+        ASSERT_EQ(bad.out.get(2 * per_seq + x), good.out.get(2 * per_seq + x)) << where;
+      }
+      for (int hk = 0; hk < c.heads_k; ++hk)
+        for (int x = 0; x < c.head_dim; ++x) {  // sequence 1's append did not happen
+          const int64_t at = cache_index(c, before, 1, c.cached[1], hk, x);
+          ASSERT_EQ(bad.k_cache.get(at), before.k_cache.get(at)) << where;
+        }
+      KvCase checked = c;
+      checked.check_indices = true;
+      KvTensors t = before;
+      const Status s = run_gpu(checked, t);
+      EXPECT_EQ(s.code(), FA_ERROR_INVALID_ARGUMENT) << where;
+      const std::string expected = "cache_leftpad: entry 1 = " + std::to_string(bad_pad) + " must be in [0, cache_seqlens[1] = 200]";
+      EXPECT_EQ(s.message().rfind(expected, 0), 0u) << s.message();
+      EXPECT_TRUE(same_bytes(t.k_cache, before.k_cache) && same_bytes(t.out, before.out)) << "written: " << where;
+    }
+  }
 }
 
 #if defined(FLASHATTN_WITH_CUDA)

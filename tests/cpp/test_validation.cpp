@@ -257,6 +257,7 @@ struct KvcacheCall {
   HostTensor k_new{{2, 2, 2, 8}, FA_FLOAT32}, v_new{{2, 2, 2, 8}, FA_FLOAT32}, out{{2, 3, 4, 8}, FA_FLOAT32};
   HostTensor table{{2, 3}, FA_INT32}, seqlens{{2}, FA_INT32};
   HostTensor cos{{16, 4}, FA_FLOAT32}, sin{{16, 4}, FA_FLOAT32};
+  HostTensor leftpad{{2}, FA_INT32};  // cache_leftpad, attached by the rules that need it (entries 5 and 3 at first)
   fa_kvcache_args args{};
   fa_options options = fa_test::options_for(FA_BACKEND_CPU_REFERENCE);
   KvcacheCall() {
@@ -265,6 +266,7 @@ struct KvcacheCall {
     const int ids[6] = {5, 0, 3, 2, 2, 4};  // repeated and out of order on purpose
     for (int n = 0; n < 6; ++n) table.set_int(n, ids[n]);
     seqlens.set_int(0, 7), seqlens.set_int(1, 3);
+    leftpad.set_int(0, 5), leftpad.set_int(1, 3);
     args.q = q.view();
     args.k_cache = k_cache.view();
     args.v_cache = v_cache.view();
@@ -317,6 +319,19 @@ TEST(Validation, Kvcache) {
   check_kvcache_rule("rotary sin shape", [](KvcacheCall& c) { c.args.rotary_sin.shape[0] = 15; }, {kInvalid, "rotary_sin: dimension 0 (S_rotary) must be 16 like rotary_cos"});
   check_kvcache_rule("rotary too short", [](KvcacheCall& c) { c.args.rotary_cos.shape[0] = 9; c.args.rotary_sin.shape[0] = 9; }, {kInvalid, "rotary_cos: dimension 0 (S_rotary) = 9 must cover position 9"});
   check_kvcache_rule("splits", [](KvcacheCall& c) { c.args.num_splits = -2; }, {kInvalid, "num_splits: must be >= 0"});
+  check_kvcache_rule("leftpad past the length", [](KvcacheCall& c) { c.args.cache_leftpad = c.leftpad.view(); c.leftpad.set_int(1, 4); }, {kInvalid, "cache_leftpad: entry 1 = 4 must be in [0, cache_seqlens[1] = 3]"});
+  check_kvcache_rule("leftpad negative", [](KvcacheCall& c) { c.args.cache_leftpad = c.leftpad.view(); c.leftpad.set_int(0, -1); }, {kInvalid, "cache_leftpad: entry 0 = -1 must be in [0, cache_seqlens[0] = 7]"});
+  check_kvcache_rule("leftpad dtype", [](KvcacheCall& c) { c.args.cache_leftpad = c.leftpad.view(); c.args.cache_leftpad.dtype = FA_FLOAT32; }, {kInvalid, "cache_leftpad: dtype must be int32"});
+  check_kvcache_rule("leftpad B", [](KvcacheCall& c) { c.args.cache_leftpad = c.leftpad.view(); c.args.cache_leftpad.shape[0] = 1; }, {kInvalid, "cache_leftpad: dimension 0 (B) must be 2 like q"});
+  // Blocks wholly in the padding are never read, so their ids are not checked: sequence 0's first block (rows 0-3,
+  // below its padding of 5) may be anything; its second (rows 4-7) holds keys 5-6 and must be a block.
+  {
+    KvcacheCall c;
+    c.args.cache_leftpad = c.leftpad.view();
+    c.table.set_int(0, -7);
+    EXPECT_TRUE(kvcache(c.args, c.options).ok()) << "a padding block's id is never read";
+  }
+  check_kvcache_rule("leftpad block id", [](KvcacheCall& c) { c.args.cache_leftpad = c.leftpad.view(); c.table.set_int(1, -7); }, {kInvalid, "block_table: entry (0, 1) = -7 is not a block id in [0, 6)"});
   check_kvcache_rule("standard has no kvcache", [](KvcacheCall& c) { c.options.backend = FA_BACKEND_CPU_STANDARD; }, {FA_ERROR_UNSUPPORTED, "cpu_standard does not implement KV-cache attention"});
 }
 

@@ -146,11 +146,13 @@ def test_jax_jit_grad_on_gpu():
 
 
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
-def test_jax_kvcache_on_gpu(cache):
+@pytest.mark.parametrize("leftpad", [False, True], ids=["", "leftpad"])
+def test_jax_kvcache_on_gpu(cache, leftpad):
     """flashattn.jax.flash_attn_with_kvcache on the GPU: a jitted decode step over a paged cache (shuffled blocks of
     16) with the caches donated, bf16 or FP8 (e4m3, power-of-two scales). The updated caches equal the CPU backend's
     bit for bit (the appended rows, quantised for FP8; every other row untouched), and out matches float64 SDPA over
-    the (dequantised) cache after the append within 3x the error of SDPA in bf16."""
+    the (dequantised) cache after the append within 3x the error of SDPA in bf16. With cache_leftpad, over the rows
+    from the padding on."""
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
@@ -163,6 +165,7 @@ def test_jax_kvcache_on_gpu(cache):
     scales = (2.0 ** -4, 2.0 ** -5) if cache == "fp8" else (None, None)
     cache_dtype = jnp.float8_e4m3fn if cache == "fp8" else jnp.bfloat16
     cached = np.array([2000, 1, 700], dtype=np.int32)
+    pad = np.array([1357, 0, 700] if leftpad else [0, 0, 0], dtype=np.int32)  # 700: only the new key
     per_seq = s_cache // block
     table = rng.permutation(b * per_seq).reshape(b, per_seq).astype(np.int32)
     pool_shape = (b * per_seq, block, hk, d)
@@ -174,7 +177,7 @@ def test_jax_kvcache_on_gpu(cache):
 
     def step(q, k_cache, v_cache, k, v, seqlens, table):
         return fj.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table,
-                                          k_scale=scales[0], v_scale=scales[1])
+                                          cache_leftpad=pad if leftpad else None, k_scale=scales[0], v_scale=scales[1])
 
     def run_on(device):
         put = lambda x: jax.device_put(x, device)  # noqa: E731
@@ -188,13 +191,65 @@ def test_jax_kvcache_on_gpu(cache):
     assert np.array_equal(vc.view(np.uint8), vc_cpu.view(np.uint8)), "updated v cache"
     for s in range(b):
         n = int(cached[s]) + 1
-        keys = np.concatenate([kc[c] for c in table[s]])[:n].astype(np.float32) * (scales[0] or 1.0)
-        values = np.concatenate([vc[c] for c in table[s]])[:n].astype(np.float32) * (scales[1] or 1.0)
+        keys = np.concatenate([kc[c] for c in table[s]])[pad[s]:n].astype(np.float32) * (scales[0] or 1.0)
+        values = np.concatenate([vc[c] for c in table[s]])[pad[s]:n].astype(np.float32) * (scales[1] or 1.0)
         as_torch = lambda x: torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))[None]  # noqa: E731
         q_s, k_s, v_s = as_torch(q[s].astype(np.float32)), as_torch(keys), as_torch(values)
         exact = sdpa(q_s.double(), k_s.double(), v_s.double(), causal=False)
         naive = sdpa(q_s.bfloat16(), k_s.bfloat16(), v_s.bfloat16(), causal=False)
         check(torch.from_numpy(out[s:s + 1]), exact, naive, f"jax kvcache ({cache}) out of sequence {s}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_leftpad_on_gpu(dtype, paged):
+    """cache_leftpad on the GPU, 4 new tokens (causal) appended with rotary: sequence b's keys are cache rows
+    [pad[b], cached[b] + 4), the padding rows hold NaN. The caches after the call equal the CPU backend's bit for bit,
+    and out matches float64 SDPA (bottom-right causal) over those keys and the rotated q within 3x the error of SDPA
+    in the 16-bit dtype."""
+    b, s_cache, s_new, hq, hk, d, block, rot = 3, 2048, 4, 32, 8, 128, 16, 64
+    cached = torch.tensor([2000, 64, 700], dtype=torch.int32)
+    pad = torch.tensor([1357, 64, 0], dtype=torch.int32)  # inside a tile; = the length (only the new keys); none
+    q = torch.randn(b, s_new, hq, d).to(dtype)
+    k_new, v_new = torch.randn(b, s_new, hk, d).to(dtype), torch.randn(b, s_new, hk, d).to(dtype)
+    angle = torch.rand(s_cache + s_new, rot // 2, dtype=torch.float64) * 6.3
+    cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+    k_dense, v_dense = torch.randn(b, s_cache, hk, d).to(dtype), torch.randn(b, s_cache, hk, d).to(dtype)
+    for s in range(b):
+        k_dense[s, :pad[s]] = float("nan")
+        v_dense[s, :pad[s]] = float("nan")
+    table = None
+    k_cache, v_cache = k_dense.clone(), v_dense.clone()
+    if paged:
+        per_seq = s_cache // block
+        perm = torch.randperm(b * per_seq)
+        table = perm.reshape(b, per_seq).to(torch.int32)
+        k_cache = torch.empty(b * per_seq, block, hk, d, dtype=dtype)
+        v_cache = torch.empty_like(k_cache)
+        k_cache[perm], v_cache[perm] = k_dense.reshape(-1, block, hk, d), v_dense.reshape(-1, block, hk, d)
+    kw = dict(cache_seqlens=cached, cache_leftpad=pad, block_table=table, rotary_cos=cos, rotary_sin=sin, causal=True)
+    kc_cpu, vc_cpu = k_cache.clone(), v_cache.clone()
+    fat.flash_attn_with_kvcache(q, kc_cpu, vc_cpu, k_new, v_new, **kw)
+    kc, vc = k_cache.cuda(), v_cache.cuda()
+    gpu_kw = dict(kw, cache_seqlens=cached.cuda(), cache_leftpad=pad.cuda(), rotary_cos=cos.cuda(), rotary_sin=sin.cuda(),
+                  block_table=None if table is None else table.cuda())
+    out = fat.flash_attn_with_kvcache(q.cuda(), kc, vc, k_new.cuda(), v_new.cuda(), **gpu_kw).cpu()
+    assert torch.equal(kc.cpu().view(torch.int16), kc_cpu.view(torch.int16)), "k cache after the append"
+    assert torch.equal(vc.cpu().view(torch.int16), vc_cpu.view(torch.int16)), "v cache after the append"
+    for s in range(b):
+        n = int(cached[s]) + s_new
+        rows = kc_cpu[s] if table is None else torch.cat([kc_cpu[c] for c in table[s].long()])
+        vrows = vc_cpu[s] if table is None else torch.cat([vc_cpu[c] for c in table[s].long()])
+        keys, values = rows[int(pad[s]):n][None], vrows[int(pad[s]):n][None]
+        # q rotated in float64 at positions cached + i (causal), interleaved pairs (rotary_interleaved's default)
+        qs = q[s].double().clone()
+        pos = torch.arange(int(cached[s]), n)
+        c_, s_ = cos.double()[pos][:, None, :], sin.double()[pos][:, None, :]
+        x0, x1 = qs[..., 0:rot:2].clone(), qs[..., 1:rot:2].clone()
+        qs[..., 0:rot:2], qs[..., 1:rot:2] = x0 * c_ - x1 * s_, x0 * s_ + x1 * c_
+        exact = sdpa(qs[None], keys.double(), values.double(), causal=True)
+        naive = sdpa(qs[None].to(dtype), keys, values, causal=True)
+        check(out[s:s + 1], exact, naive, f"leftpad out of sequence {s}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

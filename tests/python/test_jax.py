@@ -304,6 +304,16 @@ def test_kvcache_read_only_batch_idx_softcap_alibi(rng, backend):
         expected, _ = attention(f64(q[seq][None]), f64(k_slots[idx[seq]][None, :n]), f64(v_slots[idx[seq]][None, :n]),
                                 softcap=5.0, alibi_slopes=slopes)
         assert rel_l2(f64(out[seq][None]), expected) <= FP32_TOLERANCE, f"sequence {seq}"
+    # cache_leftpad: sequence b's keys are rows [pad[b], lengths[b]) (positions unchanged: ALiBi as without padding)
+    pad = np.array([40, 0], dtype=np.int32)
+    padded = fj.flash_attn_with_kvcache(q, k_slots, v_slots, cache_seqlens=jnp.asarray(lengths),
+                                        cache_batch_idx=jnp.asarray(idx), cache_leftpad=jnp.asarray(pad), softcap=5.0,
+                                        alibi_slopes=jnp.asarray(slopes), backend=backend)
+    for seq in range(b):
+        n, p0 = lengths[seq], pad[seq]
+        keys, values = f64(k_slots[idx[seq]][None, p0:n]), f64(v_slots[idx[seq]][None, p0:n])
+        expected, _ = attention(f64(q[seq][None]), keys, values, softcap=5.0, alibi_slopes=slopes)
+        assert rel_l2(f64(padded[seq][None]), expected) <= FP32_TOLERANCE, f"leftpad, sequence {seq}"
     # An int cache_seqlens: every sequence holds that many rows.
     whole = fj.flash_attn_with_kvcache(q, k_slots[:b], v_slots[:b], cache_seqlens=s_cache, backend=backend)
     expected, _ = attention(f64(q), f64(k_slots[:b]), f64(v_slots[:b]))
@@ -320,10 +330,13 @@ def test_kvcache_errors(rng):
         fj.flash_attn_with_kvcache(q, cache, cache, new, new)
     with pytest.raises(flashattn.InvalidArgumentError, match="cache_seqlens: dtype must be int32"):
         fj.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=jnp.asarray([3], jnp.int64 if jax.config.jax_enable_x64 else jnp.int16))
-    with pytest.raises(flashattn.UnsupportedError, match="cache_leftpad"):
-        fj.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, cache_leftpad=jnp.asarray([1], jnp.int32))
+    with pytest.raises(flashattn.InvalidArgumentError, match="cache_leftpad: dtype must be int32"):
+        fj.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, cache_leftpad=jnp.asarray([1], jnp.float32))
     # The library's own rules, raised when the call runs: the message names the argument.
     with pytest.raises(Exception, match="cache_seqlens"):
         jax.block_until_ready(fj.flash_attn_with_kvcache(q, cache, cache, new, new, cache_seqlens=jnp.asarray([16], jnp.int32)))
+    with pytest.raises(Exception, match=r"cache_leftpad: entry 0 = 4 must be in \[0, cache_seqlens\[0\] = 3\]"):
+        jax.block_until_ready(fj.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3,
+                                                         cache_leftpad=jnp.asarray([4], jnp.int32)))
     with pytest.raises(Exception, match="k_cache"):
         jax.block_until_ready(fj.flash_attn_with_kvcache(q, normal(rng, (1, 16, 2, 64)), cache, cache_seqlens=3))

@@ -269,10 +269,14 @@ def test_varlen_paged_forward(rng):
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("rotary_interleaved", [False, True], ids=["neox", "interleaved"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_kvcache_append_rotary(rng, backend, paged, rotary_interleaved, causal):
+@pytest.mark.parametrize("leftpad", [False, True], ids=["", "leftpad"])
+def test_kvcache_append_rotary(rng, backend, paged, rotary_interleaved, causal, leftpad):
     b, s_cache, s_new, sq, hq, hk, d, rot = 3, 64, 3, 3, 4, 2, 32, 16
     block = 16
     cached = np.array([0, 17, 40], dtype=np.int32)
+    # cache_leftpad: sequence s's keys are rows [pad[s], cached[s] + s_new); the padding rows hold NaN (never read).
+    # Positions are the rows' own, so the oracle is the same with the padding rows left out of the keys.
+    pad = np.array([0, 5, 40] if leftpad else [0, 0, 0], dtype=np.int32)
     q = randn(rng, (b, sq, hq, d), torch.float32)
     k_new = randn(rng, (b, s_new, hk, d), torch.float32)
     v_new = randn(rng, (b, s_new, hk, d), torch.float32)
@@ -280,6 +284,9 @@ def test_kvcache_append_rotary(rng, backend, paged, rotary_interleaved, causal):
     sin = torch.from_numpy(np.sin(rng.uniform(0, 6.3, (s_cache, rot // 2)))).float()
     dense_k = randn(rng, (b, s_cache, hk, d), torch.float32)
     dense_v = randn(rng, (b, s_cache, hk, d), torch.float32)
+    for s in range(b):
+        dense_k[s, :pad[s]] = float("nan")
+        dense_v[s, :pad[s]] = float("nan")
     if paged:
         per_seq = s_cache // block
         table = torch.tensor(rng.permutation(b * per_seq).reshape(b, per_seq), dtype=torch.int32)
@@ -307,7 +314,7 @@ def test_kvcache_append_rotary(rng, backend, paged, rotary_interleaved, causal):
         return fat.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
                                            cache_seqlens=cache_seqlens, block_table=table, causal=causal,
                                            rotary_interleaved=rotary_interleaved, return_softmax_lse=True,
-                                           backend=backend)
+                                           cache_leftpad=torch.tensor(pad) if leftpad else None, backend=backend)
 
     out, lse = run()
     assert out.shape == (b, sq, hq, d) and lse.shape == (b, hq, sq)
@@ -318,11 +325,12 @@ def test_kvcache_append_rotary(rng, backend, paged, rotary_interleaved, causal):
         # The cache now holds the rotated new keys and the new values at rows n .. n + s_new.
         assert rel_l2(gather(k_cache, s)[n:n + s_new].numpy(), k_rot) <= 1e-6
         assert torch.equal(gather(v_cache, s)[n:n + s_new], v_new[s])
-        assert torch.equal(gather(k_cache, s)[:n], gather(k_before, s)[:n]), "rows before the append are untouched"
+        assert torch.equal(gather(k_cache, s)[pad[s]:n], gather(k_before, s)[pad[s]:n]), "rows before the append"
+        assert torch.isnan(gather(k_cache, s)[:pad[s]]).all(), "the padding rows are untouched"
         q_positions = np.arange(n, n + sq) if causal else np.full(sq, n)
         q_rot = rotary(q[s].numpy(), cos.double().numpy(), sin.double().numpy(), q_positions, rotary_interleaved)
-        keys = np.concatenate([gather(k_before, s)[:n].double().numpy(), k_rot])
-        values = np.concatenate([gather(v_before, s)[:n].double().numpy(), v_new[s].double().numpy()])
+        keys = np.concatenate([gather(k_before, s)[pad[s]:n].double().numpy(), k_rot])
+        values = np.concatenate([gather(v_before, s)[pad[s]:n].double().numpy(), v_new[s].double().numpy()])
         expected, expected_lse = attention(q_rot[None], keys[None], values[None], causal=causal)
         assert_close(out[s][None], expected, torch.float32, what=f"out of sequence {s}")
         assert_lse(lse[s], expected_lse[0])
@@ -566,7 +574,9 @@ def test_bad_arguments_raise_value_error_with_the_library_message(rng):
 def test_unsupported_arguments_raise_not_implemented(rng):
     q = randn(rng, (2, 1, 4, 32), torch.float32)
     cache = randn(rng, (2, 8, 4, 32), torch.float32)
-    with pytest.raises(NotImplementedError, match="cache_leftpad"):
+    with pytest.raises(ValueError, match=r"cache_leftpad: entry 0 = 4 must be in \[0, cache_seqlens\[0\] = 3\]"):
+        fat.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, cache_leftpad=torch.tensor([4, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cache_leftpad: dtype must be .*int32"):
         fat.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, cache_leftpad=torch.tensor([1, 0]))
     with pytest.raises(ValueError, match="cache_seqlens: required when k and v are appended"):
         fat.flash_attn_with_kvcache(q, cache, cache, q, q)

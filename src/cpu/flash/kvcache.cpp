@@ -1,9 +1,9 @@
 // CPU flash KV-cache attention (decode and chunked prefill):
 //   1. append k_new / v_new at rows cache_seqlens[b] + t of the cache (contiguous or paged), with
 //      the rotary embedding applied to k_new at its absolute position;
-//   2. attend q (rotated the same way) over the first cache_seqlens[b] + seqlen_new keys, with the
-//      forward mainloop of attend_tile.hpp. A decode step's single query per head fills a tile's
-//      rows with the query heads of one GQA group, which share their keys.
+//   2. attend q (rotated the same way) over keys [cache_leftpad[b] (0 without), cache_seqlens[b] + seqlen_new),
+//      with the forward mainloop of attend_tile.hpp (the padding rows are never read). A decode step's single
+//      query per head fills a tile's rows with the query heads of one GQA group, which share their keys.
 //   3. split-KV: when there are fewer query tiles than threads, each tile's key range is cut into
 //      num_splits chunks on the key-tile grid; every (tile, split) writes a normalised partial
 //      output and its LSE, and a final pass merges the splits through their LSEs:
@@ -140,8 +140,8 @@ void load_queries(const KvcacheParams& p, const QueryTile& t, const SequenceExte
 
 // Key range [lo, hi) of split `split` of tile t: the tile's visible keys, cut on the key-tile grid
 // into `splits` runs of whole tiles (empty when the split has none).
-void split_range(const Plan& plan, const QueryTile& t, const SequenceExtent& e, const WindowMask& mask, int split, int* lo,
-                 int* hi) {
+void split_range(const Plan& plan, const QueryTile& t, const SequenceExtent& e, const PaddedWindowMask& mask, int split,
+                 int* lo, int* hi) {
   const int visible_lo = mask.key_begin(t.i0), visible_hi = mask.key_end(t.i0 + t.queries, e.seqlen_k);
   *lo = *hi = visible_lo;
   if (visible_lo >= visible_hi) return;
@@ -209,7 +209,8 @@ Status kvcache(const KvcacheParams& p) {
         t.clip(e.seqlen_q);
         if (t.queries == 0) continue;
         load_queries(p, t, e, w, rotary_row);
-        const WindowMask mask(p.window_left, p.window_right, e.seqlen_q, e.seqlen_k);
+        const PaddedWindowMask mask(p.window_left, p.window_right, e.seqlen_q, e.seqlen_k,
+                                    p.cache_leftpad != nullptr ? p.cache_leftpad[t.b] : 0);
         int key_lo, key_hi;
         split_range(plan, t, e, mask, split, &key_lo, &key_hi);
         attend_keys(p, t, e, key_lo, key_hi, cfg, w);

@@ -22,7 +22,7 @@ double rounded(const HeadProblem& p, double x) {
 }
 
 bool visible(const HeadProblem& p, int i, int j) {
-  return WindowMask(p.window_left, p.window_right, p.seqlen_q, p.seqlen_k).visible(i, j);
+  return j >= p.key_floor && WindowMask(p.window_left, p.window_right, p.seqlen_q, p.seqlen_k).visible(i, j);
 }
 
 // Scaled, soft-capped, ALiBi-biased score of (i, j); also d(score)/d(scale * q.k) for backward.
@@ -138,6 +138,7 @@ struct HeadIndex {
   const AttentionParams* p;
   int b, h, hk;
   SequenceExtent e;
+  int key_floor = 0;  // keys below it are no keys (a KV cache's left padding): never read, never visible
 };
 
 std::vector<double> load_q_like(const HeadIndex& x, const void* base, int64_t bs, int64_t rs, int64_t hs,
@@ -153,8 +154,8 @@ std::vector<double> load_q_like(const HeadIndex& x, const void* base, int64_t bs
 // k or v as stored (kv_dtype), dequantised: value * scale (the scale is 1 except for an FP8 cache).
 std::vector<double> load_kv(const HeadIndex& x, const void* base, int64_t bs, int64_t rs, int64_t hs,
                             int cols, double scale) {
-  std::vector<double> m(size_t(x.e.seqlen_k) * cols);
-  for (int j = 0; j < x.e.seqlen_k; ++j) {
+  std::vector<double> m(size_t(x.e.seqlen_k) * cols, 0.0);
+  for (int j = x.key_floor; j < x.e.seqlen_k; ++j) {
     const int64_t row = kv_offset(*x.p, bs, rs, hs, x.b, x.e, j, x.hk);
     for (int c = 0; c < cols; ++c) m[size_t(j) * cols + c] = double(load_as_float(base, row + c, x.p->kv_dtype)) * scale;
   }
@@ -182,6 +183,7 @@ HeadProblem make_problem(const HeadIndex& x, bool emulate = false) {
   hp.scale = p.softmax_scale;
   hp.window_left = p.window_left;
   hp.window_right = p.window_right;
+  hp.key_floor = x.key_floor;
   hp.softcap = p.softcap;
   hp.alibi_slope = alibi_slope(p, x.b, x.h);
   hp.dropout_p = p.dropout_p;
@@ -302,9 +304,9 @@ Status kvcache(const KvcacheParams& p) {
           store_cache(p, p.v, vdst + c, p.v_scale, load_as_float(p.v_new, vsrc + c, p.dtype));
       }
   }
-  // 2. Attend over the first cache_seqlens[b] + seqlen_new keys. Rotary positions of the queries:
-  //    cached + i when causal or windowed (each query is a new token), else all at `cached`
-  //    (flash_attn's convention for non-causal decode).
+  // 2. Attend over keys [cache_leftpad[b], cache_seqlens[b] + seqlen_new) (the padding below is no key; positions
+  //    stay the cache rows'). Rotary positions of the queries: cached + i when causal or windowed (each query is
+  //    a new token), else all at `cached` (flash_attn's convention for non-causal decode).
   const bool per_token_positions = p.window_left >= 0 || p.window_right >= 0;
   const int heads = p.batch * p.heads_q;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(p.num_threads)
@@ -312,6 +314,7 @@ Status kvcache(const KvcacheParams& p) {
     HeadIndex x = head_index(p, bh);
     const int cached = p.cache_seqlens[x.b];
     x.e.seqlen_k = cached + p.seqlen_new;
+    if (p.cache_leftpad != nullptr) x.key_floor = p.cache_leftpad[x.b];
     HeadProblem hp = make_problem(x);
     if (p.rotary_dim > 0)
       for (int i = 0; i < x.e.seqlen_q; ++i)

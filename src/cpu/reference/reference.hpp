@@ -18,6 +18,7 @@ struct HeadProblem {
   std::vector<double> q, k, v;
   double scale;
   int window_left, window_right;  // -1 unbounded; causal is window_right = 0
+  int key_floor = 0;              // keys below it are no keys (a KV cache's left padding, cache_leftpad)
   double softcap;                 // 0 off
   double alibi_slope;             // 0 off
   double dropout_p;               // 0 off

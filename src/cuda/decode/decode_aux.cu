@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
     const int t = int(rest % p.seqlen_new);
     const int b = int(rest / p.seqlen_new);
     const int cached = p.cache_seqlens[b];
-    if (!cache_length_ok(cached, p.seqlen_new, p.seqlen_k)) continue;  // the attention kernel reports it (NaN)
+    if (!cache_keys_ok(cached, key_floor_of(p, b), p.seqlen_new, p.seqlen_k)) continue;  // the attention kernel reports it (NaN)
     const int j = cached + t;  // the new row's position, also its rotary position
     const int32_t id = p.block_table != nullptr ? page_id_of(args, b, j) : 0;
     int64_t k_row = 0, v_row = 0;
@@ -107,6 +107,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
   // cache_seqlens is readable now; the partials are complete and visible only after the wait. What follows from the
   // length is worked out before the wait, while the attention kernel still runs (see above).
   const int cached = p.cache_seqlens[b];
+  const int key_floor = key_floor_of(p, b);
   const int64_t split_stride = int64_t(p.batch) * p.heads_q * p.seqlen_q;  // partial rows per split
   const int dv = p.head_dim_v;
   const int quads = dv / 4;  // Dv % 8 == 0
@@ -119,8 +120,8 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
   const int64_t lse_step = kLanes * split_stride, part_step = lse_step * (dv / 4);
   int64_t out_at = 0;  // elements from out to the item's 4 columns
   int64_t lse_at = -1;  // from lse to its row's LSE (-1: none stored by this group)
-  if (cache_length_ok(cached, p.seqlen_new, p.seqlen_k)) {  // else the attention kernel wrote NaN directly
-    const BlockRows rows = block_rows(args, m_block, cached + p.seqlen_new);
+  if (cache_keys_ok(cached, key_floor, p.seqlen_new, p.seqlen_k)) {  // else the attention kernel wrote NaN directly
+    const BlockRows rows = block_rows(args, m_block, cached + p.seqlen_new, key_floor);
     used = split_work(rows.key_begin, rows.key_end, args.block_n, args.num_splits, args.min_tiles_per_split, 0).used;
     if (idx >= rows.rows * quads) used = 0;
     if (used >= 2) {  // else written directly by the attention kernel
@@ -209,13 +210,14 @@ __global__ void __launch_bounds__(kGuardThreads) guard_kernel(const __grid_const
   const KvcacheParams& p = args.p;
   const int b = blockIdx.x;
   const int cached = p.cache_seqlens[b];
-  if (!cache_length_ok(cached, p.seqlen_new, p.seqlen_k)) {
+  const int key_floor = key_floor_of(p, b);
+  if (!cache_keys_ok(cached, key_floor, p.seqlen_new, p.seqlen_k)) {
     if (threadIdx.x == 0) atomicMin(status, guard_key(b, -1));
     return;
   }
   if (p.block_table == nullptr) return;
   const int used_blocks = (cached + p.seqlen_new + p.page_block_size - 1) / p.page_block_size;
-  for (int n = threadIdx.x; n < used_blocks; n += blockDim.x) {
+  for (int n = key_floor / p.page_block_size + threadIdx.x; n < used_blocks; n += blockDim.x) {
     const int32_t id = p.block_table[b * p.block_table_batch_stride + n];
     if (uint32_t(id) >= uint32_t(p.num_blocks)) atomicMin(status, guard_key(b, n));
   }

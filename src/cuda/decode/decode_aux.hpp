@@ -11,7 +11,8 @@ namespace flashattn::cuda::decode {
 
 // Append: k_new / v_new rows written at cache rows cache_seqlens[b] + t (paged or not), k_new rotated at that
 // position when rotary is on. Runs before the attention kernel on the same stream. Sequences whose
-// cache_seqlens entry is out of range, and rows whose block id is not a block of the cache, are not written.
+// cache_seqlens or cache_leftpad entry is out of range, and rows whose block id is not a block of the cache, are
+// not written.
 Status launch_append(const DecodeArgs& args, void* stream);
 
 // Combine: merges the per-split partials (out_s, lse_s) of every m-block that used two or more splits:
@@ -19,8 +20,9 @@ Status launch_append(const DecodeArgs& args, void* stream);
 Status launch_combine(const DecodeArgs& args, void* stream);
 
 // The checked mode's guard (src/cuda/decode/kvcache.cpp): finds the first (sequence, block-table column) that
-// is invalid: cache_seqlens[b] outside [0, capacity - S_new] (column -1), or a block id outside
-// [0, num_blocks) among the first ceil((cache_seqlens[b] + S_new) / block_size) columns. Writes
+// is invalid: cache_seqlens[b] outside [0, capacity - S_new] or cache_leftpad[b] outside [0, cache_seqlens[b]]
+// (column -1), or a block id outside [0, num_blocks) among the columns that hold keys [cache_leftpad[b],
+// cache_seqlens[b] + S_new). Writes
 // kGuardAllValid, or guard_key(b, column) of the smallest such pair, to *status (device memory).
 constexpr unsigned long long kGuardAllValid = ~0ull;
 FA_HD unsigned long long guard_key(int b, int column) {

@@ -20,7 +20,8 @@
 //              full-width heads and 32-bit strides every tile of such a cache takes that path ("lean paged copies", a tile
 //              loop of its own: zero-fill past the key count, bad ids checked once per id batch)
 //   S = Q K^T  the kWarps warps split each tile's keys (kWarpKeys each); every warp owns all kBlockM rows
-//   mask       core/mask.hpp's WindowMask (causal within the new tokens, sliding window, the key count), only
+//   mask       core/mask.hpp's PaddedWindowMask (causal within the new tokens, sliding window, the key count, the
+//              left padding of cache_leftpad: rows below it are never read, and load as zeros in a tile), only
 //              on warp slices that straddle a boundary; softcap / ALiBi through ScoreTransform when enabled
 //   softmax    online, per warp, exp2 with the scale and log2(e) folded into one multiplier; O rescaled
 //              lazily (kMaxStaleLog2)
@@ -41,11 +42,11 @@
 // The dequantisation scales cost nothing per element: k_scale is folded into the softmax scale, v_scale into
 // the final 1 / rowsum.
 //
-// Index safety without host checks (cache_seqlens and block_table are device memory): a sequence whose
-// cache_seqlens entry is outside [0, capacity - S_new] gets NaN in out and lse and nothing is read for it; a
-// block id outside [0, num_blocks) is never dereferenced (its rows load as zeros) and makes the CTA's result
-// NaN. The opt-in checked mode (fa_kvcache_args.check_indices, src/cuda/decode/kvcache.cpp) reports both as
-// errors before any kernel writes.
+// Index safety without host checks (cache_seqlens, cache_leftpad and block_table are device memory): a sequence
+// whose cache_seqlens entry is outside [0, capacity - S_new], or whose cache_leftpad entry is outside [0,
+// cache_seqlens], gets NaN in out and lse and nothing is read for it; a block id outside [0, num_blocks) is never
+// dereferenced (its rows load as zeros) and makes the CTA's result NaN. The opt-in checked mode
+// (fa_kvcache_args.check_indices, src/cuda/decode/kvcache.cpp) reports these as errors before any kernel writes.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -201,7 +202,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       if (row_entries <= kPrefetchTableEntries) {
         if (tid * 32 < row_entries) prefetch_l2(row + tid * 32);
       } else if (args.prefetch_inputs != 0 && args.page_shift >= 0 && tid < 2) {
-        const BlockRows full = block_rows(args, m_block, p.seqlen_k);
+        const BlockRows full = block_rows(args, m_block, p.seqlen_k, 0);
         const SplitWork guess = split_work(full.key_begin, full.key_end, kBlockN, args.num_splits, args.min_tiles_per_split, split);
         const int64_t entry = (int64_t(guess.tile_begin) * kBlockN >> args.page_shift) + tid * 32;
         if (split < guess.used && entry < row_entries) prefetch_l2(row + entry);
@@ -234,6 +235,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // tile l / kSlots).
   auto lane_slot_key = [&](int first_tile) { return (first_tile + lane / kSlots) * kBlockN + (lane % kSlots) * 16; };
   const bool speculate = !kFp8 && args.speculative_tiles != 0 && p.rotary_dim == 0 && p.window_left < 0 &&
+                         p.cache_leftpad == nullptr &&
                          (kPaged ? args.page_shift >= 4 && args.paged_rows != 0 : !(split == 0 && args.early_tiles != 0));
   int guess_seqlen_k = -1;     // keys after the append under the guessed length (-1: no usable guess)
   SplitWork guess{0, 0, 0};    // the split's tiles under it
@@ -245,7 +247,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     if (args.speculative_tiles == 2) guessed /= 2;  // tests: a wrong length
     if (cache_length_ok(guessed, p.seqlen_new, p.seqlen_k)) {
       guess_seqlen_k = guessed + p.seqlen_new;
-      const BlockRows guess_rows = block_rows(args, m_block, guess_seqlen_k);
+      const BlockRows guess_rows = block_rows(args, m_block, guess_seqlen_k, 0);
       guess = split_work(guess_rows.key_begin, guess_rows.key_end, kBlockN, args.num_splits, args.min_tiles_per_split, split);
       if constexpr (kPaged) {  // the slots of the kStages - 1 tiles that part 2 copies
         const int j = lane_slot_key(guess.tile_begin);
@@ -268,7 +270,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   if (args.prefetch_inputs == 0) prefetch_table_lines();  // beside the length's load instead
   // The split's first batch of block ids (see the paged block ids below), read beside cache_seqlens instead of one
   // dependent round trip after it, at the tile where the split starts under the guessed length (part 1 above), or
-  // for split 0 without a guess at tile 0 (where its tiles start unless a window moves them). These are the real
+  // for split 0 without a guess at tile 0 (where its tiles start unless a window or cache_leftpad moves them; the
+  // slots wholly in the padding are not used, load_id_batch). These are the real
   // ids (read after the wait), used when the real length starts the split at that tile; bounded by the capacity,
   // which the table row covers, so every lane's entry is there whatever the length.
   int32_t first_ids = 0;
@@ -281,6 +284,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // issued before those tiles' copies (the compiler barrier keeps them there): behind the copies in the memory
   // pipeline they arrived ~1 us later (H200 timeline, 2026-12-01).
   const int cached = p.cache_seqlens[b];
+  const int key_floor = key_floor_of(p, b);  // cache_leftpad: the sequence's keys start there (decode_work.hpp)
   asm volatile("" ::: "memory");
   const Element* q_gmem = static_cast<const Element*>(p.q);
   const CacheElement* k_gmem = static_cast<const CacheElement*>(p.k);
@@ -390,7 +394,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // of the prologue's plain path (the early and the speculative tiles). Paged: lane l of `slot_rows` holds the pool
   // row of slot l of those tiles (as rows_now of the paged block ids below).
   auto copy_first_tiles = [&](int first_tile, uint32_t slot_rows) {
-    const BlockRows q_rows = block_rows(args, m_block, 0);  // the rows do not depend on the length
+    const BlockRows q_rows = block_rows(args, m_block, 0, 0);  // the rows do not depend on the length
     copy_q(q_rows.row_begin, q_rows.rows);
 #pragma unroll 1
     for (int n = 0; n < kStages - 1; ++n) {
@@ -405,8 +409,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   };
   int first_copied = -1;  // the tile from which Q and the first tiles were copied early (early or speculative); -1: none
   if constexpr (!kPaged && !kFp8) {
-    if (args.early_tiles != 0 && split == 0 && p.rotary_dim == 0 && p.window_left < 0 && full_width && strides_32bit &&
-        (kStages - 1) * kBlockN <= p.seqlen_k) {
+    if (args.early_tiles != 0 && split == 0 && p.rotary_dim == 0 && p.window_left < 0 && p.cache_leftpad == nullptr &&
+        full_width && strides_32bit && (kStages - 1) * kBlockN <= p.seqlen_k) {
       copy_first_tiles(0, 0u);
       first_copied = 0;
     }
@@ -428,8 +432,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     }
   }
   const int seqlen_k = cached + p.seqlen_new;  // keys after the append
-  const bool length_ok = cache_length_ok(cached, p.seqlen_new, p.seqlen_k);
-  const BlockRows rows = block_rows(args, m_block, length_ok ? seqlen_k : 0);
+  const bool length_ok = cache_keys_ok(cached, key_floor, p.seqlen_new, p.seqlen_k);
+  const BlockRows rows = block_rows(args, m_block, length_ok ? seqlen_k : 0, length_ok ? key_floor : 0);
   const SplitWork work = split_work(rows.key_begin, rows.key_end, kBlockN, args.num_splits, args.min_tiles_per_split, split);
   C::stamp(C::kStampPlanned, p.out);
   // ---- early and speculative tiles, part 3: they are the prologue's when the real length starts the split at the
@@ -659,8 +663,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   auto load_id_batch = [&](int batch) {  // tiles [batch, batch + 1) * kTilesPerIdBatch into ids_next
     const int first_tile = work.tile_begin + batch * kTilesPerIdBatch;
     j_next = lane_slot_key(first_tile);  // the slot's first key
-    needed_next = first_tile + lane / kSlots < work.tile_end && j_next < seqlen_k;  // never read past the keys' blocks
-    if (batch == 0 && work.tile_begin == first_ids_tile) ids_next = first_ids;  // read beside cache_seqlens
+    // Never read outside the keys' blocks: past the keys, or (cache_leftpad) a slot wholly in the padding.
+    needed_next = first_tile + lane / kSlots < work.tile_end && j_next < seqlen_k && j_next + 16 > key_floor;
+    if (batch == 0 && work.tile_begin == first_ids_tile) ids_next = needed_next ? first_ids : 0;  // read beside cache_seqlens
     else ids_next = needed_next ? table_row[j_next >> args.page_shift] : 0;
   };
   // The next batch becomes the current one. Its ids are checked only now (a vote waits for the loads, which
@@ -685,7 +690,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
 #pragma unroll 1  // a division per row: rolled, like the checked path (code size; affects speed only)
     for (int pass = 0; pass < kPasses; ++pass) {
       const int j = n * kBlockN + row_lane + pass * kRowsPerPass;
-      per_row_ids[pass] = j < seqlen_k ? table_row[page_of(args, j)] : 0;
+      per_row_ids[pass] = j < seqlen_k && j >= key_floor ? table_row[page_of(args, j)] : 0;
     }
   };
   if constexpr (kPaged) {
@@ -715,7 +720,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
         const uint32_t pool_row = pass_pool_row(rows_now, rel, pass);
         copy_pass_zfill(k_tile, v_tile, pass, reinterpret_cast<const char*>(k_slot_row_base + wide_product<kLean>(pool_row, k_row_bytes)),
                         reinterpret_cast<const char*>(v_slot_row_base + wide_product<kLean>(pool_row, v_row_bytes)),
-                        n * kBlockN + row_lane + pass * kRowsPerPass < seqlen_k);
+                        // a key: in [key_floor, seqlen_k) (one unsigned compare; key_floor <= seqlen_k)
+                        uint32_t(n * kBlockN + row_lane + pass * kRowsPerPass - key_floor) < uint32_t(seqlen_k - key_floor));
       }
       return;
     }
@@ -729,8 +735,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
         tile_bad_ids = (bad_now >> slot_lane(rel, 0u)) & ((1u << kSlots) - 1);
       }
     }
-    const bool plain =
-        (n + 1) * kBlockN <= seqlen_k && full_width && strides_32bit && (!kPaged || slot_ids) && tile_bad_ids == 0;
+    const bool plain = (n + 1) * kBlockN <= seqlen_k && n * kBlockN >= key_floor && full_width && strides_32bit &&
+                       (!kPaged || slot_ids) && tile_bad_ids == 0;
     if (kPaged && __builtin_expect(plain && args.paged_rows, 1)) {
       // The pool row of the slot (one shuffle) plus the thread's row in it (in the base): one wide multiply-add
       // per row of K and of V, as for a contiguous cache.
@@ -764,7 +770,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       for (int pass = 0; pass < kPasses; ++pass) {
         const int row = row_lane + pass * kRowsPerPass;
         const int j = n * kBlockN + row;
-        bool row_valid = j < seqlen_k;  // rows past the keys load as zeros (and are masked)
+        bool row_valid = j < seqlen_k && j >= key_floor;  // rows outside the keys load as zeros (and are masked)
         int64_t k_offset, v_offset;     // elements from k_rows / v_rows to the row's chunk
         if constexpr (kPaged) {
           const int32_t id =
@@ -816,7 +822,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   const float qk_scale = kFp8 ? ldexpf(p.softmax_scale * p.k_scale, -q_exponent) : p.softmax_scale;
   const bool natural_units = p.softcap > 0.f || p.alibi_slopes != nullptr || p.softmax_scale < 0.f;
   const float score_log2_scale = natural_units ? kLog2e : qk_scale * kLog2e;
-  const WindowMask mask(p.window_left, p.window_right, p.seqlen_q, seqlen_k);
+  const PaddedWindowMask mask(p.window_left, p.window_right, p.seqlen_q, seqlen_k, key_floor);
   // Keys [unmasked_begin, unmasked_end) are visible to every row of the m-block (the visible range of
   // query i only moves right with i: the last query's first key, the first query's end), so a warp slice
   // inside it needs no mask: two compares per tile instead of WindowMask::tile_fully_visible.

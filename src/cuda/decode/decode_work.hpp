@@ -66,6 +66,13 @@ FA_HD bool cache_length_ok(int cached, int seqlen_new, int capacity) {
   return cached >= 0 && int64_t(cached) + seqlen_new <= int64_t(capacity);
 }
 
+// The first key of sequence b: cache_leftpad[b], 0 without padding. With it the sequence's keys are [key_floor,
+// cached + seqlen_new); the kernels accept it only in [0, cached] (cache_keys_ok).
+FA_HD int key_floor_of(const KvcacheParams& p, int b) { return p.cache_leftpad != nullptr ? p.cache_leftpad[b] : 0; }
+FA_HD bool cache_keys_ok(int cached, int key_floor, int seqlen_new, int capacity) {
+  return cache_length_ok(cached, seqlen_new, capacity) && key_floor >= 0 && key_floor <= cached;
+}
+
 // Key tiles of one split. `used` is the same for every split of the m-block.
 struct SplitWork {
   int used;        // splits with work: 0 when no key is visible to the m-block's rows
@@ -90,7 +97,7 @@ FA_HD SplitWork split_work(int key_begin, int key_end, int block_n, int num_spli
 }
 
 // The packed rows of m-block `m_block` and the keys any of them sees (bottom-right aligned mask of
-// core/mask.hpp with Sk = cached + seqlen_new).
+// core/mask.hpp with Sk = cached + seqlen_new, none below key_floor: PaddedWindowMask).
 struct BlockRows {
   int row_begin;   // first packed row
   int rows;        // packed rows of this m-block (< block_m in the last one)
@@ -100,14 +107,14 @@ struct BlockRows {
   int key_end;
 };
 
-FA_HD BlockRows block_rows(const DecodeArgs& a, int m_block, int seqlen_k) {
+FA_HD BlockRows block_rows(const DecodeArgs& a, int m_block, int seqlen_k, int key_floor) {
   BlockRows r;
   r.row_begin = m_block * a.block_m;
   const int left = a.packed_rows - r.row_begin;
   r.rows = left < a.block_m ? left : a.block_m;
   r.query_begin = r.row_begin / a.group;
   r.query_end = (r.row_begin + r.rows - 1) / a.group + 1;
-  const WindowMask mask(a.p.window_left, a.p.window_right, a.p.seqlen_q, seqlen_k);
+  const PaddedWindowMask mask(a.p.window_left, a.p.window_right, a.p.seqlen_q, seqlen_k, key_floor);
   r.key_begin = mask.key_begin(r.query_begin);
   r.key_end = mask.key_end(r.query_end, seqlen_k);
   return r;

@@ -71,8 +71,8 @@ Status check_indices(const DecodeArgs& args, cudaStream_t stream) {
   FA_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
   if (capture != cudaStreamCaptureStatusNone)
     return error(FA_ERROR_UNSUPPORTED,
-                 "check_indices: checking the index tensors (cache_seqlens, block_table or cache_batch_idx) synchronises "
-                 "the stream, which a CUDA graph capture does not allow; set check_indices = 0 while capturing");
+                 "check_indices: checking the index tensors (cache_seqlens, cache_leftpad, block_table or cache_batch_idx) "
+                 "synchronises the stream, which a CUDA graph capture does not allow; set check_indices = 0 while capturing");
   unsigned long long* status_device = nullptr;
   FA_CUDA_RETURN_IF_ERROR(cudaMalloc(&status_device, sizeof(unsigned long long)));
   unsigned long long status = kGuardAllValid;
@@ -91,6 +91,14 @@ Status check_indices(const DecodeArgs& args, cudaStream_t stream) {
   if (column < 0) {
     int32_t cached = 0;
     FA_CUDA_RETURN_IF_ERROR(cudaMemcpy(&cached, p.cache_seqlens + b, sizeof(cached), cudaMemcpyDeviceToHost));
+    int32_t key_floor = 0;
+    if (p.cache_leftpad != nullptr)
+      FA_CUDA_RETURN_IF_ERROR(cudaMemcpy(&key_floor, p.cache_leftpad + b, sizeof(key_floor), cudaMemcpyDeviceToHost));
+    if (cache_length_ok(cached, p.seqlen_new, p.seqlen_k))  // then the padding is what is wrong
+      return error(FA_ERROR_INVALID_ARGUMENT,
+                   "cache_leftpad: entry %d = %d must be in [0, cache_seqlens[%d] = %d]; checked on the device "
+                   "(check_indices), nothing was written",
+                   b, key_floor, b, cached);
     return error(FA_ERROR_INVALID_ARGUMENT,
                  "cache_seqlens: entry %d = %d plus S_new = %d must be in [0, %d] (the cache capacity); checked on the "
                  "device (check_indices), nothing was written",
