@@ -195,7 +195,9 @@ typedef struct fa_kvcache_args {
      ALiBi distances are the same as without padding (only which keys exist changes). Entries must be in
      [0, cache_seqlens[b]]. Host tensors are checked; on CUDA, check_indices checks them on the device, and
      without it a sequence whose entry is out of range gets NaN in out and lse and writes nothing.
-     Contiguous and paged caches (and cache_batch_idx). Absent: every sequence starts at row 0. */
+     The CPU backends take it with every cache; CUDA with a contiguous cache only (with block_table or
+     cache_batch_idx: FA_ERROR_UNSUPPORTED, as flash_attn refuses it with a paged cache). Absent: every sequence
+     starts at row 0. */
   fa_tensor cache_leftpad;
 } fa_kvcache_args;
 

@@ -283,7 +283,7 @@ def flash_attn_with_kvcache(
     bottom-right corner; softcap, alibi_slopes (Hq) or (B, Hq) float32, num_splits (0: the library's choice),
     cache_batch_idx (B,) int32 (contiguous caches: sequence b uses cache entry cache_batch_idx[b]), cache_leftpad
     (B,) int32 (left padding: sequence b's keys are cache rows [cache_leftpad[b], cache_seqlens[b] + S_new), positions
-    stay the rows' own; entries in [0, cache_seqlens[b]]; contiguous and paged caches), an FP8 cache
+    stay the rows' own; entries in [0, cache_seqlens[b]]; on CUDA contiguous caches only), an FP8 cache
     (dtype float8_e4m3fn with the float scales k_scale, v_scale; real value = fp8 value * scale), backend ("auto",
     "cpu", "cuda" or "reference").
 

@@ -18,8 +18,8 @@ flash_attn_with_kvcache), with these differences:
   generator: results are reproducible under torch.manual_seed, but the mask differs from
   flash_attn's. Each call with dropout draws a fresh (seed, offset) pair; backward reuses it.
 - flash_attn_with_kvcache: cache_batch_idx works with contiguous caches (as in flash_attn; with
-  block_table it is refused); cache_leftpad works with contiguous and paged caches (flash_attn
-  refuses it with block_table);
+  block_table it is refused); cache_leftpad as in flash_attn (on CUDA contiguous caches only;
+  the CPU backends take paged ones too);
   cache_seqlens=None means "the whole cache is filled" and is refused when k/v are given.
 - Extra keyword-only argument ``backend`` ("auto", "reference", "flash", "standard", "cuda"):
   "reference" runs the float64 oracle (slow; for tests).
@@ -698,7 +698,7 @@ def flash_attn_with_kvcache(
     cache_leftpad (B,) int32: left padding, as in flash_attn. Sequence b's keys are cache rows
     [cache_leftpad[b], cache_seqlens[b] + S_new); the rows before are never read. Positions are the rows' own:
     rotary, causal / window alignment and ALiBi are as without padding. Entries in [0, cache_seqlens[b]].
-    Contiguous and paged caches (flash_attn refuses it with block_table).
+    On CUDA contiguous caches only (as flash_attn); the CPU backends take paged ones and cache_batch_idx too.
     """
     _check_no_grad_for("flash_attn_with_kvcache", q, k, v)
     if cache_seqlens is None:

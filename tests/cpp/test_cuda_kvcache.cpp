@@ -1247,9 +1247,9 @@ TEST(CudaKvcacheFp8, QMagnitudesWithinAndAcrossBlocks) {
 
 // ---- cache_leftpad: sequence b's keys are cache rows [leftpad[b], cached[b] + new); the padding holds NaN ----
 
-// Cases over the kernel's load paths: contiguous (plain and checked copies), paged with 16-row slot ids (the lean
-// copies of 64-key tiles at D = 128; D = 64's 128-key tiles take the other paths), per-row ids (block size 3), one-row
-// blocks; paddings inside a tile, on a tile boundary, equal to the length, none; every split count family.
+// Cases over the load paths: contiguous (on CUDA the plain and checked copies), paged with 16-row slots, per-row ids
+// (block size 3), one-row blocks (the CPU backends; CUDA refuses cache_leftpad with a paged cache); paddings inside
+// a tile, on a tile boundary, equal to the length, none; D = 64's 128-key tiles; every split count family.
 std::vector<KvCase> leftpad_cases() {
   std::vector<KvCase> cases;
   for (const int block_size : {0, 16, 64, 256, 3, 1}) {
@@ -1264,7 +1264,7 @@ std::vector<KvCase> leftpad_cases() {
     c.block_size = block_size;
     cases.push_back(c);
   }
-  KvCase d64 = cases[1];  // 128-key tiles
+  KvCase d64 = cases[0];  // 128-key tiles
   d64.head_dim = 64;
   cases.push_back(d64);
   KvCase read_only = cases[0];
@@ -1275,6 +1275,12 @@ std::vector<KvCase> leftpad_cases() {
   cases.push_back(read_only);
   read_only.block_size = 16;
   cases.push_back(read_only);
+  return cases;
+}
+std::vector<KvCase> contiguous_leftpad_cases() {
+  std::vector<KvCase> cases;
+  for (const KvCase& c : leftpad_cases())
+    if (c.block_size == 0) cases.push_back(c);
   return cases;
 }
 
@@ -1288,36 +1294,49 @@ TEST(CudaKvcacheHarness, JudgesLeftPaddingOnTheCpuFlashBackend) {
 
 TEST(CudaKvcache, LeftPadding) {
   SKIP_WITHOUT_GPU();
-  for (KvCase c : leftpad_cases())
+  for (KvCase c : contiguous_leftpad_cases())
     for (const int splits : {0, 1, 2, 7, 40}) {
       c.num_splits = splits;
       check_case("leftpad", c);
     }
   // With rotary (at the rows' own positions), windows, ALiBi and softcap, and FP8 caches.
-  KvCase rotary = leftpad_cases()[1];
+  KvCase rotary = contiguous_leftpad_cases()[0];
   rotary.rotary = 1;
   rotary.rotary_dim = 64;
   check_case("leftpad rotary", rotary);
   rotary.rotary = 2;
   rotary.causal = false;  // every query at position cached
-  rotary.block_size = 0;
   check_case("leftpad rotary non-causal", rotary);
-  KvCase window = leftpad_cases()[0];
+  KvCase window = contiguous_leftpad_cases()[0];
   window.window_left = 200;
   window.window_right = 0;
   check_case("leftpad window", window);
-  window.block_size = 16;
   window.alibi = true;
   window.softcap = 4.f;
   check_case("leftpad window alibi softcap", window);
-  for (const int block_size : {0, 16}) {
-    KvCase fp8 = leftpad_cases()[1];
-    fp8.fp8 = true;
-    fp8.block_size = block_size;
-    for (const int splits : {0, 1, 5}) {
-      fp8.num_splits = splits;
-      check_case("leftpad fp8", fp8);
+  KvCase fp8 = contiguous_leftpad_cases()[0];
+  fp8.fp8 = true;
+  for (const int splits : {0, 1, 5}) {
+    fp8.num_splits = splits;
+    check_case("leftpad fp8", fp8);
+  }
+  // Paged (and cache_batch_idx, which runs as paged): refused by name before anything is written.
+  for (const bool slots : {false, true}) {
+    KvCase paged = leftpad_cases()[1];
+    if (slots) paged.block_size = 0;
+    auto rng = fa_test::make_rng("leftpad paged");
+    KvTensors t = make_kv(paged, rng);
+    if (slots) {
+      t.cache_batch_idx = HostTensor({paged.batch}, FA_INT32);
+      for (int b = 0; b < paged.batch; ++b) t.cache_batch_idx.set_int(b, paged.batch - 1 - b);
+      t.k_cache = HostTensor({paged.batch, 1024, paged.heads_k, paged.head_dim}, paged.dtype);  // S_cache a power of two
+      t.v_cache = t.k_cache;
     }
+    const KvTensors before = t;
+    const Status s = run_gpu(paged, t);
+    EXPECT_EQ(s.code(), FA_ERROR_UNSUPPORTED) << s.to_string();
+    EXPECT_EQ(s.message().rfind("cache_leftpad: on the cuda backend with a contiguous cache only", 0), 0u) << s.message();
+    EXPECT_TRUE(same_bytes(t.k_cache, before.k_cache) && same_bytes(t.out, before.out)) << "written";
   }
 }
 
@@ -1325,7 +1344,7 @@ TEST(CudaKvcache, LeftPadding) {
 // before any write (checked mode).
 TEST(CudaKvcache, LeftPaddingOutOfRange) {
   SKIP_WITHOUT_GPU();
-  for (const int block_size : {0, 16}) {
+  for (const int block_size : {0}) {
     KvCase c;
     c.batch = 3;
     c.cached = {100, 200, 50};

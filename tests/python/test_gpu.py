@@ -151,8 +151,8 @@ def test_jax_kvcache_on_gpu(cache, leftpad):
     """flashattn.jax.flash_attn_with_kvcache on the GPU: a jitted decode step over a paged cache (shuffled blocks of
     16) with the caches donated, bf16 or FP8 (e4m3, power-of-two scales). The updated caches equal the CPU backend's
     bit for bit (the appended rows, quantised for FP8; every other row untouched), and out matches float64 SDPA over
-    the (dequantised) cache after the append within 3x the error of SDPA in bf16. With cache_leftpad, over the rows
-    from the padding on."""
+    the (dequantised) cache after the append within 3x the error of SDPA in bf16. With cache_leftpad (a paged cache):
+    the CPU backend's result over the rows from the padding on, and CUDA's refusal by name."""
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
@@ -185,8 +185,14 @@ def test_jax_kvcache_on_gpu(cache, leftpad):
                                                            put(cached), put(table))
         return np.asarray(out.astype(jnp.float32)), np.asarray(kc), np.asarray(vc)
 
-    out, kc, vc = run_on(gpus[0])
-    _, kc_cpu, vc_cpu = run_on(jax.devices("cpu")[0])
+    if leftpad:  # CUDA takes cache_leftpad with a contiguous cache only (as flash_attn)
+        with pytest.raises(Exception, match="cache_leftpad: on the cuda backend with a contiguous cache only"):
+            run_on(gpus[0])
+        out, kc, vc = run_on(jax.devices("cpu")[0])
+        kc_cpu, vc_cpu = kc, vc
+    else:
+        out, kc, vc = run_on(gpus[0])
+        _, kc_cpu, vc_cpu = run_on(jax.devices("cpu")[0])
     assert np.array_equal(kc.view(np.uint8), kc_cpu.view(np.uint8)), "updated k cache"
     assert np.array_equal(vc.view(np.uint8), vc_cpu.view(np.uint8)), "updated v cache"
     for s in range(b):
@@ -206,7 +212,7 @@ def test_kvcache_leftpad_on_gpu(dtype, paged):
     """cache_leftpad on the GPU, 4 new tokens (causal) appended with rotary: sequence b's keys are cache rows
     [pad[b], cached[b] + 4), the padding rows hold NaN. The caches after the call equal the CPU backend's bit for bit,
     and out matches float64 SDPA (bottom-right causal) over those keys and the rotated q within 3x the error of SDPA
-    in the 16-bit dtype."""
+    in the 16-bit dtype. A paged cache: the CPU backend computes it, CUDA refuses it by name (as flash_attn)."""
     b, s_cache, s_new, hq, hk, d, block, rot = 3, 2048, 4, 32, 8, 128, 16, 64
     cached = torch.tensor([2000, 64, 700], dtype=torch.int32)
     pad = torch.tensor([1357, 64, 0], dtype=torch.int32)  # inside a tile; = the length (only the new keys); none
@@ -233,7 +239,13 @@ def test_kvcache_leftpad_on_gpu(dtype, paged):
     kc, vc = k_cache.cuda(), v_cache.cuda()
     gpu_kw = dict(kw, cache_seqlens=cached.cuda(), cache_leftpad=pad.cuda(), rotary_cos=cos.cuda(), rotary_sin=sin.cuda(),
                   block_table=None if table is None else table.cuda())
-    out = fat.flash_attn_with_kvcache(q.cuda(), kc, vc, k_new.cuda(), v_new.cuda(), **gpu_kw).cpu()
+    if paged:
+        with pytest.raises(NotImplementedError, match="cache_leftpad: on the cuda backend with a contiguous cache only"):
+            fat.flash_attn_with_kvcache(q.cuda(), kc, vc, k_new.cuda(), v_new.cuda(), **gpu_kw)
+        kc, vc = kc_cpu, vc_cpu  # judge the CPU backend's result below
+        out = fat.flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, **kw)
+    else:
+        out = fat.flash_attn_with_kvcache(q.cuda(), kc, vc, k_new.cuda(), v_new.cuda(), **gpu_kw).cpu()
     assert torch.equal(kc.cpu().view(torch.int16), kc_cpu.view(torch.int16)), "k cache after the append"
     assert torch.equal(vc.cpu().view(torch.int16), vc_cpu.view(torch.int16)), "v cache after the append"
     for s in range(b):

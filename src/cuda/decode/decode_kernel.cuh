@@ -20,8 +20,9 @@
 //              full-width heads and 32-bit strides every tile of such a cache takes that path ("lean paged copies", a tile
 //              loop of its own: zero-fill past the key count, bad ids checked once per id batch)
 //   S = Q K^T  the kWarps warps split each tile's keys (kWarpKeys each); every warp owns all kBlockM rows
-//   mask       core/mask.hpp's PaddedWindowMask (causal within the new tokens, sliding window, the key count, the
-//              left padding of cache_leftpad: rows below it are never read, and load as zeros in a tile), only
+//   mask       core/mask.hpp's PaddedWindowMask (causal within the new tokens, sliding window, the key count, and
+//              in the contiguous kernels cache_leftpad's padding: rows below it are never read, and load as zeros in
+//              a tile), only
 //              on warp slices that straddle a boundary; softcap / ALiBi through ScoreTransform when enabled
 //   softmax    online, per warp, exp2 with the scale and log2(e) folded into one multiplier; O rescaled
 //              lazily (kMaxStaleLog2)
@@ -135,6 +136,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   //   0.998-1.040, 28 / 4 and MHA 0.996-1.036; FP8 paged 0.978-0.992 (mul.wide alone took the paged FP8 kernel from
   //   185 to 195 registers), so FP8 caches keep the plain forms.
   constexpr bool kLean = !kFp8;
+  // cache_leftpad (a key floor per sequence) in the contiguous kernels only. With it in the paged kernels as well, calls
+  // without padding ran slower against main: bf16 B = 16 / 1k 1.6-2.0% (also with the lean copies' zero-fill test as
+  // on main), FP8 B = 1 / 32k 4.0% (182 -> 198 registers; H200, 2026-12-04 20:35 and 20:49 UTC,
+  // bench/results/2026-12-04-2035-*, -2049-*); with the floor kept out of the tile loop ptxas still gave the FP8 paged
+  // kernel 188-193 registers. The contiguous kernels ran as on main (0.993-1.010).
+  constexpr bool kLeftPad = !kPaged;
   // The cache's element, and a K or V tile as streamed through the ring: the 16-bit tile itself, or (FP8) the
   // tile's codes, whose D bytes per row are stored as the D / 2 columns of a 16-bit tile.
   using CacheElement = std::conditional_t<kFp8, uint8_t, Element>;
@@ -235,7 +242,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // tile l / kSlots).
   auto lane_slot_key = [&](int first_tile) { return (first_tile + lane / kSlots) * kBlockN + (lane % kSlots) * 16; };
   const bool speculate = !kFp8 && args.speculative_tiles != 0 && p.rotary_dim == 0 && p.window_left < 0 &&
-                         p.cache_leftpad == nullptr &&
+                         (!kLeftPad || p.cache_leftpad == nullptr) &&
                          (kPaged ? args.page_shift >= 4 && args.paged_rows != 0 : !(split == 0 && args.early_tiles != 0));
   int guess_seqlen_k = -1;     // keys after the append under the guessed length (-1: no usable guess)
   SplitWork guess{0, 0, 0};    // the split's tiles under it
@@ -284,7 +291,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // issued before those tiles' copies (the compiler barrier keeps them there): behind the copies in the memory
   // pipeline they arrived ~1 us later (H200 timeline, 2026-12-01).
   const int cached = p.cache_seqlens[b];
-  const int key_floor = key_floor_of(p, b);  // cache_leftpad: the sequence's keys start there (decode_work.hpp)
+  // cache_leftpad: the sequence's keys start there (decode_work.hpp). Contiguous caches only (kLeftPad; the host refuses
+  // it with a paged one): in the paged kernels key_floor is 0 at compile time and every use folds away.
+  const int key_floor = kLeftPad ? key_floor_of(p, b) : 0;
   asm volatile("" ::: "memory");
   const Element* q_gmem = static_cast<const Element*>(p.q);
   const CacheElement* k_gmem = static_cast<const CacheElement*>(p.k);
@@ -663,9 +672,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   auto load_id_batch = [&](int batch) {  // tiles [batch, batch + 1) * kTilesPerIdBatch into ids_next
     const int first_tile = work.tile_begin + batch * kTilesPerIdBatch;
     j_next = lane_slot_key(first_tile);  // the slot's first key
-    // Never read outside the keys' blocks: past the keys, or (cache_leftpad) a slot wholly in the padding.
-    needed_next = first_tile + lane / kSlots < work.tile_end && j_next < seqlen_k && j_next + 16 > key_floor;
-    if (batch == 0 && work.tile_begin == first_ids_tile) ids_next = needed_next ? first_ids : 0;  // read beside cache_seqlens
+    needed_next = first_tile + lane / kSlots < work.tile_end && j_next < seqlen_k;  // never read past the keys' blocks
+    if (batch == 0 && work.tile_begin == first_ids_tile) ids_next = first_ids;  // read beside cache_seqlens
     else ids_next = needed_next ? table_row[j_next >> args.page_shift] : 0;
   };
   // The next batch becomes the current one. Its ids are checked only now (a vote waits for the loads, which
@@ -690,7 +698,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
 #pragma unroll 1  // a division per row: rolled, like the checked path (code size; affects speed only)
     for (int pass = 0; pass < kPasses; ++pass) {
       const int j = n * kBlockN + row_lane + pass * kRowsPerPass;
-      per_row_ids[pass] = j < seqlen_k && j >= key_floor ? table_row[page_of(args, j)] : 0;
+      per_row_ids[pass] = j < seqlen_k ? table_row[page_of(args, j)] : 0;
     }
   };
   if constexpr (kPaged) {
@@ -706,7 +714,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
 
   // Copies the rows of the split's tile `rel` (relative index) into `stage`. Called for rel = 0, 1, 2, ...
   // in order, by every thread (the shuffles need whole warps).
-  auto issue_tile = [&](int rel, int stage, auto lean) {
+  // Padding (cache_leftpad, contiguous caches) can sit only in split 0's first tile: the prologue passes it
+  // padding_floor() as tile_floor, every other call 0 (no code: see `plain`). padding_floor() is rows.key_begin
+  // (>= key_floor; the keys between are invisible to every row of the m-block, so they may be skipped too) when the
+  // call has padding, else 0: key_floor itself is dead after block_rows.
+  auto padding_floor = [&]() { return kLeftPad && p.cache_leftpad != nullptr ? rows.key_begin : 0; };
+  auto issue_tile = [&](int rel, int stage, auto lean, int tile_floor) {
     const int n = work.tile_begin + rel;
     const uint32_t k_tile = kv_smem + uint32_t(stage) * 2u * StageTile::kBytes + load_lane;
     const uint32_t v_tile = k_tile + StageTile::kBytes;
@@ -720,8 +733,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
         const uint32_t pool_row = pass_pool_row(rows_now, rel, pass);
         copy_pass_zfill(k_tile, v_tile, pass, reinterpret_cast<const char*>(k_slot_row_base + wide_product<kLean>(pool_row, k_row_bytes)),
                         reinterpret_cast<const char*>(v_slot_row_base + wide_product<kLean>(pool_row, v_row_bytes)),
-                        // a key: in [key_floor, seqlen_k) (one unsigned compare; key_floor <= seqlen_k)
-                        uint32_t(n * kBlockN + row_lane + pass * kRowsPerPass - key_floor) < uint32_t(seqlen_k - key_floor));
+                        // (no padding row comes here: see the prologue)
+                        n * kBlockN + row_lane + pass * kRowsPerPass < seqlen_k);
       }
       return;
     }
@@ -735,8 +748,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
         tile_bad_ids = (bad_now >> slot_lane(rel, 0u)) & ((1u << kSlots) - 1);
       }
     }
-    const bool plain = (n + 1) * kBlockN <= seqlen_k && n * kBlockN >= key_floor && full_width && strides_32bit &&
-                       (!kPaged || slot_ids) && tile_bad_ids == 0;
+    // (tile_floor == 0 || ...): no code where the caller passes 0 (the tile loop)
+    const bool plain = (n + 1) * kBlockN <= seqlen_k && (tile_floor == 0 || n * kBlockN >= tile_floor) && full_width &&
+                       strides_32bit && (!kPaged || slot_ids) && tile_bad_ids == 0;
     if (kPaged && __builtin_expect(plain && args.paged_rows, 1)) {
       // The pool row of the slot (one shuffle) plus the thread's row in it (in the base): one wide multiply-add
       // per row of K and of V, as for a contiguous cache.
@@ -770,7 +784,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       for (int pass = 0; pass < kPasses; ++pass) {
         const int row = row_lane + pass * kRowsPerPass;
         const int j = n * kBlockN + row;
-        bool row_valid = j < seqlen_k && j >= key_floor;  // rows outside the keys load as zeros (and are masked)
+        bool row_valid = j < seqlen_k && (tile_floor == 0 || j >= tile_floor);  // rows outside the keys load as zeros
         int64_t k_offset, v_offset;     // elements from k_rows / v_rows to the row's chunk
         if constexpr (kPaged) {
           const int32_t id =
@@ -805,10 +819,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   for (int s = 0; s < kStages - 1 && !first_kept; ++s) {  // (kept: issued before cache_seqlens arrived)
     if (s < num_tiles) {
       if constexpr (kLeanPagedTile) {
-        if (lean_paged) issue_tile(s, s, std::true_type{});
-        else issue_tile(s, s, std::false_type{});
+        // A first tile that starts below cache_leftpad (only split 0's first tile can) takes the checked path: the
+        // lean copies then never meet a padding row, and their zero-fill test stays the key count's alone.
+        if (lean_paged) issue_tile(s, s, std::true_type{}, 0);
+        else issue_tile(s, s, std::false_type{}, 0);
       } else {
-        issue_tile(s, s, std::false_type{});
+        issue_tile(s, s, std::false_type{}, s == 0 ? padding_floor() : 0);
       }
     }
     cp_async_commit();
@@ -822,11 +838,16 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   const float qk_scale = kFp8 ? ldexpf(p.softmax_scale * p.k_scale, -q_exponent) : p.softmax_scale;
   const bool natural_units = p.softcap > 0.f || p.alibi_slopes != nullptr || p.softmax_scale < 0.f;
   const float score_log2_scale = natural_units ? kLog2e : qk_scale * kLog2e;
-  const PaddedWindowMask mask(p.window_left, p.window_right, p.seqlen_q, seqlen_k, key_floor);
+  // The mask of core/mask.hpp's PaddedWindowMask, from a WindowMask and rows.key_begin: the first key of query i is
+  // max(key_floor, window_begin(i)) = max(rows.key_begin, window_begin(i)), as window_begin grows with i and
+  // rows.key_begin = max(key_floor, window_begin(the block's first query)). So key_floor is not live in the tile loop
+  // (rows.key_begin is already).
+  const WindowMask mask(p.window_left, p.window_right, p.seqlen_q, seqlen_k);
+  auto first_key = [&](int i) { return kLeftPad ? max(mask.key_begin(i), rows.key_begin) : mask.key_begin(i); };
   // Keys [unmasked_begin, unmasked_end) are visible to every row of the m-block (the visible range of
   // query i only moves right with i: the last query's first key, the first query's end), so a warp slice
   // inside it needs no mask: two compares per tile instead of WindowMask::tile_fully_visible.
-  const int unmasked_begin = mask.key_begin(rows.query_end - 1);
+  const int unmasked_begin = first_key(rows.query_end - 1);
   const int unmasked_end = mask.key_end(rows.query_begin + 1, seqlen_k);
 
   // This thread's accumulator rows (mt, half): their query and, for ALiBi, their head's transform.
@@ -879,7 +900,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     for (int it = 0; it < num_tiles; ++it) {
       __syncthreads();  // every warp is done with tile it - 1 (its stage is refilled now)
       const int ahead = it + kStages - 1;
-      if (ahead < num_tiles) issue_tile(ahead, ahead % kStages, lean);
+      if (ahead < num_tiles) issue_tile(ahead, ahead % kStages, lean, 0);
       cp_async_commit();
       cp_async_wait<kStages - 1>();  // this thread's copies of tile `it` (and Q) have landed
       __syncthreads();               // everyone's have
@@ -970,7 +991,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
             // against offsets relative to this thread's first column.
             const int i = row_query[mt][half];
             const int first_col = slice0 + 2 * quad_col;
-            const int visible_begin = mask.key_begin(i) - first_col;
+            const int visible_begin = first_key(i) - first_col;
             const int visible_end = mask.key_end(i + 1, seqlen_k) - first_col;
 #pragma unroll
             for (int nt = 0; nt < kNTiles; ++nt)

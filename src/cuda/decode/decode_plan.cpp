@@ -63,6 +63,13 @@ Status check_kvcache_support(const KvcacheParams& p) {
                           "slow per-row block path). Allocate a power-of-two capacity, or pass the cache as paged blocks "
                           "with block_table",
                           p.page_block_size);
+  // cache_leftpad: the contiguous kernel only (flash_attn refuses it with a paged cache everywhere). In the paged
+  // instantiation every trace of it folds away: supporting it there cost the paged kernels 1-4% without padding
+  // (decode_kernel.cuh, kLeftPad).
+  if (p.cache_leftpad != nullptr && p.block_table != nullptr)
+    return FA_UNSUPPORTED("cache_leftpad: on the cuda backend with a contiguous cache only, not with %s (flash_attn "
+                          "refuses the pair too); the cpu backends take both",
+                          p.block_table_is_batch_idx ? "cache_batch_idx, which runs as a paged cache" : "block_table");
   if (p.dropout_p > 0.f)
     return FA_UNSUPPORTED("options.dropout_p: the cuda kvcache (decode) kernels do not implement dropout (got p = %g); "
                           "use p = 0, or a cpu backend",
