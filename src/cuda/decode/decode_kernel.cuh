@@ -140,7 +140,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // without padding ran slower against main: bf16 B = 16 / 1k 1.6-2.0% (also with the lean copies' zero-fill test as
   // on main), FP8 B = 1 / 32k 4.0% (182 -> 198 registers; H200, 2026-12-04 20:35 and 20:49 UTC,
   // bench/results/2026-12-04-2035-*, -2049-*); with the floor kept out of the tile loop ptxas still gave the FP8 paged
-  // kernel 188-193 registers. The contiguous kernels ran as on main (0.993-1.010).
+  // kernel 188-193 registers. Kept so, the bf16 contiguous kernels run as on main; FP8 caches lost 1.5-3.2% at four of
+  // eight points, the paged ones too (docs/PERFORMANCE.md, "... 20:23-21:24 UTC": not explained).
   constexpr bool kLeftPad = !kPaged;
   // The cache's element, and a K or V tile as streamed through the ring: the 16-bit tile itself, or (FP8) the
   // tile's codes, whose D bytes per row are stored as the D / 2 columns of a 16-bit tile.
@@ -277,8 +278,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   if (args.prefetch_inputs == 0) prefetch_table_lines();  // beside the length's load instead
   // The split's first batch of block ids (see the paged block ids below), read beside cache_seqlens instead of one
   // dependent round trip after it, at the tile where the split starts under the guessed length (part 1 above), or
-  // for split 0 without a guess at tile 0 (where its tiles start unless a window or cache_leftpad moves them; the
-  // slots wholly in the padding are not used, load_id_batch). These are the real
+  // for split 0 without a guess at tile 0 (where its tiles start unless a window moves them). These are the real
   // ids (read after the wait), used when the real length starts the split at that tile; bounded by the capacity,
   // which the table row covers, so every lane's entry is there whatever the length.
   int32_t first_ids = 0;
@@ -733,7 +733,6 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
         const uint32_t pool_row = pass_pool_row(rows_now, rel, pass);
         copy_pass_zfill(k_tile, v_tile, pass, reinterpret_cast<const char*>(k_slot_row_base + wide_product<kLean>(pool_row, k_row_bytes)),
                         reinterpret_cast<const char*>(v_slot_row_base + wide_product<kLean>(pool_row, v_row_bytes)),
-                        // (no padding row comes here: see the prologue)
                         n * kBlockN + row_lane + pass * kRowsPerPass < seqlen_k);
       }
       return;
@@ -819,9 +818,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   for (int s = 0; s < kStages - 1 && !first_kept; ++s) {  // (kept: issued before cache_seqlens arrived)
     if (s < num_tiles) {
       if constexpr (kLeanPagedTile) {
-        // A first tile that starts below cache_leftpad (only split 0's first tile can) takes the checked path: the
-        // lean copies then never meet a padding row, and their zero-fill test stays the key count's alone.
-        if (lean_paged) issue_tile(s, s, std::true_type{}, 0);
+        if (lean_paged) issue_tile(s, s, std::true_type{}, 0);  // (paged: no padding, kLeftPad)
         else issue_tile(s, s, std::false_type{}, 0);
       } else {
         issue_tile(s, s, std::false_type{}, s == 0 ? padding_floor() : 0);
