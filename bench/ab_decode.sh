@@ -10,6 +10,8 @@
 #   s2  32 / 8 D = 128, B = 64, 256 x 1k, 8k              s3  8 / 1 D = 128, B = 1, 4 x 4k, 16k
 #   s4  32 / 8 D = 64, B = 1, 8 x 4k, 16k                 s5  32 / 8 D = 128 FP8 cache, B = 1, 16 x 8k, 32k
 #   s6  16 / 16 D = 256, B = 1, 10 x 8k
+#   s7  (not in the default SETS) 32 / 8 D = 128, B = 1, 16 x 1k, 32k, contiguous and contiguous-leftpad: the kernel for
+#       cache_leftpad against the one without, in one binary (builds from before it have no such layout)
 set -uo pipefail
 out=${1:?usage: ab_decode.sh OUT_DIR name=BIN ...}
 shift
@@ -23,6 +25,7 @@ set_args() {
     4) echo "--heads 32:8 --dim 64 --batches 1,8 --caches 4096,16384" ;;
     5) echo "--heads 32:8 --kv fp8 --batches 1,16 --caches 8192,32768" ;;
     6) echo "--heads 16:16 --dim 256 --batches 1,10 --caches 8192" ;;
+    7) echo "--heads 32:8 --batches 1,16 --caches 1024,32768 --layouts contiguous,contiguous-leftpad" ;;
   esac
 }
 for r in $(seq 1 "${ROUNDS:-3}"); do

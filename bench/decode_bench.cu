@@ -10,7 +10,8 @@
 // "paged-rev": as "paged-seq", each row's ids in descending order: see Shape::reversed_pages; "paged-lifo" and
 // "paged-lowest": the rows a block allocator hands out after churn, most recently freed block first or lowest free id
 // first: see churned_table);
-// "contiguous-idx": the contiguous cache through cache_batch_idx (Shape::batch_idx).
+// "contiguous-idx": the contiguous cache through cache_batch_idx (Shape::batch_idx); "contiguous-leftpad": the
+// contiguous cache with cache_leftpad, all zeros (Shape::left_pad: the same keys, through the kernel for left padding).
 // Points whose K/V exceed --budget-gib are skipped (and listed).
 // K/V bytes of a call = B * S * Hk * (D + Dv) * 2; with --kv fp8 (a float8 e4m3 cache, k_scale = v_scale =
 // 1/256, random finite codes) 1 byte per element: B * S * Hk * (D + Dv). Each call is planned once (fa_plan_kvcache) and runs with
@@ -271,6 +272,9 @@ struct Shape {
   // contiguous, "contiguous-idx": the call addresses the cache through cache_batch_idx (sequence b in entry B - 1 - b),
   // what a server with a slot cache passes.
   bool batch_idx = false;
+  // contiguous, "contiguous-leftpad": the call passes cache_leftpad, every entry 0: the keys, the bytes and the output of
+  // "contiguous", through the library's kernel instantiation for left padding (its cost against the one without).
+  bool left_pad = false;
   // paged, sequential: each table row's ids in descending order ("paged-rev": a sequence's blocks in one run of the
   // pool, visited from its end; what a LIFO free list gives the next sequence after one is released in table order).
   bool reversed_pages = false;
@@ -330,7 +334,7 @@ std::vector<int32_t> churned_table(int64_t batch, int64_t per_seq, bool lowest, 
 
 // One copy of a point's inputs (device memory) and its call arguments.
 struct Copy {
-  Buffer q, k, v, out, lse, seqlens, table, slots;
+  Buffer q, k, v, out, lse, seqlens, table, slots, leftpad;
   fa_kvcache_args args{};
 };
 
@@ -390,6 +394,11 @@ Copy make_copy(const Shape& s, uint32_t seed, std::mt19937_64& rng) {
       c.slots = Buffer(s.batch * 4);
       CHECK_CUDA(cudaMemcpy(c.slots.data, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice));
       a.cache_batch_idx = tensor(c.slots.data, {s.batch}, FA_INT32);
+    }
+    if (s.left_pad) {
+      c.leftpad = Buffer(s.batch * 4);
+      CHECK_CUDA(cudaMemset(c.leftpad.data, 0, size_t(s.batch) * 4));
+      a.cache_leftpad = tensor(c.leftpad.data, {s.batch}, FA_INT32);
     }
   }
   return c;
@@ -463,15 +472,18 @@ struct Variant {
 // translation units registering the same kernel (non-rdc) confuse the runtime (cudaFuncSetAttribute on
 // one copy, the launch on the other: "invalid argument"). Deriving a new type gives the variants their own
 // kernels.
+// The variants time calls without cache_leftpad: they leave its kernel out (build time).
 template <int M, int N, int W, int S, bool kFp8 = false>
-struct BenchConfig : dec::DecodeConfig<__nv_bfloat16, 128, M, N, W, S, false, kFp8> {};
+struct BenchConfig : dec::DecodeConfig<__nv_bfloat16, 128, M, N, W, S, false, kFp8> {
+  static constexpr bool kLeftPadKernel = false;
+};
 // How many clusters of `cluster` CTAs of config C's contiguous kernel can be resident at once
 // (cudaOccupancyMaxActiveClusters), with `smem_pad` more bytes of shared memory and the scheduling policy `policy`.
 template <typename C>
 int max_active_clusters(int cluster, int smem_pad, int policy) {
   bool programmatic = false;
   if (!cu::prepare_decode_kernel<C>(0, &programmatic).ok()) return -1;
-  const auto kernel = &dec::decode_kernel<C, false>;
+  const auto kernel = cu::decode_kernel_of<C>(cu::kContiguousKernel);
   const int smem = cu::decode_smem_bytes<C>() + smem_pad;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return cudaGetLastError(), -1;
   cudaLaunchConfig_t config{};
@@ -1240,10 +1252,10 @@ int main(int argc, char** argv) {
   for (const std::string& layout : layouts)
     if (layout != "contiguous" && layout != "paged" && layout != "paged-seq" && layout != "paged-local" &&
         layout != "paged-sorted" && sorted_run_of(layout) == 0 && layout != "contiguous-idx" && layout != "paged-rev" &&
-        layout != "paged-lifo" && layout != "paged-lowest") {
+        layout != "paged-lifo" && layout != "paged-lowest" && layout != "contiguous-leftpad") {
       std::fprintf(stderr,
                    "unknown layout %s (contiguous, contiguous-idx, paged, paged-seq, paged-rev, paged-local, paged-sorted, "
-                   "paged-sortedN, paged-lifo, paged-lowest)\n",
+                   "paged-sortedN, paged-lifo, paged-lowest, contiguous-leftpad)\n",
                    layout.c_str());
       return 2;
     }
@@ -1257,6 +1269,7 @@ int main(int argc, char** argv) {
                       layout == "paged-local", dtype, fp8_cache};
         s.sorted_run = layout == "paged-sorted" ? 1 << 30 : sorted_run_of(layout);
         s.batch_idx = layout == "contiguous-idx";
+        s.left_pad = layout == "contiguous-leftpad";
         s.reversed_pages = layout == "paged-rev";
         s.churn_policy = layout == "paged-lifo" ? 1 : layout == "paged-lowest" ? 2 : 0;
         std::vector<std::pair<Knobs, Result>> results;

@@ -134,7 +134,7 @@ TEST(CudaKvcachePlan, BlockRowsCoverPackedRowsAndTheirKeys) {
     const WindowMask mask(s.left, s.right, s.seqlen_q, s.seqlen_k);
     int covered = 0;
     for (int m = 0; m < a.m_blocks; ++m) {
-      const decode::BlockRows r = decode::block_rows(a, m, s.seqlen_k, 0);
+      const decode::BlockRows r = decode::block_rows(a, m, s.seqlen_k);
       EXPECT_EQ(r.row_begin, covered);
       covered += r.rows;
       int lo = INT_MAX, hi = INT_MIN;

@@ -121,7 +121,7 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
   int64_t out_at = 0;  // elements from out to the item's 4 columns
   int64_t lse_at = -1;  // from lse to its row's LSE (-1: none stored by this group)
   if (cache_keys_ok(cached, key_floor, p.seqlen_new, p.seqlen_k)) {  // else the attention kernel wrote NaN directly
-    const BlockRows rows = block_rows(args, m_block, cached + p.seqlen_new, key_floor);
+    const BlockRows rows = padded_block_rows(args, m_block, cached + p.seqlen_new, key_floor);
     used = split_work(rows.key_begin, rows.key_end, args.block_n, args.num_splits, args.min_tiles_per_split, 0).used;
     if (idx >= rows.rows * quads) used = 0;
     if (used >= 2) {  // else written directly by the attention kernel

@@ -28,6 +28,10 @@ struct DecodeConfig {
   // (ptxas's own choice for a 68 KiB D = 128 tile, 194-220 registers, allowed 2 where shared memory allowed 3;
   // ptxas -v, 2026-11-30).
   static constexpr int kMinCtasPerSm = !kFp8Cache ? 0 : (3 * (kSmemBytes + 1024) <= 228 * 1024 ? 3 : 2);
+  // Whether the launcher instantiates the kernel for calls with cache_leftpad (decode_kernel.cuh, kLeftPad) besides
+  // those for a contiguous and a paged cache: the library's configs do; bench/decode_bench.cu's tuning variants do
+  // not (build time), and refuse such a call.
+  static constexpr bool kLeftPadKernel = true;
 
   // Timeline probe (tuning only): the kernel calls C::stamp(event, out) at the phase boundaries below. Here a
   // no-op that compiles to nothing; bench/decode_bench.cu's "tl_" variants derive a config whose stamp records

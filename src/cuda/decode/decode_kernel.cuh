@@ -20,10 +20,9 @@
 //              full-width heads and 32-bit strides every tile of such a cache takes that path ("lean paged copies", a tile
 //              loop of its own: zero-fill past the key count, bad ids checked once per id batch)
 //   S = Q K^T  the kWarps warps split each tile's keys (kWarpKeys each); every warp owns all kBlockM rows
-//   mask       core/mask.hpp's PaddedWindowMask (causal within the new tokens, sliding window, the key count, and
-//              in the contiguous kernels cache_leftpad's padding: rows below it are never read, and load as zeros in
-//              a tile), only
-//              on warp slices that straddle a boundary; softcap / ALiBi through ScoreTransform when enabled
+//   mask       core/mask.hpp's WindowMask (causal within the new tokens, sliding window, the key count) and in the
+//              kLeftPad kernel PaddedWindowMask (cache_leftpad: rows below it are never read, and load as zeros in
+//              a tile), only on warp slices that straddle a boundary; softcap / ALiBi through ScoreTransform when enabled
 //   softmax    online, per warp, exp2 with the scale and log2(e) folded into one multiplier; O rescaled
 //              lazily (kMaxStaleLog2)
 //   O += P V   P stays in registers (accumulator layout = A-operand layout); V via ldmatrix.trans
@@ -102,10 +101,11 @@ __device__ __forceinline__ uint64_t opaque_u64(uint64_t x, int lane) {
   return uint64_t(hi) << 32 | lo;
 }
 
-// kPaged: the cache is paged (args.p.block_table != null); the launcher picks the instantiation.
+// kPaged: the cache is paged (args.p.block_table != null). kLeftPad: the call has left padding (args.p.cache_leftpad !=
+// null; contiguous caches only, the host refuses it with a paged one). The launcher picks the instantiation.
 // Launch bounds: C::kMinCtasPerSm (decode_config.cuh) is 0, "no bound", for 16-bit caches (ptxas's own register
 // choice) and 2 or 3 for FP8 caches (see there).
-template <typename C, bool kPaged>
+template <typename C, bool kPaged, bool kLeftPad>
 __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(const __grid_constant__ DecodeArgs args) {
   using Element = typename C::Element;
   constexpr int kBlockM = C::kBlockM;
@@ -136,13 +136,18 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   //   0.998-1.040, 28 / 4 and MHA 0.996-1.036; FP8 paged 0.978-0.992 (mul.wide alone took the paged FP8 kernel from
   //   185 to 195 registers), so FP8 caches keep the plain forms.
   constexpr bool kLean = !kFp8;
-  // cache_leftpad (a key floor per sequence) in the contiguous kernels only. With it in the paged kernels as well, calls
-  // without padding ran slower against main: bf16 B = 16 / 1k 1.6-2.0% (also with the lean copies' zero-fill test as
-  // on main), FP8 B = 1 / 32k 4.0% (182 -> 198 registers; H200, 2026-12-04 20:35 and 20:49 UTC,
-  // bench/results/2026-12-04-2035-*, -2049-*); with the floor kept out of the tile loop ptxas still gave the FP8 paged
-  // kernel 188-193 registers. Kept so, the bf16 contiguous kernels run as on main; FP8 caches lost 1.5-3.2% at four of
-  // eight points, the paged ones too (docs/PERFORMANCE.md, "... 20:23-21:24 UTC": not explained).
-  constexpr bool kLeftPad = !kPaged;
+  // cache_leftpad (a key floor per sequence) in an instantiation of its own, so that the kernels of calls without it
+  // are the code they were before it: with the floor read in every kernel, calls without padding ran slower against
+  // main (bf16 paged B = 16 / 1k 1.6-2.0%, FP8 paged B = 1 / 32k 4.0% at 182 -> 198 registers; H200, 2026-12-04 20:35
+  // and 20:49 UTC, bench/results/2026-12-04-2035-*, -2049-*), and with it in the contiguous kernels only, FP8 caches
+  // lost 1.5-3.2% at four of eight points (20:23-21:24 UTC, docs/PERFORMANCE.md). So the kernels for calls without it
+  // are byte for byte those of main built with an unused 8-byte field in KvcacheParams, sm_90a and sm_80 (every decode
+  // kernel, bench/cubin_diff.py; bench/results/2026-12-04-2246-decode-leftpad-kernel-cubin-identity.txt). A change
+  // here should keep that: compare the cubins (compiled locally with -cubin) as that file says.
+  // The kLeftPad kernel runs only for calls with cache_leftpad, yet tests `p.cache_leftpad == nullptr` where the
+  // padding turns the early and speculative tiles off, as a runtime test: with those paths compiled out ptxas gave
+  // its bf16 D = 128 (m16n64) instance 128 registers and a 16-byte spill, so 152 and none (ptxas -v, sm_90a).
+  static_assert(!(kPaged && kLeftPad), "cache_leftpad: contiguous caches only");
   // The cache's element, and a K or V tile as streamed through the ring: the 16-bit tile itself, or (FP8) the
   // tile's codes, whose D bytes per row are stored as the D / 2 columns of a 16-bit tile.
   using CacheElement = std::conditional_t<kFp8, uint8_t, Element>;
@@ -210,7 +215,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       if (row_entries <= kPrefetchTableEntries) {
         if (tid * 32 < row_entries) prefetch_l2(row + tid * 32);
       } else if (args.prefetch_inputs != 0 && args.page_shift >= 0 && tid < 2) {
-        const BlockRows full = block_rows(args, m_block, p.seqlen_k, 0);
+        const BlockRows full = block_rows(args, m_block, p.seqlen_k);
         const SplitWork guess = split_work(full.key_begin, full.key_end, kBlockN, args.num_splits, args.min_tiles_per_split, split);
         const int64_t entry = (int64_t(guess.tile_begin) * kBlockN >> args.page_shift) + tid * 32;
         if (split < guess.used && entry < row_entries) prefetch_l2(row + entry);
@@ -255,7 +260,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     if (args.speculative_tiles == 2) guessed /= 2;  // tests: a wrong length
     if (cache_length_ok(guessed, p.seqlen_new, p.seqlen_k)) {
       guess_seqlen_k = guessed + p.seqlen_new;
-      const BlockRows guess_rows = block_rows(args, m_block, guess_seqlen_k, 0);
+      const BlockRows guess_rows = block_rows(args, m_block, guess_seqlen_k);
       guess = split_work(guess_rows.key_begin, guess_rows.key_end, kBlockN, args.num_splits, args.min_tiles_per_split, split);
       if constexpr (kPaged) {  // the slots of the kStages - 1 tiles that part 2 copies
         const int j = lane_slot_key(guess.tile_begin);
@@ -291,8 +296,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // issued before those tiles' copies (the compiler barrier keeps them there): behind the copies in the memory
   // pipeline they arrived ~1 us later (H200 timeline, 2026-12-01).
   const int cached = p.cache_seqlens[b];
-  // cache_leftpad: the sequence's keys start there (decode_work.hpp). Contiguous caches only (kLeftPad; the host refuses
-  // it with a paged one): in the paged kernels key_floor is 0 at compile time and every use folds away.
+  // cache_leftpad: the sequence's keys start there (decode_work.hpp). Without it (kLeftPad false) key_floor is 0 at
+  // compile time and unused.
   const int key_floor = kLeftPad ? key_floor_of(p, b) : 0;
   asm volatile("" ::: "memory");
   const Element* q_gmem = static_cast<const Element*>(p.q);
@@ -403,7 +408,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // of the prologue's plain path (the early and the speculative tiles). Paged: lane l of `slot_rows` holds the pool
   // row of slot l of those tiles (as rows_now of the paged block ids below).
   auto copy_first_tiles = [&](int first_tile, uint32_t slot_rows) {
-    const BlockRows q_rows = block_rows(args, m_block, 0, 0);  // the rows do not depend on the length
+    const BlockRows q_rows = block_rows(args, m_block, 0);  // the rows do not depend on the length
     copy_q(q_rows.row_begin, q_rows.rows);
 #pragma unroll 1
     for (int n = 0; n < kStages - 1; ++n) {
@@ -418,8 +423,10 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   };
   int first_copied = -1;  // the tile from which Q and the first tiles were copied early (early or speculative); -1: none
   if constexpr (!kPaged && !kFp8) {
-    if (args.early_tiles != 0 && split == 0 && p.rotary_dim == 0 && p.window_left < 0 && p.cache_leftpad == nullptr &&
-        full_width && strides_32bit && (kStages - 1) * kBlockN <= p.seqlen_k) {
+    // (the padding test first: in the middle of the chain, kLeftPad false changed the sm_80 code of the kernels
+    // without padding)
+    if ((!kLeftPad || p.cache_leftpad == nullptr) && args.early_tiles != 0 && split == 0 && p.rotary_dim == 0 &&
+        p.window_left < 0 && full_width && strides_32bit && (kStages - 1) * kBlockN <= p.seqlen_k) {
       copy_first_tiles(0, 0u);
       first_copied = 0;
     }
@@ -441,8 +448,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     }
   }
   const int seqlen_k = cached + p.seqlen_new;  // keys after the append
-  const bool length_ok = cache_keys_ok(cached, key_floor, p.seqlen_new, p.seqlen_k);
-  const BlockRows rows = block_rows(args, m_block, length_ok ? seqlen_k : 0, length_ok ? key_floor : 0);
+  // Without padding (kLeftPad false) the checks and rows as they were before cache_leftpad: a floor of 0 passed through
+  // (cache_keys_ok, padded_block_rows) changed the kernels' PTX.
+  const bool length_ok = kLeftPad ? cache_keys_ok(cached, key_floor, p.seqlen_new, p.seqlen_k)
+                                  : cache_length_ok(cached, p.seqlen_new, p.seqlen_k);
+  const BlockRows rows = kLeftPad ? padded_block_rows(args, m_block, length_ok ? seqlen_k : 0, length_ok ? key_floor : 0)
+                                  : block_rows(args, m_block, length_ok ? seqlen_k : 0);
   const SplitWork work = split_work(rows.key_begin, rows.key_end, kBlockN, args.num_splits, args.min_tiles_per_split, split);
   C::stamp(C::kStampPlanned, p.out);
   // ---- early and speculative tiles, part 3: they are the prologue's when the real length starts the split at the
@@ -716,8 +727,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // in order, by every thread (the shuffles need whole warps).
   // Padding (cache_leftpad, contiguous caches) can sit only in split 0's first tile: the prologue passes it
   // padding_floor() as tile_floor, every other call 0 (no code: see `plain`). padding_floor() is rows.key_begin
-  // (>= key_floor; the keys between are invisible to every row of the m-block, so they may be skipped too) when the
-  // call has padding, else 0: key_floor itself is dead after block_rows.
+  // (>= key_floor; the keys between are invisible to every row of the m-block, so they may be skipped too) in the
+  // kLeftPad kernel, else 0: key_floor itself is dead after padded_block_rows.
   auto padding_floor = [&]() { return kLeftPad && p.cache_leftpad != nullptr ? rows.key_begin : 0; };
   auto issue_tile = [&](int rel, int stage, auto lean, int tile_floor) {
     const int n = work.tile_begin + rel;
@@ -818,7 +829,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   for (int s = 0; s < kStages - 1 && !first_kept; ++s) {  // (kept: issued before cache_seqlens arrived)
     if (s < num_tiles) {
       if constexpr (kLeanPagedTile) {
-        if (lean_paged) issue_tile(s, s, std::true_type{}, 0);  // (paged: no padding, kLeftPad)
+        if (lean_paged) issue_tile(s, s, std::true_type{}, 0);  // (paged: no padding)
         else issue_tile(s, s, std::false_type{}, 0);
       } else {
         issue_tile(s, s, std::false_type{}, s == 0 ? padding_floor() : 0);

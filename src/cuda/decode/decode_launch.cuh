@@ -28,6 +28,23 @@ constexpr int decode_smem_bytes() {
   return C::kSmemBytes;
 }
 
+// The attention kernels of config C, by cache: 0 contiguous, 1 paged, 2 contiguous with cache_leftpad (null where
+// the config has no such kernel, C::kLeftPadKernel).
+using DecodeKernelFn = void (*)(decode::DecodeArgs);
+enum DecodeKernelKind : int { kContiguousKernel = 0, kPagedKernel = 1, kLeftPadKernel = 2, kDecodeKernelKinds = 3 };
+inline DecodeKernelKind decode_kernel_kind(const KvcacheParams& p) {
+  return p.block_table != nullptr ? kPagedKernel : p.cache_leftpad != nullptr ? kLeftPadKernel : kContiguousKernel;
+}
+template <typename C>
+DecodeKernelFn decode_kernel_of(DecodeKernelKind kind) {
+  if (kind == kPagedKernel) return &decode::decode_kernel<C, true, false>;
+  if (kind == kLeftPadKernel) {
+    if constexpr (C::kLeftPadKernel) return &decode::decode_kernel<C, false, true>;
+    return nullptr;
+  }
+  return &decode::decode_kernel<C, false, false>;
+}
+
 // Once per device and kernel: raise its shared-memory limit (sticky), allow clusters of up to 16 CTAs on
 // sm_90+, and learn whether programmatic dependent launches and the cluster merge may be used: `*sm90` is
 // true when the device has compute capability 9.0+ AND the kernel's image was compiled for it (PTX version
@@ -45,9 +62,10 @@ Status prepare_decode_kernel(int device, bool* sm90) {
     *sm90 = (sm90_bits.load(std::memory_order_relaxed) & device_bit) != 0;
     return Status();
   }
-  cudaError_t attribute = cudaFuncSetAttribute(&decode::decode_kernel<C, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  if (attribute == cudaSuccess)
-    attribute = cudaFuncSetAttribute(&decode::decode_kernel<C, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  cudaError_t attribute = cudaSuccess;
+  for (int kind = 0; kind < kDecodeKernelKinds && attribute == cudaSuccess; ++kind)
+    if (const DecodeKernelFn kernel = decode_kernel_of<C>(DecodeKernelKind(kind)))
+      attribute = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (attribute == cudaErrorInvalidDeviceFunction || attribute == cudaErrorNoKernelImageForDevice) {
     cudaGetLastError();  // clear it: the call did not run
     return error(FA_ERROR_NOT_COMPILED, "q: the kvcache kernel (D %d, %s%s) has no image for cuda:%d in this build",
@@ -57,26 +75,29 @@ Status prepare_decode_kernel(int device, bool* sm90) {
   int major = 0;
   FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   cudaFuncAttributes image{};
-  FA_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&image, &decode::decode_kernel<C, false>));
+  FA_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&image, decode_kernel_of<C>(kContiguousKernel)));
   *sm90 = major >= 9 && image.ptxVersion >= 90;
   if (*sm90) {
-    FA_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(&decode::decode_kernel<C, false>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    FA_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(&decode::decode_kernel<C, true>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    for (int kind = 0; kind < kDecodeKernelKinds; ++kind)
+      if (const DecodeKernelFn kernel = decode_kernel_of<C>(DecodeKernelKind(kind)))
+        FA_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     sm90_bits.fetch_or(device_bit, std::memory_order_relaxed);
   }
   configured.fetch_or(device_bit, std::memory_order_release);
   return Status();
 }
 
-// Whether clusters of `splits` CTAs of this kernel can be resident on the device (cudaOccupancyMaxActiveClusters
-// > 0), asked once per (device < 64, cluster size) and remembered.
-template <typename C, bool kPaged>
-bool cluster_merge_fits(int device, int splits) {
-  static std::atomic<uint64_t> asked[decode::kMaxClusterSplits + 1];  // bit d: device d asked
-  static std::atomic<uint64_t> fits[decode::kMaxClusterSplits + 1];   // bit d: and the answer was yes
-  if (splits < 2 || splits > decode::kMaxClusterSplits || device < 0 || device >= 64) return false;
+// Whether clusters of `splits` CTAs of the kernel `kind` can be resident on the device (cudaOccupancyMaxActiveClusters
+// > 0), asked once per (kind, device < 64, cluster size) and remembered.
+template <typename C>
+bool cluster_merge_fits(DecodeKernelKind kind, int device, int splits) {
+  static std::atomic<uint64_t> asked[kDecodeKernelKinds][decode::kMaxClusterSplits + 1];  // bit d: device d asked
+  static std::atomic<uint64_t> fits[kDecodeKernelKinds][decode::kMaxClusterSplits + 1];   // bit d: and the answer was yes
+  const DecodeKernelFn kernel = decode_kernel_of<C>(kind);
+  if (kernel == nullptr || splits < 2 || splits > decode::kMaxClusterSplits || device < 0 || device >= 64) return false;
   const uint64_t bit = uint64_t(1) << device;
-  if ((asked[splits].load(std::memory_order_acquire) & bit) != 0) return (fits[splits].load(std::memory_order_relaxed) & bit) != 0;
+  if ((asked[kind][splits].load(std::memory_order_acquire) & bit) != 0)
+    return (fits[kind][splits].load(std::memory_order_relaxed) & bit) != 0;
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(unsigned(splits));
   config.blockDim = dim3(C::kThreads);
@@ -89,10 +110,10 @@ bool cluster_merge_fits(int device, int splits) {
   config.attrs = attribute;
   config.numAttrs = 1;
   int clusters = 0;
-  const bool ok = cudaOccupancyMaxActiveClusters(&clusters, &decode::decode_kernel<C, kPaged>, &config) == cudaSuccess && clusters > 0;
+  const bool ok = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) == cudaSuccess && clusters > 0;
   cudaGetLastError();  // a refusal is an answer, not an error of this call
-  if (ok) fits[splits].fetch_or(bit, std::memory_order_relaxed);
-  asked[splits].fetch_or(bit, std::memory_order_release);
+  if (ok) fits[kind][splits].fetch_or(bit, std::memory_order_relaxed);
+  asked[kind][splits].fetch_or(bit, std::memory_order_release);
   return ok;
 }
 
@@ -115,7 +136,9 @@ Status launch_decode_args(const decode::DecodeArgs& args, const decode::DecodePl
   FA_RETURN_IF_ERROR(decode::launch_append(args, stream));  // the new rows are in the cache before anyone reads it
   const dim3 grid(unsigned(plan.m_blocks) * unsigned(plan.num_splits), p.heads_k, p.batch);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return Status();
-  const auto kernel = p.block_table != nullptr ? &decode::decode_kernel<C, true> : &decode::decode_kernel<C, false>;
+  const DecodeKernelFn kernel = decode_kernel_of<C>(decode_kernel_kind(p));
+  if (kernel == nullptr)  // bench/decode_bench.cu's tuning variants only
+    return error(FA_ERROR_UNSUPPORTED, "cache_leftpad: this kernel configuration has no instantiation for left padding");
   const int smem = decode_smem_bytes<C>() + tuning.extra_smem_bytes;
   if (tuning.extra_smem_bytes > 0) FA_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   FA_CUDA_RETURN_IF_ERROR(decode::launch_decode_kernel(kernel, grid, dim3(C::kThreads), size_t(smem), stream,
@@ -135,10 +158,8 @@ Status launch_kvcache_sm80(const KvcacheParams& p, cudaStream_t stream) {
   args.programmatic_launch = decode::kProgrammaticLaunch && sm90 ? 1 : 0;
   // Splits merged inside a thread-block cluster where that pays (decode_plan.hpp) and the device has clusters
   // that fit; else (sm_80, long or many splits) the combine kernel. The plan's workspace is the same either way.
-  const bool paged = p.block_table != nullptr;
   args.cluster_merge = sm90 && decode::wants_cluster_merge(plan.num_splits, p.seqlen_k, C::kBlockN) &&
-                               (paged ? cluster_merge_fits<C, true>(p.device_id, plan.num_splits)
-                                      : cluster_merge_fits<C, false>(p.device_id, plan.num_splits))
+                               cluster_merge_fits<C>(decode_kernel_kind(p), p.device_id, plan.num_splits)
                            ? 1
                            : 0;
   return launch_decode_args<C>(args, plan, stream);

@@ -63,9 +63,8 @@ Status check_kvcache_support(const KvcacheParams& p) {
                           "slow per-row block path). Allocate a power-of-two capacity, or pass the cache as paged blocks "
                           "with block_table",
                           p.page_block_size);
-  // cache_leftpad: the contiguous kernel only (flash_attn refuses it with a paged cache everywhere). In the paged
-  // instantiation every trace of it folds away: supporting it there cost the paged kernels 1-4% without padding
-  // (decode_kernel.cuh, kLeftPad).
+  // cache_leftpad: contiguous caches only, through a kernel instantiation of their own (decode_kernel.cuh, kLeftPad).
+  // Paged ones would take a fourth instantiation per config (build time) for a pair flash_attn refuses everywhere.
   if (p.cache_leftpad != nullptr && p.block_table != nullptr)
     return FA_UNSUPPORTED("cache_leftpad: on the cuda backend with a contiguous cache only, not with %s (flash_attn "
                           "refuses the pair too); the cpu backends take both",

@@ -97,7 +97,7 @@ FA_HD SplitWork split_work(int key_begin, int key_end, int block_n, int num_spli
 }
 
 // The packed rows of m-block `m_block` and the keys any of them sees (bottom-right aligned mask of
-// core/mask.hpp with Sk = cached + seqlen_new, none below key_floor: PaddedWindowMask).
+// core/mask.hpp with Sk = cached + seqlen_new).
 struct BlockRows {
   int row_begin;   // first packed row
   int rows;        // packed rows of this m-block (< block_m in the last one)
@@ -107,16 +107,25 @@ struct BlockRows {
   int key_end;
 };
 
-FA_HD BlockRows block_rows(const DecodeArgs& a, int m_block, int seqlen_k, int key_floor) {
+FA_HD BlockRows block_rows(const DecodeArgs& a, int m_block, int seqlen_k) {
   BlockRows r;
   r.row_begin = m_block * a.block_m;
   const int left = a.packed_rows - r.row_begin;
   r.rows = left < a.block_m ? left : a.block_m;
   r.query_begin = r.row_begin / a.group;
   r.query_end = (r.row_begin + r.rows - 1) / a.group + 1;
-  const PaddedWindowMask mask(a.p.window_left, a.p.window_right, a.p.seqlen_q, seqlen_k, key_floor);
+  const WindowMask mask(a.p.window_left, a.p.window_right, a.p.seqlen_q, seqlen_k);
   r.key_begin = mask.key_begin(r.query_begin);
   r.key_end = mask.key_end(r.query_end, seqlen_k);
+  return r;
+}
+
+// The same with left padding (cache_leftpad): no key below key_floor (core/mask.hpp's PaddedWindowMask, whose
+// key_begin is WindowMask's raised to the floor). A function of its own so that the kernels for calls without padding
+// (decode_kernel.cuh, kLeftPad false) compile to the code they had before it: a floor of 0 passed through changed it.
+FA_HD BlockRows padded_block_rows(const DecodeArgs& a, int m_block, int seqlen_k, int key_floor) {
+  BlockRows r = block_rows(a, m_block, seqlen_k);
+  if (r.key_begin < key_floor) r.key_begin = key_floor;
   return r;
 }
 
