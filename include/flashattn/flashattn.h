@@ -51,6 +51,12 @@ extern "C" {
 #define FA_VERSION_MINOR 1
 #define FA_VERSION_PATCH 0
 #define FA_MAX_DIMS 4
+/* The layout of this header's structs. Raised whenever one of them changes (a field added, even at the end; before
+   1.0 that may happen at any minor version). fa_options_init records the version the caller was compiled with in
+   options->abi_version, and every entry point refuses options of another version (FA_ERROR_INVALID_ARGUMENT, naming
+   both) before it reads any other struct: a program built against another flashattn.h gets an error instead of
+   misread arguments. (With options == NULL nothing records the caller's version and nothing is checked.) */
+#define FA_ABI_VERSION 1
 
 typedef enum fa_status {
   FA_OK = 0,
@@ -105,6 +111,7 @@ typedef struct fa_stats {
 
 /* Options shared by every entry point. Fill with fa_options_init(), then change what you need. */
 typedef struct fa_options {
+  int32_t abi_version;     /* set by fa_options_init: the FA_ABI_VERSION of the caller's header. Stays the first field. */
   float softmax_scale;     /* 0: 1/sqrt(D). Must be finite. */
   int32_t causal;          /* nonzero: causal, bottom-right aligned (window_right = 0) */
   int32_t window_left;     /* -1: unbounded; else >= 0 keys to the left of the diagonal */
@@ -212,7 +219,13 @@ typedef struct fa_error {
   char message[1024];
 } fa_error;
 
-FA_API void fa_options_init(fa_options* options);
+/* Fills *options with the defaults and records abi_version (FA_ABI_VERSION of the caller's header, through the
+   macro). Of options of another ABI version it sets abi_version only (the first field in every version), so that
+   the entry points report the mismatch. */
+FA_API void fa_options_init_abi(fa_options* options, int32_t abi_version);
+#define fa_options_init(options) fa_options_init_abi((options), FA_ABI_VERSION)
+/* FA_ABI_VERSION of the header this library was built with. */
+FA_API int32_t fa_abi_version(void);
 /* A dense row-major (contiguous) view: strides derived from shape. */
 FA_API fa_tensor fa_tensor_contiguous(void* data, int32_t ndim, const int64_t* shape, fa_dtype dtype,
                                       fa_device_kind device, int32_t device_id);

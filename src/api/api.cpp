@@ -41,6 +41,20 @@ fa_status guarded(fa_error* error, Body body) {
   }
 }
 
+// Options of the caller's header version, checked before anything else of the call is read (FA_ABI_VERSION).
+Status check_abi(const fa_options* options) {
+  if (options == nullptr || options->abi_version == FA_ABI_VERSION) return Status();
+  if (options->abi_version == 0)
+    return flashattn::error(FA_ERROR_INVALID_ARGUMENT,
+                            "options.abi_version: 0; fill options with fa_options_init() (this library's FA_ABI_VERSION "
+                            "is %d)",
+                            FA_ABI_VERSION);
+  return flashattn::error(FA_ERROR_INVALID_ARGUMENT,
+                          "options.abi_version: the caller was built with FA_ABI_VERSION %d, this library (flashattn %s) "
+                          "with %d: its structs differ; rebuild against this library's flashattn.h",
+                          options->abi_version, fa_version(), FA_ABI_VERSION);
+}
+
 fa_options options_or_default(const fa_options* options) {
   fa_options o;
   if (options != nullptr) return *options;
@@ -150,9 +164,14 @@ using namespace flashattn;
 
 extern "C" {
 
-void fa_options_init(fa_options* o) {
+void fa_options_init_abi(fa_options* o, int32_t abi_version) {
   if (o == nullptr) return;
+  if (abi_version != FA_ABI_VERSION) {  // a struct of another layout: only its first field is known
+    o->abi_version = abi_version;
+    return;
+  }
   std::memset(o, 0, sizeof(*o));
+  o->abi_version = abi_version;
   o->softmax_scale = 0.f;
   o->window_left = -1;
   o->window_right = -1;
@@ -180,12 +199,14 @@ fa_tensor fa_tensor_contiguous(void* data, int32_t ndim, const int64_t* shape, f
 
 fa_status fa_forward(const fa_forward_args* args, const fa_options* options, fa_error* error) {
   return api::guarded(error, [&] {
+    FA_RETURN_IF_ERROR(api::check_abi(options));
     return args ? api::forward(*args, api::options_or_default(options)) : api::null_argument("args");
   });
 }
 
 fa_status fa_backward(const fa_backward_args* args, const fa_options* options, fa_error* error) {
   return api::guarded(error, [&] {
+    FA_RETURN_IF_ERROR(api::check_abi(options));
     return args ? api::backward(*args, api::options_or_default(options)) : api::null_argument("args");
   });
 }
@@ -193,6 +214,7 @@ fa_status fa_backward(const fa_backward_args* args, const fa_options* options, f
 fa_status fa_backward_workspace_size(const fa_backward_args* args, const fa_options* options, int64_t* bytes,
                                      fa_error* error) {
   return api::guarded(error, [&] {
+    FA_RETURN_IF_ERROR(api::check_abi(options));
     if (!args) return api::null_argument("args");
     if (!bytes) return api::null_argument("bytes");
     return api::backward_workspace_size(*args, api::options_or_default(options), bytes);
@@ -202,6 +224,7 @@ fa_status fa_backward_workspace_size(const fa_backward_args* args, const fa_opti
 fa_status fa_plan_kvcache(const fa_kvcache_args* args, const fa_options* options, fa_kvcache_plan* plan,
                           fa_error* error) {
   return api::guarded(error, [&] {
+    FA_RETURN_IF_ERROR(api::check_abi(options));
     if (!args) return api::null_argument("args");
     if (!plan) return api::null_argument("plan");
     return api::kvcache_plan(*args, api::options_or_default(options), plan);
@@ -210,6 +233,7 @@ fa_status fa_plan_kvcache(const fa_kvcache_args* args, const fa_options* options
 
 fa_status fa_kvcache(const fa_kvcache_args* args, const fa_options* options, fa_error* error) {
   return api::guarded(error, [&] {
+    FA_RETURN_IF_ERROR(api::check_abi(options));
     return args ? api::kvcache(*args, api::options_or_default(options)) : api::null_argument("args");
   });
 }
@@ -227,6 +251,8 @@ const char* fa_status_name(fa_status status) {
   return "UNKNOWN";
 }
 
+int32_t fa_abi_version(void) { return FA_ABI_VERSION; }
+
 const char* fa_version(void) {
 #define FA_STR2(x) #x
 #define FA_STR(x) FA_STR2(x)
@@ -235,7 +261,7 @@ const char* fa_version(void) {
 
 const char* fa_build_info(void) {
   static const std::string info = [] {
-    std::string s = std::string("flashattn ") + fa_version() + "\n";
+    std::string s = std::string("flashattn ") + fa_version() + " (C ABI " + std::to_string(FA_ABI_VERSION) + ")\n";
     s += "backends: cpu_reference (float64 oracle), cpu_flash, cpu_standard";
     s += cuda::compiled() ? ", cuda\n" : "\n";
     s += "cpu dtypes: float32, float16, bfloat16 (float32 accumulation); any head dim in [1, 1024]\n";

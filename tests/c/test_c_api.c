@@ -74,6 +74,30 @@ int main(void) {
   CHECK(strcmp(fa_status_name(FA_ERROR_NOT_COMPILED), "NOT_COMPILED") == 0, "status name");
   CHECK(fa_version()[0] != '\0' && fa_build_info()[0] != '\0', "version / build info");
 
+  /* the struct layout: options of another FA_ABI_VERSION are refused before any other struct is read (args is not
+     looked at: NULL here), and fa_options_init_abi of another version writes only abi_version */
+  CHECK(fa_abi_version() == FA_ABI_VERSION, "fa_abi_version %d, header %d", fa_abi_version(), FA_ABI_VERSION);
+  CHECK(options.abi_version == FA_ABI_VERSION, "fa_options_init records FA_ABI_VERSION");
+  fa_options foreign;
+  memset(&foreign, 0xAB, sizeof(foreign));
+  fa_options_init_abi(&foreign, FA_ABI_VERSION + 1);
+  const unsigned char* bytes = (const unsigned char*)&foreign;
+  int untouched = 1;
+  for (size_t n = sizeof(foreign.abi_version); n < sizeof(foreign); ++n) untouched = untouched && bytes[n] == 0xAB;
+  CHECK(foreign.abi_version == FA_ABI_VERSION + 1 && untouched, "fa_options_init_abi of another version: abi_version only");
+  fa_kvcache_plan plan;
+  status = fa_plan_kvcache(NULL, &foreign, &plan, &error);
+  CHECK(status == FA_ERROR_INVALID_ARGUMENT && strstr(error.message, "options.abi_version: the caller was built with") != NULL,
+        "foreign options: %s %s", fa_status_name(status), error.message);
+  status = fa_forward(&args, &foreign, &error);
+  CHECK(status == FA_ERROR_INVALID_ARGUMENT && strstr(error.message, "options.abi_version") != NULL, "forward, foreign options: %s",
+        error.message);
+  fa_options zeroed;
+  memset(&zeroed, 0, sizeof(zeroed));
+  status = fa_kvcache(NULL, &zeroed, &error);
+  CHECK(status == FA_ERROR_INVALID_ARGUMENT && strstr(error.message, "fill options with fa_options_init()") != NULL,
+        "zeroed options: %s", error.message);
+
   free(q), free(k), free(v), free(out), free(out_ref), free(lse);
   if (failures == 0) printf("test_c_api: all checks passed\n");
   return failures == 0 ? 0 : 1;

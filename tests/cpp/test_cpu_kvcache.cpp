@@ -437,6 +437,13 @@ TEST(CpuKvcache, PlanAndWorkspace) {
   fa_kvcache_plan wide_plan{};
   ASSERT_TRUE(kvcache_plan(w.args(), kv_options(wide, FA_BACKEND_CPU_FLASH, w), &wide_plan).ok());
   EXPECT_EQ(wide_plan.num_splits, 1);
+  // Left padding: the split heuristic counts the keys, not the rows: 4001 rows but 201 keys is one split.
+  KvCase padded = c;
+  padded.leftpad = {3800};
+  KvTensors pt = make_kv(padded, rng);
+  fa_kvcache_plan padded_plan{};
+  ASSERT_TRUE(kvcache_plan(pt.args(), kv_options(padded, FA_BACKEND_CPU_FLASH, pt), &padded_plan).ok());
+  EXPECT_EQ(padded_plan.num_splits, 1) << "201 keys after the padding: no split of 256 keys or more";
   // Too small a workspace.
   a.workspace.shape[0] = plan.workspace_bytes - 1;
   const Status s = kvcache(a, o);

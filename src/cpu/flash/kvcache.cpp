@@ -59,9 +59,10 @@ struct Plan {
   // Enough (tile, split) items for every thread, but no split shorter than kMinKeysPerSplit keys.
   int choose_splits(const KvcacheParams& p) const {
     if (tiles == 0 || tiles >= p.num_threads) return 1;
-    int max_keys = 0;  // cache_seqlens is host memory on the CPU backend
+    int max_keys = 0;  // cache_seqlens and cache_leftpad are host memory on the CPU backend
     for (int b = 0; b < p.batch; ++b) {
-      const int keys = p.cache_seqlens[b] + p.seqlen_new;
+      // the sequence's keys: none in its left padding (validated to lie within its cache)
+      const int keys = p.cache_seqlens[b] + p.seqlen_new - (p.cache_leftpad != nullptr ? p.cache_leftpad[b] : 0);
       max_keys = keys > max_keys ? keys : max_keys;
     }
     int64_t chosen = (int64_t(kItemsPerThread) * p.num_threads + tiles - 1) / tiles;
