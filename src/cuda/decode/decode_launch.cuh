@@ -32,6 +32,7 @@ constexpr int decode_smem_bytes() {
 // the config has no such kernel, C::kLeftPadKernel).
 using DecodeKernelFn = void (*)(decode::DecodeArgs);
 enum DecodeKernelKind : int { kContiguousKernel = 0, kPagedKernel = 1, kLeftPadKernel = 2, kDecodeKernelKinds = 3 };
+// (A paged cache with cache_leftpad never gets here: decode_plan.cpp's check_kvcache_support refuses it.)
 inline DecodeKernelKind decode_kernel_kind(const KvcacheParams& p) {
   return p.block_table != nullptr ? kPagedKernel : p.cache_leftpad != nullptr ? kLeftPadKernel : kContiguousKernel;
 }
@@ -133,12 +134,12 @@ Status launch_decode_args(const decode::DecodeArgs& args, const decode::DecodePl
   if (plan.workspace_bytes > 0 && (args.partial_lse == nullptr || p.workspace_bytes < plan.workspace_bytes))
     return error(FA_ERROR_INTERNAL, "kvcache launcher: %d splits need a workspace of %lld bytes", plan.num_splits,
                  (long long)plan.workspace_bytes);
+  const DecodeKernelFn kernel = decode_kernel_of<C>(decode_kernel_kind(p));
+  if (kernel == nullptr)  // bench/decode_bench.cu's tuning variants only; before anything is written
+    return error(FA_ERROR_UNSUPPORTED, "cache_leftpad: this kernel configuration has no instantiation for left padding");
   FA_RETURN_IF_ERROR(decode::launch_append(args, stream));  // the new rows are in the cache before anyone reads it
   const dim3 grid(unsigned(plan.m_blocks) * unsigned(plan.num_splits), p.heads_k, p.batch);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return Status();
-  const DecodeKernelFn kernel = decode_kernel_of<C>(decode_kernel_kind(p));
-  if (kernel == nullptr)  // bench/decode_bench.cu's tuning variants only
-    return error(FA_ERROR_UNSUPPORTED, "cache_leftpad: this kernel configuration has no instantiation for left padding");
   const int smem = decode_smem_bytes<C>() + tuning.extra_smem_bytes;
   if (tuning.extra_smem_bytes > 0) FA_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   FA_CUDA_RETURN_IF_ERROR(decode::launch_decode_kernel(kernel, grid, dim3(C::kThreads), size_t(smem), stream,
