@@ -4,6 +4,8 @@
 //   flashattn run [options]             one problem: time, TFLOP/s, GB/s, memory; --check vs float64
 //   flashattn bench [options]           flash vs the textbook path over sequence lengths: time and
 //                                       peak memory per length (table + JSON); shows O(S) vs O(S^2)
+//   flashattn decode [options]          one KV-cache (decode) call: contiguous or paged cache, append,
+//                                       FP8 cache; time and K/V GB/s; --check vs float64 (exit 1 past tolerance)
 // `flashattn <command> --help` lists each command's options.
 #include <sys/resource.h>
 
@@ -737,6 +739,216 @@ int command_info(int argc, char** argv) {
   return 0;
 }
 
+// ---------------------------------------------------------------------------------------------
+// flashattn decode: one KV-cache call (fa_kvcache) on random inputs, as a server's decode step makes it.
+
+int command_decode(int argc, char** argv) {
+  Args a(argc, argv, 2);
+  if (a.flag("help")) {
+    std::string h =
+        "flashattn decode: one KV-cache (decode) call on random inputs: every sequence holds --cache keys,\n"
+        "--new query tokens attend to them (causal within the new tokens with --causal).\n"
+        "  --cache S            keys in each sequence's cache (default 4096)\n"
+        "  --new N              query tokens per sequence (default 1)\n"
+        "  --append             also append N new K/V rows per sequence in the call (the cache then holds S + N)\n"
+        "  --page P             paged cache of P-row blocks, block ids shuffled (default 0: contiguous)\n"
+        "  --kv fp8             K/V cache float8 e4m3 with scales (q/out in --dtype f16 or bf16)\n"
+        "  --splits N           split-KV count (default 0: the backend's plan, fa_plan_kvcache)\n";
+    add_common_help(h);
+    h +=
+        "  --iters N            timed calls (default 20); --warmup N (default 2)\n"
+        "  --check              compare out and lse with the float64 reference backend on the same inputs; exit\n"
+        "                       status 1 when out's relative L2 error exceeds 1e-4 (float32) or 2e-2 (16-bit)\n"
+        "  --json FILE          also write the result as JSON\n"
+        "Reported: time per call (planned once, then run with the planned workspace: no allocation), and the\n"
+        "K/V bytes of the cache read per second (B x S x Hk x (D + Dv) x the cache element).\n";
+    std::fputs(h.c_str(), stdout);
+    return 0;
+  }
+  CommonOptions c = parse_common(a);
+  const int cache = int(a.integer("cache", 4096));
+  const int seqlen_new = int(a.integer("new", 1));
+  const bool append = a.flag("append");
+  const int page = int(a.integer("page", 0));
+  const std::string kv = a.str("kv", "");
+  const int splits = int(a.integer("splits", 0));
+  const int iters = int(a.integer("iters", 20));
+  const int warmup = int(a.integer("warmup", 2));
+  const bool check = a.flag("check");
+  const bool with_alibi = a.flag("alibi");
+  const std::string json = a.str("json", "");
+  a.finish();
+  if (!kv.empty() && kv != "fp8") Args::fail("--kv: expected fp8, got '" + kv + "'");
+  if (cache < 0 || seqlen_new < 1 || page < 0) Args::fail("--cache >= 0, --new >= 1 and --page >= 0 are required");
+  const bool fp8 = kv == "fp8";
+  const Shape& s = c.shape;
+  const bool device = is_device_backend(c);
+  if (device && fa_cuda_device_count() == 0) Args::fail("--backend cuda: no CUDA device found (or this build has no CUDA)");
+  const fa_dtype cache_dtype = fp8 ? FA_FLOAT8_E4M3 : s.dtype;
+  const float k_scale = fp8 ? 1.f / 64 : 0.f, v_scale = fp8 ? 1.f / 64 : 0.f;  // codes of N(0, 1) values / scale
+  const int capacity = cache + (append ? seqlen_new : 0);  // rows per sequence the cache must hold
+  const int64_t per_seq = page > 0 ? (capacity + page - 1) / page : 1;
+  const int64_t blocks = page > 0 ? int64_t(s.batch) * per_seq : 0;
+  const int64_t rows_per_seq = page > 0 ? per_seq * page : capacity;
+  const int64_t cache_elems_k = int64_t(s.batch) * rows_per_seq * s.heads_k * s.head_dim;
+  const int64_t cache_elems_v = int64_t(s.batch) * rows_per_seq * s.heads_k * s.head_dim_v;
+  const int64_t q_elems = int64_t(s.batch) * seqlen_new * s.heads_q * s.head_dim;
+  const int64_t out_elems = int64_t(s.batch) * seqlen_new * s.heads_q * s.head_dim_v;
+  const int64_t new_k_elems = int64_t(s.batch) * seqlen_new * s.heads_k * s.head_dim;
+  const int64_t new_v_elems = int64_t(s.batch) * seqlen_new * s.heads_k * s.head_dim_v;
+
+  std::mt19937_64 rng(c.seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  auto random = [&](int64_t count, fa_dtype dtype, float scale) {
+    std::vector<uint8_t> host(size_t(count * flashattn::dtype_size(dtype)));
+    for (int64_t n = 0; n < count; ++n) flashattn::store_from_float(host.data(), n, dtype, normal(rng) / (scale > 0 ? scale : 1.f));
+    return host;
+  };
+  struct Inputs {
+    std::vector<uint8_t> q, k_cache, v_cache, k_new, v_new, seqlens, table, slopes;
+  } host;
+  host.q = random(q_elems, s.dtype, 0);
+  host.k_cache = random(cache_elems_k, cache_dtype, k_scale);
+  host.v_cache = random(cache_elems_v, cache_dtype, v_scale);
+  if (append) {
+    host.k_new = random(new_k_elems, s.dtype, 0);
+    host.v_new = random(new_v_elems, s.dtype, 0);
+  }
+  host.seqlens.resize(size_t(s.batch) * 4);
+  for (int b = 0; b < s.batch; ++b) std::memcpy(&host.seqlens[size_t(b) * 4], &cache, 4);
+  if (page > 0) {  // a serving cache's blocks are scattered: every sequence's ids drawn from one shuffled pool
+    std::vector<int32_t> ids(static_cast<size_t>(blocks));
+    for (int64_t n = 0; n < blocks; ++n) ids[size_t(n)] = int32_t(n);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    host.table.resize(ids.size() * 4);
+    std::memcpy(host.table.data(), ids.data(), host.table.size());
+  }
+  if (with_alibi) {
+    const std::vector<float> slopes = alibi_slopes(s.heads_q);
+    host.slopes.resize(slopes.size() * 4);
+    std::memcpy(host.slopes.data(), slopes.data(), host.slopes.size());
+  }
+
+  // The call's tensors over buffers on `on_device` (the run's) or on the host (the reference's).
+  struct Call {
+    Buffer q, k_cache, v_cache, k_new, v_new, seqlens, table, slopes, out, lse;
+    fa_kvcache_args args{};
+    fa_options options{};
+  };
+  auto make_call = [&](bool on_device, const fa_options& base) {
+    Call call;
+    auto put = [&](Buffer& b, const std::vector<uint8_t>& bytes) {
+      b = Buffer(int64_t(bytes.size()), on_device);
+      b.upload(bytes);
+    };
+    const fa_device_kind where = on_device ? FA_DEVICE_CUDA : FA_DEVICE_CPU;
+    put(call.q, host.q);
+    put(call.k_cache, host.k_cache);
+    put(call.v_cache, host.v_cache);
+    put(call.seqlens, host.seqlens);
+    call.out = Buffer(out_elems * flashattn::dtype_size(s.dtype), on_device);
+    call.lse = Buffer(int64_t(s.batch) * s.heads_q * seqlen_new * 4, on_device);
+    fa_kvcache_args& x = call.args;
+    x.q = flashattn::tensor(call.q.data, {s.batch, seqlen_new, s.heads_q, s.head_dim}, s.dtype, where);
+    if (page > 0) {
+      put(call.table, host.table);
+      x.k_cache = flashattn::tensor(call.k_cache.data, {blocks, page, s.heads_k, s.head_dim}, cache_dtype, where);
+      x.v_cache = flashattn::tensor(call.v_cache.data, {blocks, page, s.heads_k, s.head_dim_v}, cache_dtype, where);
+      x.block_table = flashattn::tensor(call.table.data, {s.batch, per_seq}, FA_INT32, where);
+    } else {
+      x.k_cache = flashattn::tensor(call.k_cache.data, {s.batch, rows_per_seq, s.heads_k, s.head_dim}, cache_dtype, where);
+      x.v_cache = flashattn::tensor(call.v_cache.data, {s.batch, rows_per_seq, s.heads_k, s.head_dim_v}, cache_dtype, where);
+    }
+    x.cache_seqlens = flashattn::tensor(call.seqlens.data, {s.batch}, FA_INT32, where);
+    if (append) {
+      put(call.k_new, host.k_new);
+      put(call.v_new, host.v_new);
+      x.k_new = flashattn::tensor(call.k_new.data, {s.batch, seqlen_new, s.heads_k, s.head_dim}, s.dtype, where);
+      x.v_new = flashattn::tensor(call.v_new.data, {s.batch, seqlen_new, s.heads_k, s.head_dim_v}, s.dtype, where);
+    }
+    x.out = flashattn::tensor(call.out.data, {s.batch, seqlen_new, s.heads_q, s.head_dim_v}, s.dtype, where);
+    x.lse = flashattn::tensor(call.lse.data, {s.batch, s.heads_q, seqlen_new}, FA_FLOAT32, where);
+    x.num_splits = splits;
+    x.k_scale = k_scale;
+    x.v_scale = v_scale;
+    call.options = base;
+    if (with_alibi) {
+      put(call.slopes, host.slopes);
+      call.options.alibi_slopes = flashattn::tensor(call.slopes.data, {s.heads_q}, FA_FLOAT32, where);
+    }
+    return call;
+  };
+
+  Call run = make_call(device, c.options);
+  fa_kvcache_plan plan{};
+  Status st = flashattn::kvcache_plan(run.args, run.options, &plan);
+  if (!st.ok()) Args::fail(st.to_string());
+  Buffer workspace(plan.workspace_bytes, device);
+  run.args.num_splits = plan.num_splits;
+  if (plan.workspace_bytes > 0)
+    run.args.workspace = flashattn::tensor(workspace.data, {plan.workspace_bytes}, FA_UINT8, device ? FA_DEVICE_CUDA : FA_DEVICE_CPU);
+  fa_stats stats{};
+  run.options.stats = &stats;
+  // (with --append every call writes the same new rows at the same place: the cache's contents stay those of one call)
+  const Timing t = time_call([&] { return flashattn::kvcache(run.args, run.options); }, device, warmup, iters, 60);
+  const double kv_bytes =
+      double(s.batch) * (cache + (append ? seqlen_new : 0)) * s.heads_k * (s.head_dim + s.head_dim_v) * flashattn::dtype_size(cache_dtype);
+  std::printf("flashattn decode: B=%d cache=%d new=%d%s Hq=%d Hk=%d D=%d Dv=%d %s, cache %s%s%s backend=%s seed=%llu\n",
+              s.batch, cache, seqlen_new, append ? " (appended)" : "", s.heads_q, s.heads_k, s.head_dim, s.head_dim_v,
+              flashattn::dtype_name(s.dtype), flashattn::dtype_name(cache_dtype),
+              page > 0 ? (" paged " + std::to_string(page)).c_str() : " contiguous", c.options.causal ? " causal" : "",
+              backend_label(c.backend), (unsigned long long)c.seed);
+  std::printf("decode: %.3f us (median of %d, min %.3f us)  K/V %s at %.1f GB/s  splits %d  workspace %s  kernel: %s\n",
+              t.median_s * 1e6, t.iterations, t.min_s * 1e6, human_bytes(kv_bytes).c_str(), kv_bytes / t.median_s / 1e9,
+              plan.num_splits, human_bytes(double(plan.workspace_bytes)).c_str(), stats.kernel);
+  int status = 0;
+  double rel_l2 = -1, lse_max = -1;
+  if (check) {
+    // The reference on host copies of the same inputs (its own cache, appended to by its own call). The run's cache
+    // after the timed calls holds the same appended rows (each call wrote them), so both attend over the same keys.
+    fa_options ref_options = c.options;
+    ref_options.backend = FA_BACKEND_CPU_REFERENCE;
+    ref_options.stream = nullptr;
+    Call ref = make_call(false, ref_options);
+    ref.args.num_splits = 0;
+    st = flashattn::kvcache(ref.args, ref.options);
+    if (!st.ok()) Args::fail("reference: " + st.to_string());
+    const std::vector<uint8_t> got_out = run.out.download(), got_lse = run.lse.download();
+    double diff2 = 0, ref2 = 0, max_abs = 0;
+    int64_t nonfinite = 0;
+    for (int64_t n = 0; n < out_elems; ++n) {
+      const double r = flashattn::load_as_float(ref.out.data, n, s.dtype), g = flashattn::load_as_float(got_out.data(), n, s.dtype);
+      if (!std::isfinite(g)) ++nonfinite;
+      diff2 += (g - r) * (g - r);
+      ref2 += r * r;
+      max_abs = std::max(max_abs, std::abs(g - r));
+    }
+    lse_max = 0;
+    for (int64_t n = 0; n < int64_t(s.batch) * s.heads_q * seqlen_new; ++n) {
+      const double r = static_cast<const float*>(ref.lse.data)[n], g = reinterpret_cast<const float*>(got_lse.data())[n];
+      if (!(std::isinf(r) && r == g)) lse_max = std::max(lse_max, std::abs(g - r));
+    }
+    rel_l2 = std::sqrt(diff2) / std::max(std::sqrt(ref2), 1e-30);
+    const double tolerance = s.dtype == FA_FLOAT32 ? 1e-4 : 2e-2;
+    const bool ok = nonfinite == 0 && rel_l2 <= tolerance && std::isfinite(lse_max);
+    std::printf("check (every sequence and head vs the float64 reference backend): out max_abs %.3e rel_l2 %.3e, lse "
+                "max_abs %.3e%s: %s (tolerance rel_l2 %.0e)\n",
+                max_abs, rel_l2, lse_max, nonfinite ? ", NON-FINITE VALUES" : "", ok ? "ok" : "FAILED", tolerance);
+    status = ok ? 0 : 1;
+  }
+  if (!json.empty()) {
+    std::ofstream f(json);
+    f << "{\"B\":" << s.batch << ",\"cache\":" << cache << ",\"new\":" << seqlen_new << ",\"append\":" << (append ? "true" : "false")
+      << ",\"page\":" << page << ",\"Hq\":" << s.heads_q << ",\"Hk\":" << s.heads_k << ",\"D\":" << s.head_dim
+      << ",\"dtype\":\"" << flashattn::dtype_name(s.dtype) << "\",\"cache_dtype\":\"" << flashattn::dtype_name(cache_dtype)
+      << "\",\"backend\":\"" << backend_label(c.backend) << "\",\"splits\":" << plan.num_splits << ",\"us\":" << t.median_s * 1e6
+      << ",\"kv_gb_per_s\":" << kv_bytes / t.median_s / 1e9 << ",\"kernel\":\"" << stats.kernel << "\"";
+    if (check) f << ",\"check_rel_l2\":" << rel_l2 << ",\"check_lse_max_abs\":" << lse_max;
+    f << "}\n";
+  }
+  return status;
+}
+
 void usage() {
   std::puts(
       "flashattn: exact, IO-aware attention (FlashAttention) - command-line tool\n"
@@ -744,6 +956,7 @@ void usage() {
       "  info     version, backends, devices, compiled kernels\n"
       "  run      one problem on random inputs: time, TFLOP/s, GB/s, memory; --check vs float64 reference\n"
       "  bench    flash vs textbook attention over sequence lengths: time and peak memory (table + JSON)\n"
+      "  decode   one KV-cache (decode) call: contiguous or paged, append, FP8 cache; time, K/V GB/s; --check\n"
       "`flashattn <command> --help` for the options of a command.");
 }
 
@@ -758,6 +971,7 @@ int main(int argc, char** argv) {
   if (command == "info") return command_info(argc, argv);
   if (command == "run") return command_run(argc, argv);
   if (command == "bench") return command_bench(argc, argv);
+  if (command == "decode") return command_decode(argc, argv);
   std::fprintf(stderr, "flashattn: unknown command '%s'\n", command.c_str());
   usage();
   return 2;
