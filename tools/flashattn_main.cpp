@@ -417,6 +417,8 @@ CommonOptions parse_common(Args& a) {
   c.shape.head_dim_v = int(a.integer("head-dim-v", c.shape.head_dim));
   c.shape.dtype = parse_dtype(a.str("dtype", "f32"));
   c.backend = parse_backend(a.str("backend", "auto"));
+  if (c.backend == FA_BACKEND_CUDA && fa_cuda_device_count() == 0)
+    Args::fail("--backend cuda: no CUDA device found (or this build has no CUDA)");
   fa_options_init(&c.options);
   c.options.backend = c.backend;
   c.options.num_threads = int(a.integer("threads", 0));
@@ -783,7 +785,6 @@ int command_decode(int argc, char** argv) {
   const bool fp8 = kv == "fp8";
   const Shape& s = c.shape;
   const bool device = is_device_backend(c);
-  if (device && fa_cuda_device_count() == 0) Args::fail("--backend cuda: no CUDA device found (or this build has no CUDA)");
   const fa_dtype cache_dtype = fp8 ? FA_FLOAT8_E4M3 : s.dtype;
   const float k_scale = fp8 ? 1.f / 64 : 0.f, v_scale = fp8 ? 1.f / 64 : 0.f;  // codes of N(0, 1) values / scale
   const int capacity = cache + (append ? seqlen_new : 0);  // rows per sequence the cache must hold
