@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/dtype.hpp"
 #include "core/fp8.hpp"
 #include "testing.hpp"
 
@@ -566,6 +567,56 @@ TEST(CpuKvcache, HalfPrecisionAgainstOracle) {
       c.causal = true;
       c.cached = {200, 57};
       expect_kvcache_like_oracle(c, "kvcache 16-bit block " + std::to_string(block_size));
+    }
+}
+
+// The few-rows kernels (cpu/flash/few_rows.hpp) take the decode tiles: every row-block shape they cut a tile into
+// (4 rows x 2 keys, 3 x 2, 2 x 4, 1 x 8, and single keys at a tile's end), head dims with a tail past the last
+// multiple of 8 (12, 130), caches whose last 256-key tile ends off the 8-key grid (700 = 2 x 256 + 188), paged
+// blocks of 3 and 16 rows, 1 and 3 splits, each storage type; the path is checked by name in the call's stats.
+// 16-bit and FP8 caches against the float64 oracle; float32 against the reference backend.
+TEST(CpuKvcache, FewRowKernelsEveryRowBlockAndTail) {
+  struct Shape {
+    int heads_q, seqlen_q;
+  };
+  const Shape shapes[] = {{1, 1}, {2, 1}, {3, 1}, {4, 1}, {5, 1}, {7, 1}, {8, 1}, {3, 3}, {5, 3}, {8, 4}};
+  for (const fa_dtype dtype : {FA_FLOAT32, FA_BFLOAT16, FA_FLOAT16})
+    for (const bool fp8 : {false, true}) {
+      if (fp8 && dtype == FA_FLOAT32) continue;  // an FP8 cache serves 16-bit queries
+      for (const Shape& shape : shapes) {
+        const int rows = shape.heads_q * shape.seqlen_q;  // one K/V head: the whole group in one tile
+        if (rows > (dtype == FA_FLOAT32 && !fp8 ? 8 : 32)) continue;  // the BLAS path's (other tests)
+        for (const int head_dim : {12, 130}) {
+          KvCase c;
+          c.dtype = dtype;
+          c.fp8 = fp8;
+          c.k_scale = 0.0625f;  // powers of two: the dequantised cache is exact in the oracle's 16-bit tensors
+          c.v_scale = 0.03125f;
+          c.heads_q = shape.heads_q;
+          c.heads_k = 1;
+          c.seqlen_q = c.seqlen_new = shape.seqlen_q;
+          c.causal = shape.seqlen_q > 1;
+          c.head_dim = head_dim;
+          c.cached = {700 - shape.seqlen_q, 19};
+          c.capacity = 720;
+          c.block_size = head_dim == 12 ? 3 : 16;
+          c.num_splits = head_dim == 12 ? 1 : 3;
+          const std::string what = "few-rows " + std::string(dtype_name(dtype)) + (fp8 ? " fp8" : "");
+          if (dtype == FA_FLOAT32) expect_kvcache_like_reference(c, what);
+          else expect_kvcache_like_oracle(c, what);
+          c.block_size = 0;  // and contiguous
+          if (dtype == FA_FLOAT32) expect_kvcache_like_reference(c, what + " contiguous");
+          else expect_kvcache_like_oracle(c, what + " contiguous");
+
+          auto rng = fa_test::make_rng(what + c.to_string());
+          KvTensors t = make_kv(c, rng);
+          fa_options o = kv_options(c, FA_BACKEND_CPU_FLASH, t);
+          fa_stats stats{};
+          o.stats = &stats;
+          ASSERT_TRUE(kvcache(t.args(), o).ok());
+          EXPECT_NE(std::string(stats.kernel).find("few-rows"), std::string::npos) << what << ": " << stats.kernel;
+        }
+      }
     }
 }
 

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "core/params.hpp"
+#include "cpu/flash/few_rows.hpp"
 #include "cpu/flash/row_ops.hpp"
 #include "cpu/flash/scratch.hpp"
 #include "cpu/flash/team.hpp"
@@ -89,6 +90,7 @@ struct ForwardTiles {
   float* row_max;  // [block_q]        running max of s2 (base 2)
   float* row_sum;  // [block_q]        running sum of exp2(s2 - row_max)
   uint8_t* keep;   // [block_k]        dropout keep bits of one row
+  const void** kv_rows;  // [2 block_k + few_rows::kMaxPrefetchRows] row pointers of a few-rows tile (few_rows.hpp)
 
   // Tiles for at most grid.rows() query rows (block_q, or fewer for short sequences and decode).
   static ForwardTiles carve(Slab& slab, const TileGrid& grid, const TileConfig& cfg, int head_dim, int head_dim_v) {
@@ -105,6 +107,7 @@ struct ForwardTiles {
     w.row_max = slab.take<float>(rows);
     w.row_sum = slab.take<float>(rows);
     w.keep = slab.take<uint8_t>(cfg.block_k);
+    w.kv_rows = slab.take<const void*>(2 * int64_t(cfg.block_k) + few_rows::kMaxPrefetchRows);
     return w;
   }
 };
@@ -116,7 +119,38 @@ struct KeySource {
   const SequenceExtent& e;
   int64_t k_offset(int j) const { return kv_offset(p, p.k_batch_stride, p.k_row_stride, p.k_head_stride, b, e, j, hk); }
   int64_t v_offset(int j) const { return kv_offset(p, p.v_batch_stride, p.v_row_stride, p.v_head_stride, b, e, j, hk); }
+
+  // rows[r] = the first element of key j0 + r's row in `tensor` (p.k or p.v), r in [0, n): the
+  // offsets of kv_offset, with one block-table read per page instead of a division per row.
+  void row_pointers(const void* tensor, int64_t batch_stride, int64_t row_stride, int64_t head_stride, int j0, int n,
+                    const void** rows) const {
+    if (n <= 0) return;
+    const char* base = static_cast<const char*>(tensor);
+    const int64_t element = dtype_size(p.kv_dtype);
+    if (p.block_table == nullptr) {  // dense or varlen: evenly spaced rows
+      const int64_t first = kv_offset(p, batch_stride, row_stride, head_stride, b, e, j0, hk);
+      for (int r = 0; r < n; ++r) rows[r] = base + (first + r * row_stride) * element;
+      return;
+    }
+    const int32_t* table = p.block_table + int64_t(b) * p.block_table_batch_stride;
+    int slot = j0 / p.page_block_size, row_in_block = j0 % p.page_block_size;
+    for (int r = 0; r < n; ++slot, row_in_block = 0) {
+      const int64_t block_offset = int64_t(table[slot]) * batch_stride + hk * head_stride;
+      for (; row_in_block < p.page_block_size && r < n; ++row_in_block, ++r)
+        rows[r] = base + (block_offset + row_in_block * row_stride) * element;
+    }
+  }
 };
+
+// Calls fn with the few_rows element type of `t` (float8 caches are read from float32 scratch).
+template <typename Fn>
+void with_few_rows_type(fa_dtype t, const Fn& fn) {
+#if FLASHATTN_CPU_FEW_ROWS
+  if (t == FA_BFLOAT16) return fn(few_rows::BFloat16Row{});
+  if (t == FA_FLOAT16) return fn(few_rows::Float16Row{});
+  fn(few_rows::Float32Row{});
+#endif
+}
 
 // Runs the online softmax of tile t (queries already in w.q) over keys [key_lo, key_hi) of a
 // sequence with lengths (e.seqlen_q, e.seqlen_k). Leaves w.o_acc, w.row_max, w.row_sum.
@@ -133,20 +167,44 @@ inline void attend_keys(const AttentionParams& p, const QueryTile& t, const Sequ
   const Dropout dropout(p);
   // The variant differs between heads only by the ALiBi slope.
   const RowVariant first_head(p, t.b, t.h0, e.seqlen_q, e.seqlen_k);
+  // A tile of few rows (decode) takes the few_rows.hpp kernels instead of load_rows + BLAS.
+  const bool few_rows_tile = few_rows::applies(rows, p.kv_dtype);
+  const bool fp8_cache = p.kv_dtype == FA_FLOAT8_E4M3;
+  const fa_dtype row_type = fp8_cache ? FA_FLOAT32 : p.kv_dtype;  // what the few-rows kernels read
 
   // Key tiles on the grid of multiples of block_k (split-KV boundaries fall on it too).
   for (int tile_start = key_lo / cfg.block_k * cfg.block_k; tile_start < key_hi; tile_start += cfg.block_k) {
     const int j0 = tile_start > key_lo ? tile_start : key_lo;
     const int j1 = tile_start + cfg.block_k < key_hi ? tile_start + cfg.block_k : key_hi;
     const int n = j1 - j0;
-    // (an FP8 KV cache is dequantised here: code value * k_scale / v_scale)
-    const FloatRows k_tile =
-        load_rows(p.k, p.kv_dtype, n, head_dim, [&](int r) { return keys.k_offset(j0 + r); }, w.k, w.ld_k, p.k_scale);
-    const FloatRows v_tile =
-        load_rows(p.v, p.kv_dtype, n, head_dim_v, [&](int r) { return keys.v_offset(j0 + r); }, w.v, w.ld_v, p.v_scale);
+    FloatRows k_tile{}, v_tile{};
+    few_rows::RowStream stream{w.kv_rows, n, 0, 0, 0, 0};
+    if (few_rows_tile && !fp8_cache) {
+      // K and V read in place: this tile's rows, then the next tile's first K rows (prefetched only)
+      keys.row_pointers(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, j0, n, stream.rows);
+      keys.row_pointers(p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride, j0, n, stream.rows + n);
+      stream.k_row_bytes = int(head_dim * dtype_size(p.kv_dtype));
+      stream.v_row_bytes = int(head_dim_v * dtype_size(p.kv_dtype));
+      stream.ahead = few_rows::prefetch_rows_for(stream.k_row_bytes > stream.v_row_bytes ? stream.k_row_bytes : stream.v_row_bytes);
+      stream.next = key_hi - j1 < stream.ahead ? key_hi - j1 : stream.ahead;
+      keys.row_pointers(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, j1, stream.next, stream.rows + 2 * n);
+    } else {
+      // (an FP8 KV cache is dequantised here: code value * k_scale / v_scale)
+      k_tile = load_rows(p.k, p.kv_dtype, n, head_dim, [&](int r) { return keys.k_offset(j0 + r); }, w.k, w.ld_k, p.k_scale);
+      v_tile = load_rows(p.v, p.kv_dtype, n, head_dim_v, [&](int r) { return keys.v_offset(j0 + r); }, w.v, w.ld_v, p.v_scale);
+      for (int r = 0; few_rows_tile && r < n; ++r) {  // FP8: the few-rows kernels read the float32 rows
+        stream.rows[r] = k_tile.data + r * k_tile.ld;
+        stream.rows[n + r] = v_tile.data + r * v_tile.ld;
+      }
+    }
 
     // S = alpha * Q K^T
-    gemm_abt(rows, n, head_dim, first_head.gemm_alpha, w.q, w.ld_q, k_tile.data, k_tile.ld, 0.f, w.s, w.ld_s);
+    if (few_rows_tile)
+      with_few_rows_type(row_type, [&](auto row) {
+        few_rows::scores<decltype(row)>(rows, head_dim, first_head.gemm_alpha, w.q, w.ld_q, stream, w.s, w.ld_s);
+      });
+    else
+      gemm_abt(rows, n, head_dim, first_head.gemm_alpha, w.q, w.ld_q, k_tile.data, k_tile.ld, 0.f, w.s, w.ld_s);
 
     const bool tile_masked = !first_head.mask.tile_fully_visible(t.i0, t.i0 + t.queries, j0, j1);
     for (int r = 0; r < rows; ++r) {
@@ -180,7 +238,12 @@ inline void attend_keys(const AttentionParams& p, const QueryTile& t, const Sequ
     }
 
     // O += P V
-    gemm_ab(rows, head_dim_v, n, 1.f, w.s, w.ld_s, v_tile.data, v_tile.ld, 1.f, w.o_acc, w.ld_o);
+    if (few_rows_tile)
+      with_few_rows_type(row_type, [&](auto row) {
+        few_rows::accumulate_pv<decltype(row)>(rows, head_dim_v, w.s, w.ld_s, stream, w.o_acc, w.ld_o);
+      });
+    else
+      gemm_ab(rows, head_dim_v, n, 1.f, w.s, w.ld_s, v_tile.data, v_tile.ld, 1.f, w.o_acc, w.ld_o);
   }
 }
 

@@ -55,7 +55,8 @@ Status forward(const AttentionParams& p) {
   }
 
   char kernel[128];
-  std::snprintf(kernel, sizeof(kernel), "cpu_flash fwd Br=%d Bc=%d threads=%d", cfg.block_q, cfg.block_k, threads);
+  std::snprintf(kernel, sizeof(kernel), "cpu_flash fwd Br=%d Bc=%d threads=%d %s", cfg.block_q, cfg.block_k, threads,
+                few_rows::applies(grid.rows(), p.kv_dtype) ? "few-rows" : "blas");
   report_stats(p, ledger, 1, kernel);
   return Status();
 }

@@ -19,13 +19,26 @@ namespace flashattn::cpu {
 
 // ---- element conversion ----
 
+// The value of every e4m3 code, e4m3_to_float's, as a table: one load per element instead of a
+// decode with branches (which held an FP8 cache's CPU decode to ~1 GB/s on the dev machine).
+inline const float* e4m3_value_table() {
+  static const struct Table {
+    float value[256];
+    Table() {
+      for (int code = 0; code < 256; ++code) value[code] = e4m3_to_float(uint8_t(code));
+    }
+  } table;
+  return table.value;
+}
+
 // dst[0, cols) = the `cols` elements of `base` (dtype t) starting at element `offset`, as float.
 // The conversions from float32 / float16 / bfloat16 are exact; float8 e4m3 codes are dequantised as
 // code value * scale (one float32 rounding; `scale` is ignored for the other types).
 inline void load_row(const void* base, int64_t offset, fa_dtype t, int cols, float* dst, float scale = 1.f) {
   if (t == FA_FLOAT8_E4M3) {
     const uint8_t* src = static_cast<const uint8_t*>(base) + offset;
-    for (int c = 0; c < cols; ++c) dst[c] = e4m3_to_float(src[c]) * scale;
+    const float* value_of = e4m3_value_table();
+    for (int c = 0; c < cols; ++c) dst[c] = value_of[src[c]] * scale;
   } else if (t == FA_FLOAT32) {
     std::memcpy(dst, static_cast<const float*>(base) + offset, size_t(cols) * sizeof(float));
   } else if (t == FA_BFLOAT16) {
