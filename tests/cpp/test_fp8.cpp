@@ -7,6 +7,7 @@
 
 #include "core/dtype.hpp"
 #include "core/fp8.hpp"
+#include "cpu/flash/tile_io.hpp"
 
 namespace flashattn {
 namespace {
@@ -44,6 +45,40 @@ TEST(Fp8E4m3, EveryCodeDecodesAndRoundTrips) {
 
 // Between two neighbouring finite codes: below the midpoint rounds down, above rounds up, the midpoint
 // itself to the even code. For every pair of neighbours of either sign.
+// The CPU flash backend's 8-lane decode (cpu/flash/tile_io.hpp) and its dequantising row load against the
+// definition for every code and sign, with the MXCSR as a C program starts and with denormals-are-zero and
+// flush-to-zero set (as a framework's thread pool may leave them): the decode must not pass through a subnormal.
+TEST(Fp8E4m3, CpuVectorDecodeEveryCodeAnyMxcsr) {
+#if defined(__AVX2__)
+  uint8_t codes[256];
+  for (int code = 0; code < 256; ++code) codes[code] = uint8_t(code);
+  const unsigned int mxcsr = _mm_getcsr();
+  constexpr unsigned int kDenormalsAreZero = 0x0040, kFlushToZero = 0x8000;
+  for (const unsigned int mode : {mxcsr, mxcsr | kDenormalsAreZero | kFlushToZero}) {
+    _mm_setcsr(mode);
+    alignas(32) float lanes[256];
+    for (int first = 0; first < 256; first += 8) _mm256_store_ps(lanes + first, cpu::e4m3x8_to_float(codes + first));
+    float loaded[256];  // the row load: 8-lane blocks, then a scalar tail of 3, times a scale
+    cpu::load_row(codes, 0, FA_FLOAT8_E4M3, 251, loaded, 0.375f);
+    cpu::load_row(codes, 251, FA_FLOAT8_E4M3, 5, loaded + 251, 0.375f);
+    _mm_setcsr(mxcsr);
+    for (int code = 0; code < 256; ++code) {
+      const double expected = e4m3_by_definition(code);
+      if (std::isnan(expected)) {
+        EXPECT_TRUE(std::isnan(lanes[code])) << "code " << code << " mxcsr " << mode;
+        EXPECT_TRUE(std::isnan(loaded[code])) << "code " << code << " mxcsr " << mode;
+        continue;
+      }
+      EXPECT_EQ(double(lanes[code]), expected) << "code " << code << " mxcsr " << mode;
+      EXPECT_EQ(std::signbit(lanes[code]), std::signbit(expected)) << "code " << code << " (signed zero)";
+      EXPECT_EQ(loaded[code], float(expected) * 0.375f) << "code " << code << " mxcsr " << mode;
+    }
+  }
+#else
+  GTEST_SKIP() << "built without AVX2: the CPU backend decodes e4m3 through its table only";
+#endif
+}
+
 TEST(Fp8E4m3, RoundsToNearestTiesToEven) {
   for (const int sign : {0, 0x80})
     for (int code = 0; code < 0x7E; ++code) {

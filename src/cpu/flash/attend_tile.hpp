@@ -179,8 +179,9 @@ inline void attend_keys(const AttentionParams& p, const QueryTile& t, const Sequ
     const int n = j1 - j0;
     FloatRows k_tile{}, v_tile{};
     few_rows::RowStream stream{w.kv_rows, n, 0, 0, 0, 0};
-    if (few_rows_tile && !fp8_cache) {
-      // K and V read in place: this tile's rows, then the next tile's first K rows (prefetched only)
+    if (few_rows_tile) {
+      // The rows in the order they are read: this tile's K rows, its V rows, then the next tile's
+      // first K rows (prefetched only).
       keys.row_pointers(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, j0, n, stream.rows);
       keys.row_pointers(p.v, p.v_batch_stride, p.v_row_stride, p.v_head_stride, j0, n, stream.rows + n);
       stream.k_row_bytes = int(head_dim * dtype_size(p.kv_dtype));
@@ -188,14 +189,22 @@ inline void attend_keys(const AttentionParams& p, const QueryTile& t, const Sequ
       stream.ahead = few_rows::prefetch_rows_for(stream.k_row_bytes > stream.v_row_bytes ? stream.k_row_bytes : stream.v_row_bytes);
       stream.next = key_hi - j1 < stream.ahead ? key_hi - j1 : stream.ahead;
       keys.row_pointers(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, j1, stream.next, stream.rows + 2 * n);
+      if (fp8_cache) {
+        // An FP8 cache is dequantised here (code value * k_scale / v_scale) into float32 rows, read
+        // with the same prefetch; the kernels then read those rows and prefetch nothing.
+        for (int r = 0; r < 2 * n; ++r) {
+          stream.prefetch_ahead_of(r, r + 1);
+          const bool is_k = r < n;
+          float* row = is_k ? w.k + int64_t(r) * w.ld_k : w.v + int64_t(r - n) * w.ld_v;
+          load_row(stream.rows[r], 0, FA_FLOAT8_E4M3, is_k ? head_dim : head_dim_v, row, is_k ? p.k_scale : p.v_scale);
+          stream.rows[r] = row;
+        }
+        stream.ahead = 0;
+      }
     } else {
       // (an FP8 KV cache is dequantised here: code value * k_scale / v_scale)
       k_tile = load_rows(p.k, p.kv_dtype, n, head_dim, [&](int r) { return keys.k_offset(j0 + r); }, w.k, w.ld_k, p.k_scale);
       v_tile = load_rows(p.v, p.kv_dtype, n, head_dim_v, [&](int r) { return keys.v_offset(j0 + r); }, w.v, w.ld_v, p.v_scale);
-      for (int r = 0; few_rows_tile && r < n; ++r) {  // FP8: the few-rows kernels read the float32 rows
-        stream.rows[r] = k_tile.data + r * k_tile.ld;
-        stream.rows[n + r] = v_tile.data + r * v_tile.ld;
-      }
     }
 
     // S = alpha * Q K^T

@@ -96,7 +96,8 @@ template <class Row>
 void scores(int rows, int head_dim, float alpha, const float* q, int64_t ld_q, const RowStream& stream, float* s,
             int64_t ld_s);
 template <class Row>
-void accumulate_pv(int rows, int head_dim_v, const float* p, int64_t ld_p, const RowStream& stream, float* o, int64_t ld_o);
+void accumulate_pv(int rows, int head_dim_v, const float* p, int64_t ld_p, const RowStream& stream, float* o,
+                   int64_t ld_o);
 
 #if FLASHATTN_CPU_FEW_ROWS
 
@@ -143,8 +144,8 @@ inline __m256 sum_lanes_of_8(const __m256 v[kLanes]) {
 
 // s[r][kk] = alpha * q_r . k_kk for R rows of q and KEYS keys (R * KEYS <= 8 accumulators).
 template <class Row, int R, int KEYS>
-FLASHATTN_FEW_ROWS_INLINE void score_block(int head_dim, float alpha, const float* q, int64_t ld_q, const void* const* k_rows, float* s,
-                        int64_t ld_s) {
+FLASHATTN_FEW_ROWS_INLINE void score_block(int head_dim, float alpha, const float* q, int64_t ld_q,
+                                           const void* const* k_rows, float* s, int64_t ld_s) {
   static_assert(R * KEYS <= kLanes, "one accumulator per (row, key), at most 8");
   __m256 acc[kLanes];
   FLASHATTN_UNROLL
@@ -216,15 +217,16 @@ void scores(int rows, int head_dim, float alpha, const float* q, int64_t ld_q, c
             int64_t ld_s) {
   constexpr int kKeyGroup = 8;
   int j = 0;
-  for (; j + kKeyGroup <= stream.n; j += kKeyGroup) score_key_group<Row, kKeyGroup>(rows, head_dim, alpha, q, ld_q, stream, j, s, ld_s);
+  for (; j + kKeyGroup <= stream.n; j += kKeyGroup)
+    score_key_group<Row, kKeyGroup>(rows, head_dim, alpha, q, ld_q, stream, j, s, ld_s);
   for (; j < stream.n; ++j) score_key_group<Row, 1>(rows, head_dim, alpha, q, ld_q, stream, j, s, ld_s);
 }
 
 // o[r][c0, c0 + 8 C) += sum over keys jj of [0, keys) of p[r][jj] * v_jj[c0, c0 + 8 C), R rows.
 // With `prefetch`, each key also prefetches the stream row `ahead` of its own, stream_index + jj.
 template <class Row, int R, int C>
-FLASHATTN_FEW_ROWS_INLINE void pv_block(int c0, int keys, const float* p, int64_t ld_p, const void* const* v_rows, float* o,
-                                        int64_t ld_o, const RowStream* prefetch, int stream_index) {
+FLASHATTN_FEW_ROWS_INLINE void pv_block(int c0, int keys, const float* p, int64_t ld_p, const void* const* v_rows,
+                                        float* o, int64_t ld_o, const RowStream* prefetch, int stream_index) {
   __m256 acc[R][C];
   FLASHATTN_UNROLL
   for (int r = 0; r < R; ++r) {
@@ -254,8 +256,8 @@ FLASHATTN_FEW_ROWS_INLINE void pv_block(int c0, int keys, const float* p, int64_
 // accumulators), then single chunks, then the columns past the last multiple of 8.
 // The first column block prefetches (when `prefetch`), one stream row per key.
 template <class Row, int R, int C>
-inline void pv_rows(int head_dim_v, int keys, const float* p, int64_t ld_p, const void* const* v_rows, float* o, int64_t ld_o,
-                    const RowStream* prefetch, int stream_index) {
+inline void pv_rows(int head_dim_v, int keys, const float* p, int64_t ld_p, const void* const* v_rows, float* o,
+                    int64_t ld_o, const RowStream* prefetch, int stream_index) {
   static_assert(R * C <= kLanes, "at most 8 accumulators");
   const int vector_end = head_dim_v / kLanes * kLanes;
   int c0 = 0;
@@ -275,7 +277,8 @@ inline void pv_rows(int head_dim_v, int keys, const float* p, int64_t ld_p, cons
 // O[rows x Dv] += P[rows x n] V, V's rows read in place through stream.v_rows(), in groups of
 // keys small enough to stay in L1 while every column pass reads them.
 template <class Row>
-void accumulate_pv(int rows, int head_dim_v, const float* p, int64_t ld_p, const RowStream& stream, float* o, int64_t ld_o) {
+void accumulate_pv(int rows, int head_dim_v, const float* p, int64_t ld_p, const RowStream& stream, float* o,
+                   int64_t ld_o) {
   constexpr int kKeyGroup = 32;
   const void* const* v_rows = stream.v_rows();
   for (int j = 0; j < stream.n; j += kKeyGroup) {
@@ -283,10 +286,17 @@ void accumulate_pv(int rows, int head_dim_v, const float* p, int64_t ld_p, const
     const RowStream* prefetch = &stream;  // by the first row block only
     int r = 0;
     for (; r + 4 <= rows; r += 4, prefetch = nullptr)
-      pv_rows<Row, 4, 2>(head_dim_v, keys, p + r * ld_p + j, ld_p, v_rows + j, o + r * ld_o, ld_o, prefetch, stream.n + j);
-    if (rows - r == 3) pv_rows<Row, 3, 2>(head_dim_v, keys, p + r * ld_p + j, ld_p, v_rows + j, o + r * ld_o, ld_o, prefetch, stream.n + j);
-    if (rows - r == 2) pv_rows<Row, 2, 4>(head_dim_v, keys, p + r * ld_p + j, ld_p, v_rows + j, o + r * ld_o, ld_o, prefetch, stream.n + j);
-    if (rows - r == 1) pv_rows<Row, 1, 4>(head_dim_v, keys, p + r * ld_p + j, ld_p, v_rows + j, o + r * ld_o, ld_o, prefetch, stream.n + j);
+      pv_rows<Row, 4, 2>(head_dim_v, keys, p + r * ld_p + j, ld_p, v_rows + j, o + r * ld_o, ld_o, prefetch,
+                         stream.n + j);
+    if (rows - r == 3)
+      pv_rows<Row, 3, 2>(head_dim_v, keys, p + r * ld_p + j, ld_p, v_rows + j, o + r * ld_o, ld_o, prefetch,
+                         stream.n + j);
+    if (rows - r == 2)
+      pv_rows<Row, 2, 4>(head_dim_v, keys, p + r * ld_p + j, ld_p, v_rows + j, o + r * ld_o, ld_o, prefetch,
+                         stream.n + j);
+    if (rows - r == 1)
+      pv_rows<Row, 1, 4>(head_dim_v, keys, p + r * ld_p + j, ld_p, v_rows + j, o + r * ld_o, ld_o, prefetch,
+                         stream.n + j);
   }
 }
 

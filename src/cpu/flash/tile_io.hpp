@@ -11,7 +11,7 @@
 #include "core/dtype.hpp"
 #include "cpu/flash/vec_math.hpp"
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -31,14 +31,46 @@ inline const float* e4m3_value_table() {
   return table.value;
 }
 
+#if defined(__AVX2__)
+// The values of the 8 e4m3 codes at src, e4m3_to_float's bit for bit (NaN codes: a NaN), without a
+// table and without a subnormal float anywhere (so the result does not depend on the MXCSR's
+// denormals-are-zero / flush-to-zero bits, which a caller such as a framework's thread pool may set):
+//   normal codes (exponent field e >= 1): magnitude bits eeee mmm moved to float bits 26-20 plus
+//     120 in the exponent field is (1 + m/8) 2^(e + 120 - 127), the code's value, exactly;
+//   subnormal codes (e = 0): the same bits give (1 + m/8) 2^-7, and the value m/8 2^-6 is
+//     2 ((1 + m/8) 2^-7 - 2^-7), both steps exact;
+//   the NaN codes (magnitude 0x7F) give 480, past the largest finite 448, and become NaN;
+//   the sign bit goes in last.
+inline __m256 e4m3x8_to_float(const uint8_t* src) {
+  const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src)));
+  constexpr int kMantissaShift = 20;                  // e4m3's 3 mantissa bits to float's top 3 (bits 22-20)
+  constexpr int32_t kExponentOffset = 120 << 23;      // float bias 127 - e4m3 bias 7
+  constexpr float kSubnormalBase = 0.0078125f;        // 2^-7: the offset's value at e = 0, m = 0
+  constexpr float kSmallestNormal = 0.015625f;        // 2^-6: e4m3's smallest normal value
+  const __m256i magnitude_bits = _mm256_add_epi32(
+      _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(0x7F)), kMantissaShift), _mm256_set1_epi32(kExponentOffset));
+  const __m256 normal = _mm256_castsi256_ps(magnitude_bits);
+  const __m256 base = _mm256_set1_ps(kSubnormalBase);
+  const __m256 subnormal = _mm256_add_ps(_mm256_sub_ps(normal, base), _mm256_sub_ps(normal, base));
+  __m256 magnitude = _mm256_blendv_ps(normal, subnormal, _mm256_cmp_ps(normal, _mm256_set1_ps(kSmallestNormal), _CMP_LT_OQ));
+  magnitude = _mm256_or_ps(magnitude, _mm256_cmp_ps(magnitude, _mm256_set1_ps(kE4m3Max), _CMP_GT_OQ));  // all ones: NaN
+  const __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(codes, 7), 31);
+  return _mm256_or_ps(magnitude, _mm256_castsi256_ps(sign));
+}
+#endif
+
 // dst[0, cols) = the `cols` elements of `base` (dtype t) starting at element `offset`, as float.
 // The conversions from float32 / float16 / bfloat16 are exact; float8 e4m3 codes are dequantised as
 // code value * scale (one float32 rounding; `scale` is ignored for the other types).
 inline void load_row(const void* base, int64_t offset, fa_dtype t, int cols, float* dst, float scale = 1.f) {
   if (t == FA_FLOAT8_E4M3) {
     const uint8_t* src = static_cast<const uint8_t*>(base) + offset;
+    int c = 0;
+#if defined(__AVX2__)
+    for (; c + 8 <= cols; c += 8) _mm256_storeu_ps(dst + c, _mm256_mul_ps(e4m3x8_to_float(src + c), _mm256_set1_ps(scale)));
+#endif
     const float* value_of = e4m3_value_table();
-    for (int c = 0; c < cols; ++c) dst[c] = value_of[src[c]] * scale;
+    for (; c < cols; ++c) dst[c] = value_of[src[c]] * scale;
   } else if (t == FA_FLOAT32) {
     std::memcpy(dst, static_cast<const float*>(base) + offset, size_t(cols) * sizeof(float));
   } else if (t == FA_BFLOAT16) {
