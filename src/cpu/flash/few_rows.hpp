@@ -31,8 +31,9 @@ namespace flashattn::cpu::few_rows {
 // Tiles of at most this many query rows take these kernels; more rows take the BLAS path, whose
 // packing then pays for itself. Affects speed only. Measured on the 2-core dev machine (AMD EPYC
 // Zen 3, 2 threads, 2026-12-05, B = 1, 32 / 8 heads, D = 128, 4k cache, Sq = 1-8), these kernels
-// against BLAS: bf16 rows 4 / 8 / 16 / 32 ran 2-4x / 2.3x / 1.6x / 1.1x; float32 (which BLAS reads
-// in place) rows 4 and 8 1.0-1.2x, 16 0.9x, 32 0.8x; FP8 rows 4 1.2x, 16 1.1x.
+// against BLAS: bf16 rows 1 (16 / 16 heads) / 4 / 8 / 16 / 32 ran 3.3-4.7x / 2.1-2.3x / 2.3x / 1.6x / 1.1x; float32
+// (which BLAS reads in place) rows 4 and 8 1.0-1.2x, 16 0.9x, 32 0.8x; FP8 (table decode, before the
+// vector one) rows 4 1.2x, 16 1.1x. docs/PERFORMANCE.md, "CPU decode".
 constexpr int kMaxRowsFloat32 = 8;
 constexpr int kMaxRowsOtherTypes = 32;
 // How far ahead of the row being read the kernels prefetch, in bytes of rows (at least one row,
