@@ -191,7 +191,9 @@ Status apply_options(const fa_options& o, const Arg& q, int batch, int heads_q, 
   p->dropout_seed = o.dropout_seed;
   p->dropout_offset = o.dropout_offset;
   if (o.num_threads < 0) return FA_INVALID("options.num_threads: must be >= 0 (0 = all hardware threads), got %d", o.num_threads);
-  const unsigned hardware = std::thread::hardware_concurrency();
+  // Asked once per process: glibc answers by opening and reading /sys/devices/system/cpu/online, a
+  // few microseconds of system calls that every call (CUDA ones too) paid before the first byte of work.
+  static const unsigned hardware = std::thread::hardware_concurrency();
   p->num_threads = o.num_threads > 0 ? o.num_threads : (hardware > 0 ? int(hardware) : 1);
   p->stream = o.stream;
   p->stats = o.stats;

@@ -17,7 +17,6 @@
 //   dQ = scale * dU K,   dK = scale * dU^T Q,     dV = (P o Z)^T dO
 #include <omp.h>
 
-#include <cstdio>
 
 #include "cpu/flash/attend_tile.hpp"
 #include "cpu/flash/flash.hpp"
@@ -274,9 +273,7 @@ Status backward(const BackwardParams& p) {
     }
   }
 
-  char kernel[128];
-  std::snprintf(kernel, sizeof(kernel), "cpu_flash bwd Br=%d Bc=%d threads=%d", cfg.block_q, cfg.block_k, plan.threads);
-  report_stats(p, ledger, 1, kernel);
+  report_stats(p, ledger, 1, "cpu_flash bwd Br=%d Bc=%d threads=%d", cfg.block_q, cfg.block_k, plan.threads);
   return Status();
 }
 

@@ -3,7 +3,6 @@
 // set of tiles per thread: nothing grows with Sq x Sk.
 #include <omp.h>
 
-#include <cstdio>
 
 #include "cpu/flash/attend_tile.hpp"
 #include "cpu/flash/flash.hpp"
@@ -54,10 +53,8 @@ Status forward(const AttentionParams& p) {
     }
   }
 
-  char kernel[128];
-  std::snprintf(kernel, sizeof(kernel), "cpu_flash fwd Br=%d Bc=%d threads=%d %s", cfg.block_q, cfg.block_k, threads,
-                few_rows::applies(grid.rows(), p.kv_dtype) ? "few-rows" : "blas");
-  report_stats(p, ledger, 1, kernel);
+  report_stats(p, ledger, 1, "cpu_flash fwd Br=%d Bc=%d threads=%d %s", cfg.block_q, cfg.block_k, threads,
+               few_rows::applies(grid.rows(), p.kv_dtype) ? "few-rows" : "blas");
   return Status();
 }
 

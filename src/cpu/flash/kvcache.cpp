@@ -14,7 +14,6 @@
 #include <omp.h>
 
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 
 #include "cpu/flash/attend_tile.hpp"
@@ -269,10 +268,8 @@ Status kvcache(const KvcacheParams& p) {
     }
   }
 
-  char kernel[128];
-  std::snprintf(kernel, sizeof(kernel), "cpu_flash kvcache Br=%d Bc=%d splits=%d threads=%d %s", cfg.block_q, cfg.block_k,
-                plan.splits, plan.threads, few_rows::applies(plan.grid.rows(), p.kv_dtype) ? "few-rows" : "blas");
-  report_stats(p, ledger, plan.splits, kernel);
+  report_stats(p, ledger, plan.splits, "cpu_flash kvcache Br=%d Bc=%d splits=%d threads=%d %s", cfg.block_q, cfg.block_k,
+               plan.splits, plan.threads, few_rows::applies(plan.grid.rows(), p.kv_dtype) ? "few-rows" : "blas");
   return Status();
 }
 

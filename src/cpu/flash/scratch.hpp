@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 #include <new>
@@ -88,12 +89,17 @@ class Slab {
   int64_t used_ = 0;
 };
 
-// Fills params.stats (when the caller asked for it); `kernel` names the path and its configuration.
-inline void report_stats(const AttentionParams& p, const ScratchLedger& ledger, int num_splits, const char* kernel) {
+// Fills params.stats when the caller asked for it; the printf-style `kernel_format` names the path
+// and its configuration, and is formatted only then (a call without stats pays no snprintf).
+__attribute__((format(printf, 4, 5))) inline void report_stats(const AttentionParams& p, const ScratchLedger& ledger,
+                                                               int num_splits, const char* kernel_format, ...) {
   if (p.stats == nullptr) return;
   p.stats->scratch_bytes_peak = ledger.peak_bytes();
   p.stats->num_splits = num_splits;
-  std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "%s", kernel);
+  va_list args;
+  va_start(args, kernel_format);
+  std::vsnprintf(p.stats->kernel, sizeof(p.stats->kernel), kernel_format, args);
+  va_end(args);
 }
 
 }  // namespace flashattn::cpu

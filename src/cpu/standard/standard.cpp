@@ -13,7 +13,6 @@
 #include <omp.h>
 
 #include <cmath>
-#include <cstdio>
 
 #include "core/mask.hpp"
 #include "cpu/flash/row_ops.hpp"
@@ -113,9 +112,7 @@ Status forward(const AttentionParams& p) {
       }
     }
 
-  char kernel[128];
-  std::snprintf(kernel, sizeof(kernel), "cpu_standard (scores materialised per head) threads=%d", threads);
-  report_stats(p, ledger, 1, kernel);
+  report_stats(p, ledger, 1, "cpu_standard (scores materialised per head) threads=%d", threads);
   return Status();
 }
 
