@@ -1,10 +1,10 @@
 // The two products of a key tile, S = alpha Q K^T and O += P V, for a tile of few query rows: a
 // decode step's query heads of one GQA group (4 rows for 32 / 8 heads), or a few speculative
-// tokens. Such a tile is a matrix-vector product: 2 (or 4) FLOPs per byte of a 16-bit cache, so the
-// time should be the time to read K and V. BLAS is the wrong tool there: it needs K and V converted
+// tokens. Such a tile is a matrix-vector product: 1 FLOP per byte of a 16-bit cache per row (4 for
+// 4 rows), so the time should be the time to read K and V. BLAS is the wrong tool there: it needs K and V converted
 // and packed first, and with one row block the packing costs as much as the product (on the 2-core
 // dev machine a bf16 decode step read its cache at 4.6-4.8 GB/s, a plain read of the same rows at
-// 23-32 GB/s; bench/cpu_read_floor.cpp). These kernels instead
+// 19-32 GB/s; bench/cpu_read_floor.cpp). These kernels instead
 //   - read every key / value row once, in place, in its storage type (float32, bfloat16 or float16:
 //     converted in registers, exactly, as load_row does), through a table of row pointers (so a
 //     paged cache costs one block-table read per page, not a division per row);
@@ -155,12 +155,7 @@ FLASHATTN_FEW_ROWS_INLINE void score_block(int head_dim, float alpha, const floa
   for (int c = 0; c < vector_end; c += kLanes) {
     __m256 q_chunk[R];
     FLASHATTN_UNROLL
-    for (int r = 0; r < R; ++r) {
-      q_chunk[r] = _mm256_loadu_ps(q + r * ld_q + c);
-      // Keeps the chunk in a register: GCC would otherwise fold the load into each of the KEYS FMAs
-      // that use it, KEYS loads instead of one (the loads, not the FMAs, then set the pace).
-      asm("" : "+x"(q_chunk[r]));
-    }
+    for (int r = 0; r < R; ++r) q_chunk[r] = _mm256_loadu_ps(q + r * ld_q + c);
     FLASHATTN_UNROLL
     for (int kk = 0; kk < KEYS; ++kk) {
       const __m256 k_chunk = Row::load8(k_rows[kk], c);
