@@ -4,8 +4,9 @@ torch.nn.functional.scaled_dot_product_attention on the same tensors.
     python python/bench_overhead.py [--device cpu|cuda] [--iterations N]
 
 Prints microseconds per call (median of 7 repetitions of N calls). The tiny problem (B = Sq = Sk
-= Hq = 1, D = 64) makes the attention itself negligible: what is measured is the Python wrapper,
-the torch.library dispatch, the DLPack hand-over of each tensor and the C ABI's validation.
+= Hq = 1, D = 64; the decode rows: 16 cached keys) makes the attention itself negligible: what is
+measured is the Python wrapper, the torch.library dispatch, the DLPack hand-over of each tensor
+and the C ABI's validation (and on CUDA the launches).
 """
 
 import argparse
@@ -14,6 +15,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.utils.dlpack import to_dlpack
 
 import flashattn
 import flashattn.torch as fat
@@ -47,27 +49,47 @@ def main():
     out = torch.empty_like(q)
     lse = torch.empty(1, 1, 1, device=args.device, dtype=torch.float32)
     stream = fat._stream(q)
+    # A decode step: one query row against a cache of 16 keys (contiguous), or of 16 paged rows in blocks of 16 of
+    # which the call appends the 16th (cache_seqlens 15: the rows before the append).
+    k_cache, v_cache = (torch.randn(1, 16, 1, 64, device=args.device, dtype=dtype) for _ in range(2))
+    k_paged, v_paged = (torch.randn(4, 16, 1, 64, device=args.device, dtype=dtype) for _ in range(2))
+    cache_seqlens = torch.full((1,), 16, dtype=torch.int32, device=args.device)
+    cache_lengths_before = torch.full((1,), 15, dtype=torch.int32, device=args.device)
+    block_table = torch.tensor([[2]], dtype=torch.int32, device=args.device)
     backend = flashattn.backend_id("auto")
     rows = [
         ("torch SDPA (F.scaled_dot_product_attention)", lambda: F.scaled_dot_product_attention(qt, kt, vt)),
         ("flashattn.torch.flash_attn_func", lambda: fat.flash_attn_func(q, k, v)),
         ("  torch.ops.flashattn.fwd (custom op, no wrapper)",
          lambda: fat._fwd(q, k, v, None, None, 0.0, False, -1, -1, 0.0, 0.0, False, backend)),
-        ("  flashattn._ext.forward (DLPack + C ABI only)",
+        ("  flashattn._ext.forward (tensors: nanobind calls __dlpack__)",
          lambda: flashattn._ext.forward(q, k, v, out, lse, None, None, 0, 0, None, None, None, 0.0, False, -1, -1, 0.0,
                                         0.0, 0, 0, backend, 0, stream)),
+        ("  flashattn._ext.forward (to_dlpack capsules, as flashattn.torch)",
+         lambda: flashattn._ext.forward(to_dlpack(q), to_dlpack(k), to_dlpack(v), to_dlpack(out), to_dlpack(lse), None,
+                                        None, 0, 0, None, None, None, 0.0, False, -1, -1, 0.0, 0.0, 0, 0, backend, 0,
+                                        stream)),
         ("  flashattn._ext.forward, float64 oracle, 1 thread",
          lambda: flashattn._ext.forward(q, k, v, out, lse, None, None, 0, 0, None, None, None, 0.0, False, -1, -1, 0.0,
                                         0.0, 0, 0, flashattn.backend_id("reference"), 1, stream)),
         ("  DLPack of 3 tensors (q.__dlpack__())", lambda: (q.__dlpack__(), k.__dlpack__(), v.__dlpack__())),
+        ("  DLPack of 3 tensors (torch.utils.dlpack.to_dlpack)", lambda: (to_dlpack(q), to_dlpack(k), to_dlpack(v))),
+        ("  current stream (torch.cuda.current_stream)",
+         lambda: torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0),
+        ("  current stream (flashattn.torch._stream)", lambda: fat._stream(q)),
+        ("flashattn.torch.flash_attn_with_kvcache (decode, 16 keys)",
+         lambda: fat.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens)),
+        ("  the same, paged (block_table), appending k / v",
+         lambda: fat.flash_attn_with_kvcache(q, k_paged, v_paged, k=k, v=v, cache_seqlens=cache_lengths_before,
+                                             block_table=block_table)),
     ]
     print(f"flashattn {flashattn.__version__}, torch {torch.__version__}, device {args.device}, {dtype}, "
           f"q/k/v (1, 1, 1, 64), {torch.get_num_threads()} torch threads")
     for name, fn in rows:
         try:
-            print(f"{name:55s} {per_call_us(fn, args.iterations):8.1f} us/call")
+            print(f"{name:64s} {per_call_us(fn, args.iterations):8.1f} us/call")
         except flashattn.FlashAttnError as e:
-            print(f"{name:55s} unavailable: {e}")
+            print(f"{name:64s} unavailable: {e}")
     try:
         import jax
         import jax.numpy as jnp
@@ -81,9 +103,9 @@ def main():
         f_nn = jax.jit(lambda q: jax.nn.dot_product_attention(q, q, q))
         for name, f in (("jax.nn.dot_product_attention (jit)", f_nn), ("flashattn.jax.dot_product_attention (jit)", f_ours)):
             try:
-                print(f"{name:55s} {per_call_us(lambda: f(jq).block_until_ready(), args.iterations):8.1f} us/call")
+                print(f"{name:64s} {per_call_us(lambda: f(jq).block_until_ready(), args.iterations):8.1f} us/call")
             except Exception as e:  # noqa: BLE001 - report and go on
-                print(f"{name:55s} unavailable: {str(e).splitlines()[0]}")
+                print(f"{name:64s} unavailable: {str(e).splitlines()[0]}")
     except ImportError as e:
         print(f"jax: skipped ({e})")
 

@@ -1,7 +1,8 @@
 // flashattn._ext: the one extension module of the Python package.
 //
 // Tensors arrive through DLPack (nanobind's ndarray): torch tensors, numpy arrays, anything with
-// __dlpack__. Nothing is copied: the C ABI receives the caller's data pointers and strides, and
+// __dlpack__, or DLPack capsules (flashattn.torch passes torch.utils.dlpack.to_dlpack capsules: nanobind
+// would call Tensor.__dlpack__, a Python method, several microseconds a tensor). Nothing is copied: the C ABI receives the caller's data pointers and strides, and
 // writes into output tensors that the caller allocated (flashattn.torch allocates them with the
 // framework's allocator, so CUDA memory comes from torch's caching allocator). The CUDA stream is
 // whatever the caller passes (flashattn.torch passes torch's current stream).

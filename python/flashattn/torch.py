@@ -34,6 +34,7 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.utils.dlpack import to_dlpack as _to_dlpack
 
 from flashattn import InvalidArgumentError, UnsupportedError, _ext, backend_id, check_fp8_scales, window_pair
 
@@ -60,11 +61,30 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 # ---------------------------------------------------------------------------------------------
 
 
+def _dl(x):
+    """x as _ext takes it fastest: a torch tensor as a DLPack capsule, anything else (None, a number) as it is.
+
+    Given a tensor, nanobind calls Tensor.__dlpack__, a Python method: 3 us per tensor on the CPU (torch 2.15,
+    python/bench_overhead.py), more on CUDA, where torch 2.11's also orders the current stream after the legacy
+    default one (the library needs no such order: it runs on the stream it is passed). torch.utils.dlpack.to_dlpack
+    exports the same tensor (no copy, the same strides) from C in 0.4 us. A capsule is consumed by the one call it is
+    passed to, so every call gets its own.
+    """
+    return _to_dlpack(x) if isinstance(x, Tensor) else x
+
+
+# torch.cuda.current_stream(device).cuda_stream builds a torch.cuda.Stream object per call; this is the C function
+# behind it that torch's compiler (inductor) calls for the raw handle. The public path stays as the fallback.
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _stream(t: Tensor) -> int:
     """The caller's current CUDA stream for t's device (0 = none, on the CPU)."""
-    if t.device.type == "cuda":
-        return torch.cuda.current_stream(t.device).cuda_stream
-    return 0
+    if not t.is_cuda:
+        return 0
+    if _current_raw_stream is not None:
+        return _current_raw_stream(t.get_device())
+    return torch.cuda.current_stream(t.device).cuda_stream
 
 
 def _last_dim_contiguous(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -152,8 +172,9 @@ def _fwd_impl(
     out = _empty(out_shape, q)
     lse = _empty(lse_shape, q, torch.float32)
     seed, offset = _seed_offset(rng_state)
-    _ext.forward(q, k, v, out, lse, None, None, 0, 0, None, None, alibi_slopes, softmax_scale, causal,
-                 window_left, window_right, softcap, dropout_p, seed, offset, backend, 0, _stream(q))
+    _ext.forward(_dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), None, None, 0, 0, None, None, _dl(alibi_slopes),
+                 softmax_scale, causal, window_left, window_right, softcap, dropout_p, seed, offset, backend, 0,
+                 _stream(q))
     return out, lse
 
 
@@ -190,9 +211,9 @@ def _bwd_impl(
     workspace = _backward_workspace(dout, q, k, v, out, lse, dq, dk, dv, None, None, 0, 0, alibi_slopes,
                                     softmax_scale, causal, window_left, window_right, softcap, dropout_p,
                                     deterministic, backend)
-    _ext.backward(dout, q, k, v, out, lse, dq, dk, dv, None, None, 0, 0, alibi_slopes, workspace,
-                  softmax_scale, causal, window_left, window_right, softcap, dropout_p, seed, offset,
-                  deterministic, backend, 0, _stream(q))
+    _ext.backward(_dl(dout), _dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), _dl(dq), _dl(dk), _dl(dv), None, None, 0, 0,
+                  _dl(alibi_slopes), _dl(workspace), softmax_scale, causal, window_left, window_right, softcap,
+                  dropout_p, seed, offset, deterministic, backend, 0, _stream(q))
     return dq, dk, dv
 
 
@@ -209,9 +230,9 @@ def _backward_workspace(*args) -> Optional[Tensor]:
     """On CUDA, the backward's scratch comes from torch's caching allocator (on the CPU the
     backend manages its own): sized by the library for exactly this problem."""
     q = args[1]
-    if q.device.type != "cuda":
+    if not q.is_cuda:
         return None
-    nbytes = _ext.backward_workspace_size(*args)
+    nbytes = _ext.backward_workspace_size(*map(_dl, args))
     return torch.empty((nbytes,), dtype=torch.uint8, device=q.device) if nbytes > 0 else None
 
 
@@ -321,9 +342,9 @@ def _varlen_fwd_impl(
     out = _empty(out_shape, q)
     lse = _empty(lse_shape, q, torch.float32)
     seed, offset = _seed_offset(rng_state)
-    _ext.forward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, None, block_table,
-                 alibi_slopes, softmax_scale, causal, window_left, window_right, softcap, dropout_p, seed, offset,
-                 backend, 0, _stream(q))
+    _ext.forward(_dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), _dl(cu_seqlens_q), _dl(cu_seqlens_k), max_seqlen_q,
+                 max_seqlen_k, None, _dl(block_table), _dl(alibi_slopes), softmax_scale, causal, window_left,
+                 window_right, softcap, dropout_p, seed, offset, backend, 0, _stream(q))
     return out, lse
 
 
@@ -364,9 +385,10 @@ def _varlen_bwd_impl(
     workspace = _backward_workspace(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, alibi_slopes, softmax_scale, causal, window_left, window_right,
                                     softcap, dropout_p, deterministic, backend)
-    _ext.backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                  alibi_slopes, workspace, softmax_scale, causal, window_left, window_right, softcap, dropout_p,
-                  seed, offset, deterministic, backend, 0, _stream(q))
+    _ext.backward(_dl(dout), _dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), _dl(dq), _dl(dk), _dl(dv),
+                  _dl(cu_seqlens_q), _dl(cu_seqlens_k), max_seqlen_q, max_seqlen_k, _dl(alibi_slopes), _dl(workspace),
+                  softmax_scale, causal, window_left, window_right, softcap, dropout_p, seed, offset, deterministic,
+                  backend, 0, _stream(q))
     return dq, dk, dv
 
 
@@ -449,18 +471,22 @@ def _kvcache_impl(
         if not (_is_fp8(k_cache) and _is_fp8(v_cache)):
             raise InvalidArgumentError("v_cache: an FP8 cache needs k_cache and v_cache both torch.float8_e4m3fn")
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-    args = (q, k_cache, v_cache, block_table, cache_seqlens, k, v, rotary_cos, rotary_sin, rotary_interleaved,
-            out, lse, num_splits)
+    tensors = (q, k_cache, v_cache, block_table, cache_seqlens, k, v, rotary_cos, rotary_sin)
     options = (softmax_scale, causal, window_left, window_right, softcap, backend)
-    cache_options = {"fp8_cache": fp8, "k_scale": float(k_scale), "v_scale": float(v_scale),
-                     "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad}
+
+    def call_args(splits):  # new capsules for each _ext call (a call consumes those it is passed)
+        return (*map(_dl, tensors), rotary_interleaved, _dl(out), _dl(lse), splits)
+
+    def cache_options():
+        return {"fp8_cache": fp8, "k_scale": float(k_scale), "v_scale": float(v_scale),
+                "cache_batch_idx": _dl(cache_batch_idx), "cache_leftpad": _dl(cache_leftpad)}
+
     workspace = None
-    if q.device.type == "cuda":
+    if q.is_cuda:
         # Plan once on the host, then run allocation-free with torch's memory.
-        num_splits, nbytes = _ext.plan_kvcache(*args, alibi_slopes, *options, **cache_options)
-        args = args[:-1] + (num_splits,)
+        num_splits, nbytes = _ext.plan_kvcache(*call_args(num_splits), _dl(alibi_slopes), *options, **cache_options())
         workspace = torch.empty((nbytes,), dtype=torch.uint8, device=q.device) if nbytes > 0 else None
-    _ext.kvcache(*args, workspace, alibi_slopes, *options, 0, _stream(q), **cache_options)
+    _ext.kvcache(*call_args(num_splits), _dl(workspace), _dl(alibi_slopes), *options, 0, _stream(q), **cache_options())
     return out, lse
 
 

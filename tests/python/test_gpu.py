@@ -110,6 +110,47 @@ def test_dropout_mask_matches_cpu_bit_for_bit():
     assert torch.equal(keep_cpu, keep_gpu)
 
 
+def test_kernels_run_on_the_callers_current_stream():
+    # flashattn.torch launches on torch's current stream. Here that is a side stream held back by a sleep; the inputs
+    # are written on it after the sleep. A kernel on any other stream would run first and read the zeros the inputs
+    # held before (torch's side streams do not wait for the legacy default stream), and its outputs would be zeros.
+    side = torch.cuda.Stream()
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    src_q, src_k, src_v, dout = (torch.randn(2, 64, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+                                 for _ in range(4))
+    src_new = torch.randn(2, 1, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q, k, v = (torch.zeros_like(x).requires_grad_() for x in (src_q, src_k, src_v))
+    k_new, v_new = torch.zeros_like(src_new), torch.zeros_like(src_new)
+    k_paged, v_paged = (torch.zeros(8, 16, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    block_table = torch.tensor([[5, 1, 6, 2], [0, 7, 3, 4]], dtype=torch.int32, device="cuda")
+    cache_seqlens = torch.tensor([40, 63], dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        assert fat._stream(q) == side.cuda_stream
+        torch.cuda._sleep(100_000_000)  # clock cycles: ~50 ms
+        with torch.no_grad():
+            for dst, src in ((q, src_q), (k, src_k), (v, src_v), (k_new, src_new), (v_new, -src_new)):
+                dst.copy_(src)
+            for cache, rows in ((k_paged, src_k), (v_paged, src_v)):  # the first 64 rows of each sequence
+                cache[block_table.flatten().long()] = rows.reshape(8, 16, 4, 64)
+        out = fat.flash_attn_func(q, k, v, causal=True, deterministic=True)  # dq: same bits in both runs
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        decoded = fat.flash_attn_with_kvcache(src_q[:, :1], k_paged, v_paged, k=k_new, v=v_new,
+                                              cache_seqlens=cache_seqlens, block_table=block_table, causal=True)
+    side.synchronize()
+    # The same calls on the default stream, after everything is in place.
+    q2, k2, v2 = (x.clone().requires_grad_() for x in (src_q, src_k, src_v))
+    out2 = fat.flash_attn_func(q2, k2, v2, causal=True, deterministic=True)
+    assert torch.equal(out, out2)
+    for a, b in zip(grads, torch.autograd.grad(out2, (q2, k2, v2), dout)):
+        assert torch.equal(a, b)
+    for b, n in enumerate((40, 63)):  # sequence b: its first n cached rows, then the appended one
+        k_seq = torch.cat([src_k[b:b + 1, :n], src_new[b:b + 1]], dim=1)
+        v_seq = torch.cat([src_v[b:b + 1, :n], -src_new[b:b + 1]], dim=1)
+        expected = fat.flash_attn_func(src_q[b:b + 1, :1], k_seq, v_seq)
+        assert rel_l2(decoded[b:b + 1].float().cpu().numpy(), expected.float().cpu().numpy()) < 1e-2
+
+
 def test_torch_compile_fullgraph_on_gpu():
     q, k, v = (torch.randn(2, 128, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     f = torch.compile(lambda q, k, v: fat.flash_attn_func(q, k, v, causal=True), fullgraph=True)
