@@ -142,12 +142,13 @@ struct KeySource {
   }
 };
 
-// Calls fn with the few_rows element type of `t` (float8 caches are read from float32 scratch).
+// Calls fn with the few_rows element type of `t`.
 template <typename Fn>
 void with_few_rows_type(fa_dtype t, const Fn& fn) {
 #if FLASHATTN_CPU_FEW_ROWS
   if (t == FA_BFLOAT16) return fn(few_rows::BFloat16Row{});
   if (t == FA_FLOAT16) return fn(few_rows::Float16Row{});
+  if (t == FA_FLOAT8_E4M3) return fn(few_rows::E4m3Row{});
   fn(few_rows::Float32Row{});
 #endif
 }
@@ -169,8 +170,16 @@ inline void attend_keys(const AttentionParams& p, const QueryTile& t, const Sequ
   const RowVariant first_head(p, t.b, t.h0, e.seqlen_q, e.seqlen_k);
   // A tile of few rows (decode) takes the few_rows.hpp kernels instead of load_rows + BLAS.
   const bool few_rows_tile = few_rows::applies(rows, p.kv_dtype);
+  // An FP8 cache: tiles of up to 4 rows read its codes in place, so its scales go elsewhere: k_scale into the
+  // scores' factor (alpha q . (k_scale k) = (alpha k_scale) q . k), v_scale into P once the softmax has its sums
+  // (sum_j p_j (v_scale v_j) = sum_j (v_scale p_j) v_j; P is not read again). Larger tiles dequantise the rows
+  // (code value * scale) into float32 scratch first.
   const bool fp8_cache = p.kv_dtype == FA_FLOAT8_E4M3;
-  const fa_dtype row_type = fp8_cache ? FA_FLOAT32 : p.kv_dtype;  // what the few-rows kernels read
+  const bool fp8_in_place = few_rows_tile && fp8_cache && few_rows::fp8_in_place(rows);
+  const bool fp8_scratch = few_rows_tile && fp8_cache && !fp8_in_place;
+  const fa_dtype row_type = fp8_scratch ? FA_FLOAT32 : p.kv_dtype;  // what the few-rows kernels read
+  const float score_alpha = fp8_in_place ? first_head.gemm_alpha * p.k_scale : first_head.gemm_alpha;
+  const float p_factor = fp8_in_place ? p.v_scale : 1.f;
 
   // Key tiles on the grid of multiples of block_k (split-KV boundaries fall on it too).
   for (int tile_start = key_lo / cfg.block_k * cfg.block_k; tile_start < key_hi; tile_start += cfg.block_k) {
@@ -189,9 +198,9 @@ inline void attend_keys(const AttentionParams& p, const QueryTile& t, const Sequ
       stream.ahead = few_rows::prefetch_rows_for(stream.k_row_bytes > stream.v_row_bytes ? stream.k_row_bytes : stream.v_row_bytes);
       stream.next = key_hi - j1 < stream.ahead ? key_hi - j1 : stream.ahead;
       keys.row_pointers(p.k, p.k_batch_stride, p.k_row_stride, p.k_head_stride, j1, stream.next, stream.rows + 2 * n);
-      if (fp8_cache) {
-        // An FP8 cache is dequantised here (code value * k_scale / v_scale) into float32 rows, read
-        // with the same prefetch; the kernels then read those rows and prefetch nothing.
+      if (fp8_scratch) {
+        // Each row dequantised once, read with the same prefetch; the kernels then read the float32
+        // rows and prefetch nothing.
         for (int r = 0; r < 2 * n; ++r) {
           stream.prefetch_ahead_of(r, r + 1);
           const bool is_k = r < n;
@@ -210,7 +219,7 @@ inline void attend_keys(const AttentionParams& p, const QueryTile& t, const Sequ
     // S = alpha * Q K^T
     if (few_rows_tile)
       with_few_rows_type(row_type, [&](auto row) {
-        few_rows::scores<decltype(row)>(rows, head_dim, first_head.gemm_alpha, w.q, w.ld_q, stream, w.s, w.ld_s);
+        few_rows::scores<decltype(row)>(rows, head_dim, score_alpha, w.q, w.ld_q, stream, w.s, w.ld_s);
       });
     else
       gemm_abt(rows, n, head_dim, first_head.gemm_alpha, w.q, w.ld_q, k_tile.data, k_tile.ld, 0.f, w.s, w.ld_s);
@@ -244,6 +253,7 @@ inline void attend_keys(const AttentionParams& p, const QueryTile& t, const Sequ
         dropout.keep_row(uint32_t(t.b * p.heads_q + h), uint32_t(i), j0, n, w.keep);
         for (int j = 0; j < n; ++j) s_row[j] = w.keep[j] ? s_row[j] : 0.f;  // 1 / (1 - p) in the epilogue
       }
+      if (p_factor != 1.f) scale_inplace(s_row, n, p_factor);  // an FP8 cache's v_scale (above)
     }
 
     // O += P V

@@ -5,8 +5,8 @@
 // and packed first, and with one row block the packing costs as much as the product (on the 2-core
 // dev machine a bf16 decode step read its cache at 4.6-4.8 GB/s, a plain read of the same rows at
 // 19-32 GB/s; bench/cpu_read_floor.cpp). These kernels instead
-//   - read every key / value row once, in place, in its storage type (float32, bfloat16 or float16:
-//     converted in registers, exactly, as load_row does), through a table of row pointers (so a
+//   - read every key / value row once, in place, in its storage type (float32, bfloat16, float16 or
+//     float8 e4m3 codes: converted in registers, exactly, as load_row does), through a table of row pointers (so a
 //     paged cache costs one block-table read per page, not a division per row);
 //   - keep the tile's rows (<= 4 at a time) and 8 lanes of 2-8 keys or columns in AVX2 registers;
 //   - prefetch the rows a fixed number of bytes ahead of the row being read, along the order they
@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "core/dtype.hpp"
+#include "cpu/flash/tile_io.hpp"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -36,6 +37,12 @@ namespace flashattn::cpu::few_rows {
 // vector one) rows 4 1.2x, 16 1.1x. docs/PERFORMANCE.md, "CPU decode".
 constexpr int kMaxRowsFloat32 = 8;
 constexpr int kMaxRowsOtherTypes = 32;
+// FP8 (e4m3) tiles of at most this many rows read the codes in place (E4m3Row); larger ones decode
+// each K / V row once into float32 scratch and read that (Float32Row), since in place every block of
+// 4 rows would decode every code again. Affects speed only. In place against scratch (2-core dev
+// machine, 2026-12-05, 32 / 8 heads, 4k cache, 3 rounds on a noisy machine): rows 1 (16 / 16 heads)
+// 0.73-1.42x, 4 1.21-1.26x (8k cache: 1.05-1.39x), 8 0.86-1.16x, 16 0.72-0.85x, 32 0.63-0.66x.
+constexpr int kMaxRowsFp8InPlace = 4;
 // How far ahead of the row being read the kernels prefetch, in bytes of rows (at least one row,
 // at most kMaxPrefetchRows rows): a core must keep about latency x bandwidth bytes in flight. On the
 // dev machine 2-32 KiB, into L1 or L2, ran alike within its noise; no prefetch ~1.3x slower. Affects speed only.
@@ -120,6 +127,10 @@ struct Float16Row {  // F16C's conversion is exact, as to_float(f16) is
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(row) + c)));
   }
   static float load1(const void* row, int c) { return to_float(f16{static_cast<const uint16_t*>(row)[c]}); }
+};
+struct E4m3Row {  // float8 e4m3 codes, decoded as load_row decodes them; the caller applies the cache's scale
+  static __m256 load8(const void* row, int c) { return e4m3x8_to_float(static_cast<const uint8_t*>(row) + c); }
+  static float load1(const void* row, int c) { return e4m3_value_table()[static_cast<const uint8_t*>(row)[c]]; }
 };
 
 constexpr int kLanes = 8;
@@ -299,9 +310,13 @@ void accumulate_pv(int rows, int head_dim_v, const float* p, int64_t ld_p, const
 #endif  // FLASHATTN_CPU_FEW_ROWS
 
 // Whether a tile of `rows` query rows over K / V of type `kv_dtype` takes these kernels (FP8 caches
-// too, from their rows dequantised into float32 scratch).
+// too: see fp8_in_place).
 inline bool applies(int rows, fa_dtype kv_dtype) {
   return FLASHATTN_CPU_FEW_ROWS && rows <= (kv_dtype == FA_FLOAT32 ? kMaxRowsFloat32 : kMaxRowsOtherTypes);
 }
+
+// Whether a few-rows tile over an FP8 cache reads the codes in place (E4m3Row) rather than from
+// float32 scratch.
+inline bool fp8_in_place(int rows) { return rows <= kMaxRowsFp8InPlace; }
 
 }  // namespace flashattn::cpu::few_rows
