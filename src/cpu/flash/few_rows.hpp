@@ -1,13 +1,13 @@
 // The two products of a key tile, S = alpha Q K^T and O += P V, for a tile of few query rows: a
 // decode step's query heads of one GQA group (4 rows for 32 / 8 heads), or a few speculative
 // tokens. Such a tile is a matrix-vector product: 1 FLOP per byte of a 16-bit cache per row (4 for
-// 4 rows), so the time should be the time to read K and V. BLAS is the wrong tool there: it needs K and V converted
-// and packed first, and with one row block the packing costs as much as the product (on the 2-core
-// dev machine a bf16 decode step read its cache at 4.6-4.8 GB/s, a plain read of the same rows at
-// 19-32 GB/s; bench/cpu_read_floor.cpp). These kernels instead
+// 4 rows), so the time should be the time to read K and V. BLAS is the wrong tool there: it needs K
+// and V converted and packed first, and with one row block the packing costs as much as the product
+// (on the 2-core dev machine a bf16 decode step read its cache at 4.6-4.8 GB/s, a plain read of the
+// same rows at 19-32 GB/s; bench/cpu_read_floor.cpp). These kernels instead
 //   - read every key / value row once, in place, in its storage type (float32, bfloat16, float16 or
-//     float8 e4m3 codes: converted in registers, exactly, as load_row does), through a table of row pointers (so a
-//     paged cache costs one block-table read per page, not a division per row);
+//     float8 e4m3 codes: converted in registers, exactly, as load_row does), through a table of row
+//     pointers (so a paged cache costs one block-table read per page, not a division per row);
 //   - keep the tile's rows (<= 4 at a time) and 8 lanes of 2-8 keys or columns in AVX2 registers;
 //   - prefetch the rows a fixed number of bytes ahead of the row being read, along the order they
 //     are read in (this tile's K rows, its V rows, the next tile's first K rows), so that the memory
