@@ -2,6 +2,7 @@
 // propagate to the outputs that depend on them, never vanish, and go no further than this:
 //   - a NaN in query row i spoils out row i and its lse;
 //   - a NaN in key row j spoils every row that sees key j; rows the mask hides it from are untouched;
+//     a row whose only visible key is NaN included;
 //   - an Inf in one value element spoils that column of the rows that see it; the same column of
 //     rows the mask hides it from may also become NaN (0 x Inf inside the P V tile product of every
 //     fused backend), and is not checked.
@@ -22,10 +23,13 @@ namespace {
 
 using fa_test::HostTensor;
 
-constexpr int B = 2, S = 8, HQ = 4, HK = 2, D = 16;
+constexpr int B = 2, S = 24, HQ = 4, HK = 2, D = 16;  // S >= 16: the CPU row max runs its vector loop
 constexpr int kNanQueryRow = 3, kNanQueryHead = 1;  // batch 0
 constexpr int kNanKeyRow = 5, kNanKeyHead = 0;      // batch 0: query heads 0 and 1 read it
 constexpr int kInfValueRow = 2, kInfValueHead = 1, kInfValueColumn = 7;  // batch 1: query heads 2 and 3
+// Batch 1, key row 0: under the causal mask query row 0 sees this key alone, so its only score is NaN
+// (a row max that skipped NaN would find no visible key there and write a finite 0 row).
+constexpr int kNanFirstKeyHead = 0;  // query heads 0 and 1
 
 struct Poisoned {
   fa_test::Tensors t;
@@ -41,6 +45,7 @@ Poisoned make_inputs(fa_dtype dtype, fa_backend backend) {
   const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
   x.t.q.set(((0 * S + kNanQueryRow) * HQ + kNanQueryHead) * D + 4, nan);
   x.t.k.set(((0 * S + kNanKeyRow) * HK + kNanKeyHead) * D + 9, nan);
+  x.t.k.set(((1 * S + 0) * HK + kNanFirstKeyHead) * D + 2, nan);
   x.t.v.set(((1 * S + kInfValueRow) * HK + kInfValueHead) * D + kInfValueColumn, inf);
   return x;
 }
@@ -56,6 +61,7 @@ bool spoiled(int b, int i, int h, int d) {
   if (b == 0 && i == kNanQueryRow && h == kNanQueryHead) return true;
   if (b == 0 && h / (HQ / HK) == kNanKeyHead && causal.visible(i, kNanKeyRow)) return true;
   if (b == 1 && h / (HQ / HK) == kInfValueHead && d == kInfValueColumn && causal.visible(i, kInfValueRow)) return true;
+  if (b == 1 && h / (HQ / HK) == kNanFirstKeyHead) return true;  // every row sees key 0
   return false;
 }
 

@@ -99,15 +99,31 @@ constexpr int kReductionLanes = 16;
 inline float max_propagating_nan(float a, float b) { return (a > b || a != a) ? a : b; }
 
 // Largest element of x[0, n); -inf when n == 0 or all are -inf; NaN when any is NaN.
+// Written with vector types: GCC does not vectorise max_propagating_nan's `a != a` in a plain loop,
+// and the scalar loop it left (from the NaN policy's commit until 2026-12-05) cost the forward a
+// quarter of its time (2-core Zen 3, fp32, D = 128: 98-107 GFLOP/s against 132-143 with this one).
+// The max below ignores NaN (`v > lane` is false for it); a separate mask remembers one was seen.
 inline float row_max(const float* x, int n) {
-  float lane[kReductionLanes];
-  for (int l = 0; l < kReductionLanes; ++l) lane[l] = kNegInf;
+  constexpr int kLanes = 2 * kF32x8Lanes;
+  const f32x8 neg_inf = {kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf, kNegInf};
+  f32x8 lane0 = neg_inf, lane1 = neg_inf;
+  i32x8 nan_seen = {};
   int j = 0;
-  for (; j + kReductionLanes <= n; j += kReductionLanes)
-    for (int l = 0; l < kReductionLanes; ++l) lane[l] = max_propagating_nan(x[j + l], lane[l]);
+  for (; j + kLanes <= n; j += kLanes) {
+    f32x8 v0, v1;
+    __builtin_memcpy(&v0, x + j, sizeof(v0));  // unaligned loads
+    __builtin_memcpy(&v1, x + j + kF32x8Lanes, sizeof(v1));
+    nan_seen |= (v0 != v0) | (v1 != v1);
+    lane0 = v0 > lane0 ? v0 : lane0;
+    lane1 = v1 > lane1 ? v1 : lane1;
+  }
   float m = kNegInf;
   for (; j < n; ++j) m = max_propagating_nan(x[j], m);
-  for (int l = 0; l < kReductionLanes; ++l) m = max_propagating_nan(lane[l], m);
+  for (int l = 0; l < kF32x8Lanes; ++l) {
+    if (nan_seen[l] != 0) return std::numeric_limits<float>::quiet_NaN();
+    m = max_propagating_nan(lane0[l], m);
+    m = max_propagating_nan(lane1[l], m);
+  }
   return m;
 }
 
