@@ -10,7 +10,7 @@
 namespace flashattn::cpu::flash {
 
 Status forward(const AttentionParams& p) {
-  const TileConfig cfg = forward_tiles(p.head_dim, p.head_dim_v);
+  const TileConfig cfg = forward_tiles(p.head_dim, p.head_dim_v, p.window_left >= 0 || p.window_right >= 0);
   const TileGrid grid(p, cfg);
   const int64_t tiles = grid.tiles(p);
   const int threads = team_size(p.num_threads, tiles);

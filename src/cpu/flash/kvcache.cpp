@@ -39,7 +39,9 @@ struct Plan {
   int64_t partial_out_bytes, partial_lse_bytes, per_thread_bytes, total_bytes;
 
   Plan(const KvcacheParams& p, int requested_splits)
-      : cfg(forward_tiles(p.head_dim, p.head_dim_v)), grid(p, cfg), tiles(grid.tiles(p)) {
+      : cfg(forward_tiles(p.head_dim, p.head_dim_v, p.window_left >= 0 || p.window_right >= 0)),
+        grid(p, cfg),
+        tiles(grid.tiles(p)) {
     splits = requested_splits > 0 ? requested_splits : choose_splits(p);
     items = tiles * splits;
     threads = team_size(p.num_threads, items);

@@ -2,8 +2,11 @@
 //
 // Affects speed only, never results beyond float rounding order: any entry computes the same
 // attention (the tests run several head dims, hence several entries). Measured on the 2-core
-// AMD EPYC dev machine (AVX-512, 1 MiB L2 per core, OpenBLAS 0.3.21 with its Cooper Lake kernels),
-// one thread, S = 2048, fp32; differences under ~5% were within the noise of a shared machine.
+// AMD EPYC dev machine of 2026-11-30 (AVX-512, 1 MiB L2 per core, OpenBLAS 0.3.21 with its Cooper
+// Lake kernels), one thread, S = 2048, fp32; differences under ~5% were within the noise of a shared
+// machine. Later sessions' machine of the same name is a Zen 3 (AVX2, 512 KiB L2, OpenBLAS's ZEN
+// kernels); on it (2026-12-05, 2 threads) the D = 128 forward entry 512 x 256 was still the fastest
+// of five without a mask, and masked problems take smaller query tiles (kMaskedForwardMaxBlockQ).
 #pragma once
 
 namespace flashattn::cpu::flash {
@@ -58,9 +61,23 @@ constexpr const TileConfigEntry& tile_config_entry(int head_dim) {
   return kTileConfigs[kTileConfigCount - 1];
 }
 
-// Tiles for a problem with q/k head dim D and v head dim Dv (the larger decides).
-inline TileConfig forward_tiles(int head_dim, int head_dim_v) {
-  return tile_config_entry(head_dim > head_dim_v ? head_dim : head_dim_v).forward;
+// Query tiles of at most this many rows when a causal or sliding-window mask limits the keys.
+// Such a tile computes every (row, key) of the key tiles its rows reach, and on the diagonal (each
+// window edge) about half of a block_q-wide band is masked: the waste grows with block_q, and with
+// 2 threads the unequal tiles also balance worse. Measured on the Zen 3 machine (2026-12-05, fp32
+// unless said, 2 threads, 3 alternating rounds; bench/results/2026-12-05-0706-cpu-2core-masked-
+// tiles-ab.txt), 256 against 512 rows: D = 128 causal S = 1024 1.16-1.18x, S = 2048 1.08-1.19x
+// (bf16 1.07-1.19x), S = 4096 0.96-1.03x; a 256-key window at S = 4096 1.36-1.46x; D = 256 causal
+// S = 1024 1.09-1.15x (one round 0.75x), S = 4096 1.00-1.12x. Without a mask 512 stays (D = 128,
+// S = 4096: 0.91-0.96x at 256; ...-0703-cpu-2core-masked-tiles.txt).
+constexpr int kMaskedForwardMaxBlockQ = 256;
+
+// Tiles for a problem with q/k head dim D and v head dim Dv (the larger decides); `masked`: a
+// causal or sliding-window mask (AttentionParams::window_left / window_right >= 0).
+inline TileConfig forward_tiles(int head_dim, int head_dim_v, bool masked) {
+  TileConfig t = tile_config_entry(head_dim > head_dim_v ? head_dim : head_dim_v).forward;
+  if (masked && t.block_q > kMaskedForwardMaxBlockQ) t.block_q = kMaskedForwardMaxBlockQ;
+  return t;
 }
 inline TileConfig backward_tiles(int head_dim, int head_dim_v) {
   return tile_config_entry(head_dim > head_dim_v ? head_dim : head_dim_v).backward;
