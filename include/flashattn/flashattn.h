@@ -121,7 +121,8 @@ typedef struct fa_options {
   float dropout_p;         /* in [0, 1): probability of dropping */
   uint64_t dropout_seed;   /* Philox key */
   uint64_t dropout_offset; /* Philox counter offset: give each call (layer, step) its own */
-  int32_t deterministic;   /* backward: bit-identical gradients run to run */
+  int32_t deterministic;   /* backward: bit-identical gradients run to run (the CPU backends always are,
+                              for a given num_threads) */
   fa_backend backend;      /* FA_BACKEND_AUTO unless you want a specific one */
   int32_t num_threads;     /* CPU backends: 0 = all hardware threads */
   void* stream;            /* CUDA backend: cudaStream_t; NULL = the legacy default stream */

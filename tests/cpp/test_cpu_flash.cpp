@@ -100,6 +100,27 @@ void expect_gradients_match(const std::string& what, const Tensors& t, const fa_
   }
 }
 
+// The backward's two schedules (backward.cpp): "fused" or "three-pass", as fa_stats.kernel names them.
+constexpr const char* kSchedules[] = {"fused", "three-pass"};
+
+std::string backward_kernel(const Tensors& t, fa_options o) {
+  fa_stats stats{};
+  o.stats = &stats;
+  Tensors copy = t;
+  const Status s = backward(fa_test::backward_args(copy), o);
+  return s.ok() ? std::string(stats.kernel) : "error: " + s.to_string();
+}
+
+// The least thread count in [1, 16] that runs `schedule` on t's problem (0: none does).
+int threads_for_schedule(const Tensors& t, fa_options o, const std::string& schedule) {
+  for (int threads = 1; threads <= 16; ++threads) {
+    o.num_threads = threads;
+    if (backward_kernel(t, o).find(" " + schedule) != std::string::npos) return threads;
+  }
+  return 0;
+}
+
+// The backward against the oracle, once with each schedule (each at a thread count that picks it).
 void expect_backward_like_oracle(const Problem& pr, fa_options o, const std::string& what) {
   auto rng = fa_test::make_rng(what);
   Tensors t = fa_test::make_tensors(pr, rng);
@@ -109,9 +130,21 @@ void expect_backward_like_oracle(const Problem& pr, fa_options o, const std::str
   Status s = forward(fa_test::forward_args(t), o);
   ASSERT_TRUE(s.ok()) << what << ": " << s.to_string();
   fa_test::expect_forward_matches(what + " fwd [" + pr.to_string() + "]", t, oracle, pr.dtype);
-  s = backward(fa_test::backward_args(t), o);
-  ASSERT_TRUE(s.ok()) << what << ": " << s.to_string();
-  expect_gradients_match(what + " bwd [" + pr.to_string() + "]", t, oracle, pr.dtype);
+  for (const char* schedule : kSchedules) {
+    fa_options os = o;
+    os.num_threads = threads_for_schedule(t, o, schedule);
+    ASSERT_GT(os.num_threads, 0) << what << ": no thread count in [1, 16] runs the " << schedule << " backward";
+    t.dq.poison();
+    t.dk.poison();
+    t.dv.poison();
+    fa_stats stats{};
+    os.stats = &stats;
+    s = backward(fa_test::backward_args(t), os);
+    ASSERT_TRUE(s.ok()) << what << ": " << s.to_string();
+    EXPECT_NE(std::string(stats.kernel).find(schedule), std::string::npos) << stats.kernel;
+    expect_gradients_match(what + " bwd " + schedule + " x" + std::to_string(os.num_threads) + " [" + pr.to_string() + "]",
+                           t, oracle, pr.dtype);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -712,7 +745,8 @@ TEST(CpuFlashBackward, Varlen) {
   }
 }
 
-// Deterministic: the same bits for every run and every thread count.
+// Deterministic: the same bits for every run at a thread count, and for every thread count that
+// runs the same schedule (the two schedules group the tiles differently).
 TEST(CpuFlashBackward, DeterministicBitwise) {
   auto rng = fa_test::make_rng("bwd determinism");
   Tensors t = fa_test::make_tensors(problem(2, 200, 333, 8, 2, 64), rng);
@@ -721,82 +755,105 @@ TEST(CpuFlashBackward, DeterministicBitwise) {
   o.causal = 1;
   o.dropout_p = 0.15f;
   ASSERT_TRUE(forward(fa_test::forward_args(t), o).ok());
-  ASSERT_TRUE(backward(fa_test::backward_args(t), o).ok());
-  const HostTensor dq = t.dq, dk = t.dk, dv = t.dv;
-  for (const int threads : {2, 1, 3, 5}) {
+  std::vector<HostTensor> first[2];  // dq, dk, dv of the first thread count of each schedule
+  int runs[2] = {0, 0};
+  for (const int threads : {2, 1, 3, 5, 6}) {
     o.num_threads = threads;
-    t.dq.poison();
-    t.dk.poison();
-    t.dv.poison();
-    ASSERT_TRUE(backward(fa_test::backward_args(t), o).ok());
-    EXPECT_EQ(std::memcmp(dq.data(), t.dq.data(), size_t(dq.storage_bytes())), 0) << threads << " threads";
-    EXPECT_EQ(std::memcmp(dk.data(), t.dk.data(), size_t(dk.storage_bytes())), 0) << threads << " threads";
-    EXPECT_EQ(std::memcmp(dv.data(), t.dv.data(), size_t(dv.storage_bytes())), 0) << threads << " threads";
+    fa_stats stats{};
+    o.stats = &stats;
+    for (int run = 0; run < 2; ++run) {
+      t.dq.poison();
+      t.dk.poison();
+      t.dv.poison();
+      ASSERT_TRUE(backward(fa_test::backward_args(t), o).ok());
+      const int schedule = std::string(stats.kernel).find("fused") != std::string::npos ? 0 : 1;
+      ++runs[schedule];
+      if (first[schedule].empty()) {
+        first[schedule] = {t.dq, t.dk, t.dv};
+        continue;
+      }
+      const HostTensor* got[3] = {&t.dq, &t.dk, &t.dv};
+      const char* names[3] = {"dq", "dk", "dv"};
+      for (int n = 0; n < 3; ++n)
+        EXPECT_EQ(std::memcmp(first[schedule][n].data(), got[n]->data(), size_t(got[n]->storage_bytes())), 0)
+            << names[n] << " differs: " << threads << " threads, run " << run << ", " << stats.kernel;
+    }
   }
+  // B x Hk = 4 work items: 1, 2 and 5 threads fuse, 3 and 6 run the three passes.
+  EXPECT_EQ(runs[0], 6);
+  EXPECT_EQ(runs[1], 4);
 }
 
 // A caller's workspace of fa_backward_workspace_size bytes: used (nothing allocated), same bits;
-// one byte less is an error that names the workspace.
+// one byte less is an error that names the workspace. Both schedules (B x Hk = 4: 2 threads fuse,
+// 3 run the three passes).
 TEST(CpuFlashBackward, Workspace) {
-  auto rng = fa_test::make_rng("bwd workspace");
-  Tensors t = fa_test::make_tensors(problem(1, 90, 150, 4, 4, 32), rng);
-  fa_stats stats{};
-  fa_options o = flash_options();
-  o.stats = &stats;
-  ASSERT_TRUE(forward(fa_test::forward_args(t), o).ok());
-  fa_backward_args a = fa_test::backward_args(t);
-  ASSERT_TRUE(backward(a, o).ok());
-  const int64_t allocated = stats.scratch_bytes_peak;
-  EXPECT_NE(std::string(stats.kernel).find("cpu_flash bwd"), std::string::npos) << stats.kernel;
-  const HostTensor dq = t.dq, dk = t.dk, dv = t.dv;
-  int64_t bytes = -1;
-  ASSERT_TRUE(backward_workspace_size(a, o, &bytes).ok());
-  EXPECT_GT(bytes, 0);
-  EXPECT_GE(bytes, allocated - 64);
-  HostTensor workspace({bytes + 3}, FA_UINT8);
-  a.workspace = workspace.view();
-  a.workspace.data = static_cast<char*>(workspace.data()) + 3;  // any start address works
-  a.workspace.shape[0] = bytes;
-  t.dq.poison();
-  t.dk.poison();
-  t.dv.poison();
-  ASSERT_TRUE(backward(a, o).ok());
-  EXPECT_EQ(stats.scratch_bytes_peak, 0);
-  EXPECT_EQ(std::memcmp(dq.data(), t.dq.data(), size_t(dq.storage_bytes())), 0);
-  EXPECT_EQ(std::memcmp(dk.data(), t.dk.data(), size_t(dk.storage_bytes())), 0);
-  EXPECT_EQ(std::memcmp(dv.data(), t.dv.data(), size_t(dv.storage_bytes())), 0);
-  a.workspace.shape[0] = bytes - 1;
-  const Status s = backward(a, o);
-  EXPECT_EQ(s.code(), FA_ERROR_INVALID_ARGUMENT);
-  EXPECT_EQ(s.message().rfind("workspace:", 0), 0u) << s.message();
+  for (const int threads : {2, 3}) {
+    SCOPED_TRACE(std::to_string(threads) + " threads");
+    auto rng = fa_test::make_rng("bwd workspace");
+    Tensors t = fa_test::make_tensors(problem(1, 90, 150, 4, 4, 32), rng);
+    fa_stats stats{};
+    fa_options o = flash_options(threads);
+    o.stats = &stats;
+    ASSERT_TRUE(forward(fa_test::forward_args(t), o).ok());
+    fa_backward_args a = fa_test::backward_args(t);
+    ASSERT_TRUE(backward(a, o).ok());
+    const int64_t allocated = stats.scratch_bytes_peak;
+    EXPECT_NE(std::string(stats.kernel).find("cpu_flash bwd"), std::string::npos) << stats.kernel;
+    EXPECT_NE(std::string(stats.kernel).find(threads == 2 ? " fused" : " three-pass"), std::string::npos) << stats.kernel;
+    const HostTensor dq = t.dq, dk = t.dk, dv = t.dv;
+    int64_t bytes = -1;
+    ASSERT_TRUE(backward_workspace_size(a, o, &bytes).ok());
+    EXPECT_GT(bytes, 0);
+    EXPECT_GE(bytes, allocated - 64);
+    HostTensor workspace({bytes + 3}, FA_UINT8);
+    a.workspace = workspace.view();
+    a.workspace.data = static_cast<char*>(workspace.data()) + 3;  // any start address works
+    a.workspace.shape[0] = bytes;
+    t.dq.poison();
+    t.dk.poison();
+    t.dv.poison();
+    ASSERT_TRUE(backward(a, o).ok());
+    EXPECT_EQ(stats.scratch_bytes_peak, 0);
+    EXPECT_EQ(std::memcmp(dq.data(), t.dq.data(), size_t(dq.storage_bytes())), 0);
+    EXPECT_EQ(std::memcmp(dk.data(), t.dk.data(), size_t(dk.storage_bytes())), 0);
+    EXPECT_EQ(std::memcmp(dv.data(), t.dv.data(), size_t(dv.storage_bytes())), 0);
+    a.workspace.shape[0] = bytes - 1;
+    const Status s = backward(a, o);
+    EXPECT_EQ(s.code(), FA_ERROR_INVALID_ARGUMENT);
+    EXPECT_EQ(s.message().rfind("workspace:", 0), 0u) << s.message();
+  }
 }
 
-// Rows that saw no key give zero dq; keys that no query sees get zero dk / dv.
+// Rows that saw no key give zero dq; keys that no query sees get zero dk / dv. Both schedules (one
+// (b, kv head) item: 1 thread fuses, 2 run the three passes).
 TEST(CpuFlashBackward, FullyMaskedRowsAndKeys) {
   auto rng = fa_test::make_rng("bwd masked");
   // Sq > Sk causal: the first rows see nothing. A window (2, 0) with Sq < Sk: early keys unseen.
-  for (const int sq : {60, 10}) {
-    const int sk = 25;
-    Tensors t = fa_test::make_tensors(problem(1, sq, sk, 2, 1, 32), rng);
-    fa_options o = flash_options();
-    o.causal = 1;
-    o.window_left = 2;
-    ASSERT_TRUE(forward(fa_test::forward_args(t), o).ok());
-    ASSERT_TRUE(backward(fa_test::backward_args(t), o).ok());
-    EXPECT_EQ(t.dq.count_nonfinite() + t.dk.count_nonfinite() + t.dv.count_nonfinite(), 0);
-    const WindowMaskProbe probe{sq, sk, 2, 0};
-    for (int i = 0; i < sq; ++i) {
-      if (probe.any_visible(i)) continue;
-      for (int h = 0; h < 2; ++h)
-        for (int c = 0; c < 32; ++c) EXPECT_EQ(t.dq.get((int64_t(i) * 2 + h) * 32 + c), 0.0) << "row " << i;
-    }
-    for (int j = 0; j < sk; ++j) {
-      bool seen = false;
-      for (int i = 0; i < sq; ++i) seen |= (j >= i + sk - sq - 2 && j <= i + sk - sq);
-      if (seen) continue;
-      for (int c = 0; c < 32; ++c) {
-        EXPECT_EQ(t.dk.get(int64_t(j) * 32 + c), 0.0) << "key " << j;
-        EXPECT_EQ(t.dv.get(int64_t(j) * 32 + c), 0.0) << "key " << j;
+  for (const int threads : {1, 2}) {
+    for (const int sq : {60, 10}) {
+      const int sk = 25;
+      Tensors t = fa_test::make_tensors(problem(1, sq, sk, 2, 1, 32), rng);
+      fa_options o = flash_options(threads);
+      o.causal = 1;
+      o.window_left = 2;
+      ASSERT_TRUE(forward(fa_test::forward_args(t), o).ok());
+      ASSERT_TRUE(backward(fa_test::backward_args(t), o).ok());
+      EXPECT_EQ(t.dq.count_nonfinite() + t.dk.count_nonfinite() + t.dv.count_nonfinite(), 0);
+      const WindowMaskProbe probe{sq, sk, 2, 0};
+      for (int i = 0; i < sq; ++i) {
+        if (probe.any_visible(i)) continue;
+        for (int h = 0; h < 2; ++h)
+          for (int c = 0; c < 32; ++c) EXPECT_EQ(t.dq.get((int64_t(i) * 2 + h) * 32 + c), 0.0) << "row " << i;
+      }
+      for (int j = 0; j < sk; ++j) {
+        bool seen = false;
+        for (int i = 0; i < sq; ++i) seen |= (j >= i + sk - sq - 2 && j <= i + sk - sq);
+        if (seen) continue;
+        for (int c = 0; c < 32; ++c) {
+          EXPECT_EQ(t.dk.get(int64_t(j) * 32 + c), 0.0) << "key " << j;
+          EXPECT_EQ(t.dv.get(int64_t(j) * 32 + c), 0.0) << "key " << j;
+        }
       }
     }
   }
