@@ -364,6 +364,19 @@ Timing time_call(const std::function<Status()>& call, bool device, int warmup, i
   return t;
 }
 
+// `call` with options.stats = stats on its first invocation only (time_call's first warm-up call,
+// or the first timed one without warm-up): the timed calls then run as a caller's would, without
+// the stats' bookkeeping (the kernel name's formatting). `call` must read `options`.
+template <typename Call>
+std::function<Status()> stats_on_first_call(fa_options& options, fa_stats* stats, Call call) {
+  options.stats = stats;
+  return [&options, call]() {
+    const Status s = call();
+    options.stats = nullptr;
+    return s;
+  };
+}
+
 // cblas_sgemm rate of this machine with the given threads (the CPU's matrix ceiling for fp32).
 double measure_sgemm_gflops(int threads, int n) {
   std::vector<float> a(size_t(n) * n), b(size_t(n) * n), c(size_t(n) * n);
@@ -547,9 +560,9 @@ int command_run(int argc, char** argv) {
   const int64_t rss_before = current_rss_bytes();
   p.init(c.shape, device, c.seed, backward);
   fa_stats stats{};
-  c.options.stats = &stats;
   fa_forward_args fa = p.forward_args();
-  const Timing t = time_call([&] { return flashattn::forward(fa, c.options); }, device, warmup, iters, 120);
+  const Timing t = time_call(stats_on_first_call(c.options, &stats, [&] { return flashattn::forward(fa, c.options); }),
+                             device, warmup, iters, 120);
   const double flops = forward_flops(c.shape, c.options);
   std::printf("flashattn run: B=%d Sq=%d Sk=%d Hq=%d Hk=%d D=%d Dv=%d %s%s%s backend=%s seed=%llu\n", c.shape.batch,
               c.shape.seqlen_q, c.shape.seqlen_k, c.shape.heads_q, c.shape.heads_k, c.shape.head_dim, c.shape.head_dim_v,
@@ -562,7 +575,8 @@ int command_run(int argc, char** argv) {
   int64_t bwd_scratch = 0;
   if (backward) {
     fa_backward_args ba = p.backward_args();
-    tb = time_call([&] { return flashattn::backward(ba, c.options); }, device, warmup, iters, 120);
+    tb = time_call(stats_on_first_call(c.options, &stats, [&] { return flashattn::backward(ba, c.options); }), device,
+                   warmup, iters, 120);
     bwd_scratch = stats.scratch_bytes_peak;
     std::printf("backward: %.3f ms (median of %d)  %s (2.5x forward FLOPs)  %.1f GB/s  kernel: %s\n", tb.median_s * 1e3,
                 tb.iterations, rate(2.5 * flops / tb.median_s).c_str(), p.backward_io_bytes() / tb.median_s / 1e9, stats.kernel);
@@ -657,7 +671,6 @@ int command_bench(int argc, char** argv) {
       o.backend = std::string(path) == "standard" ? FA_BACKEND_CPU_STANDARD : c.backend;
       if (o.backend == FA_BACKEND_AUTO) o.backend = FA_BACKEND_CPU_FLASH;
       fa_stats stats{};
-      o.stats = &stats;
       std::printf("[%zu/%zu] S=%-6d %-8s ... ", rows.size() + 1, seqlens.size() * (paths.find(',') != std::string::npos ? 2 : 1),
                   s, path);
       std::fflush(stdout);
@@ -666,7 +679,7 @@ int command_bench(int argc, char** argv) {
       Problem p;
       p.init(shape, device, c.seed + uint64_t(s), false);
       fa_forward_args fa = p.forward_args();
-      const Timing t = time_call([&] { return flashattn::forward(fa, o); }, device, 1, iters, 20);
+      const Timing t = time_call(stats_on_first_call(o, &stats, [&] { return flashattn::forward(fa, o); }), device, 1, iters, 20);
       r.ms = t.median_s * 1e3;
       r.gflops = forward_flops(shape, o) / t.median_s / 1e9;
       r.scratch = stats.scratch_bytes_peak;
@@ -889,9 +902,9 @@ int command_decode(int argc, char** argv) {
   if (plan.workspace_bytes > 0)
     run.args.workspace = flashattn::tensor(workspace.data, {plan.workspace_bytes}, FA_UINT8, device ? FA_DEVICE_CUDA : FA_DEVICE_CPU);
   fa_stats stats{};
-  run.options.stats = &stats;
   // (with --append every call writes the same new rows at the same place: the cache's contents stay those of one call)
-  const Timing t = time_call([&] { return flashattn::kvcache(run.args, run.options); }, device, warmup, iters, 60);
+  const Timing t = time_call(stats_on_first_call(run.options, &stats, [&] { return flashattn::kvcache(run.args, run.options); }),
+                             device, warmup, iters, 60);
   const double kv_bytes =
       double(s.batch) * (cache + (append ? seqlen_new : 0)) * s.heads_k * (s.head_dim + s.head_dim_v) * flashattn::dtype_size(cache_dtype);
   std::printf("flashattn decode: B=%d cache=%d new=%d%s Hq=%d Hk=%d D=%d Dv=%d %s, cache %s%s%s backend=%s seed=%llu\n",
