@@ -116,8 +116,10 @@ struct BackwardPlan {
     const int64_t rounds = (items + threads - 1) / threads;
     return items > 0 && 5 * rounds * threads <= 7 * items;
   }
-  // Affects speed only: beyond this dQ accumulator per thread (group x Sq x Dq floats: 64 MiB is
-  // Sq = 128k at D = 128 for MHA) the three passes run instead, whose scratch does not grow with Sq.
+  // Memory: the fused schedule runs only with threads <= 1.4 x items (fuses()), so its dQ
+  // accumulators add at most 1.4x the size of dq in float32: linear in Sq, as dq itself. Beyond this
+  // accumulator per thread (group x Sq x Dq floats: 64 MiB is Sq = 128k at D = 128 for MHA) the three
+  // passes run instead, whose scratch does not grow with Sq. Affects speed and scratch only.
   static constexpr int64_t kMaxFusedDqBytesPerThread = int64_t(64) << 20;
 };
 
