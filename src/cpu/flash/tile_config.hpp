@@ -35,10 +35,15 @@ struct TileConfigEntry {
 //             D = 256:  128x256: 79   256x128: 86   256x256: 86   512x128: 88   512x256: 87
 //   backward (7 GEMMs per tile pair, FLOPs counted as 2.5x forward), D = 64 / 128 / 256:
 //             64x64: 50 / 58 / 51   128x128: 55 / 56 / 57   256x128: 57 / 60 / 60
+// The Zen 3 machine (2026-12-05, 2 threads, D = 128, S = 2048 unless said; bench/results/2026-12-05-
+// 0754-cpu-2core-backward-tiles.txt), the fused backward schedule: 256x256 against 256x128 1.05-1.12x,
+// GQA 32 / 8 1.07-1.18x, causal S = 4096 1.00-1.21x, causal S = 2048 0.88-1.07x (noisy), bf16
+// S = 1024 1.02-1.04x; 128x128 and 512x128 were slower. The three passes (one (b, kv head) item)
+// 1.00-1.12x. Hence 256x256 for D <= 128; the other entries were not measured there.
 // Head dims above 256 were not tuned; their tiles are kept small for the cache.
 constexpr TileConfigEntry kTileConfigs[] = {
     {64, {256, 256}, {256, 128}},
-    {128, {512, 256}, {256, 128}},
+    {128, {512, 256}, {256, 256}},
     {256, {512, 128}, {256, 128}},
     {1024, {32, 64}, {32, 32}},  // validate.cpp's bound
 };
