@@ -39,10 +39,12 @@ struct TileConfigEntry {
 // 0754-cpu-2core-backward-tiles.txt), the fused backward schedule: 256x256 against 256x128 1.05-1.12x,
 // GQA 32 / 8 1.07-1.18x, causal S = 4096 1.00-1.21x, causal S = 2048 0.88-1.07x (noisy), bf16
 // S = 1024 1.02-1.04x; 128x128 and 512x128 were slower. The three passes (one (b, kv head) item)
-// 1.00-1.12x. Hence 256x256 for D <= 128; the other entries were not measured there.
+// 1.00-1.12x. D = 64 (H = 32; ...-0820-cpu-2core-backward-tiles-d64.txt): 256x256 against 256x128
+// 1.02-1.22x (S = 2048 1.02-1.19x, causal 1.08-1.22x, bf16 S = 1024 1.02-1.15x). Hence 256x256 for
+// D <= 128; the D = 256 entry was not measured there.
 // Head dims above 256 were not tuned; their tiles are kept small for the cache.
 constexpr TileConfigEntry kTileConfigs[] = {
-    {64, {256, 256}, {256, 128}},
+    {64, {256, 256}, {256, 256}},
     {128, {512, 256}, {256, 256}},
     {256, {512, 128}, {256, 128}},
     {1024, {32, 64}, {32, 32}},  // validate.cpp's bound
