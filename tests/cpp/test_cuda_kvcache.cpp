@@ -1004,8 +1004,9 @@ struct TileRun {
   Expected e;
   fa_stats stats{};
 };
-void check_tile_run(const std::string& label, fa_dtype dtype, int capacity, const std::vector<int>& cached, int splits,
-                    bool long_tile, TileRun* run) {
+// (Its callers run on a GPU only: unused, but still compiled, in a build without CUDA.)
+[[maybe_unused]] void check_tile_run(const std::string& label, fa_dtype dtype, int capacity, const std::vector<int>& cached,
+                                     int splits, bool long_tile, TileRun* run) {
   run->c = lengths_case(0, capacity, cached, 1, splits);
   run->c.heads_q = run->c.heads_k = 8;
   run->c.dtype = dtype;
