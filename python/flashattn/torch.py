@@ -497,11 +497,37 @@ def _kvcache_impl(
 
     workspace = None
     if q.is_cuda:
-        # Plan once on the host, then run allocation-free with torch's memory.
-        num_splits, nbytes = _ext.plan_kvcache(*call_args(num_splits), _dl(alibi_slopes), *options, **cache_options())
+        # Plan on the host once per batch shape (memoised), then run allocation-free with torch's memory.
+        key = _kvcache_plan_key(tensors + (alibi_slopes, cache_batch_idx, cache_leftpad),
+                                (q.device, num_splits, rotary_interleaved, fp8, k_scale, v_scale) + options)
+        plan = _kvcache_plans.get(key)
+        if plan is None:
+            plan = _ext.plan_kvcache(*call_args(num_splits), _dl(alibi_slopes), *options, **cache_options())
+            if len(_kvcache_plans) >= _KVCACHE_PLANS_MAX:
+                _kvcache_plans.clear()
+            _kvcache_plans[key] = plan
+        num_splits, nbytes = plan
         workspace = torch.empty((nbytes,), dtype=torch.uint8, device=q.device) if nbytes > 0 else None
     _ext.kvcache(*call_args(num_splits), _dl(workspace), _dl(alibi_slopes), *options, 0, _stream(q), **cache_options())
     return out, lse
+
+
+# The CUDA split plans already made: fa_plan_kvcache reads no tensor data (no device access; the data pointers only
+# for their alignment rule, which the run checks again), so its (num_splits, workspace bytes) are a function of the
+# tensors' shapes, strides and dtypes, the options and the device. A continuous-batching server meets a few keys (one
+# per batch size and cache capacity), so the bound is a safety net: past it the memo starts again.
+_KVCACHE_PLANS_MAX = 4096
+_kvcache_plans: dict = {}
+
+
+def _kvcache_plan_key(tensors, scalars) -> tuple:
+    parts = list(scalars)
+    for t in tensors:
+        if t is None:
+            parts.append(None)
+        else:
+            parts += (t.shape, t.stride(), t.dtype)
+    return tuple(parts)
 
 
 def _is_fp8(t: Tensor) -> bool:

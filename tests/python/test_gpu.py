@@ -114,6 +114,8 @@ def test_kernels_run_on_the_callers_current_stream():
     # flashattn.torch launches on torch's current stream. Here that is a side stream held back by a sleep; the inputs
     # are written on it after the sleep. A kernel on any other stream would run first and read the zeros the inputs
     # held before (torch's side streams do not wait for the legacy default stream), and its outputs would be zeros.
+    # That holds only if no call waits for the device on the host (a cudaMalloc may): a first pass, not checked, fills
+    # torch's allocator cache, and the checked pass must return while the sleep still runs.
     side = torch.cuda.Stream()
     gen = torch.Generator(device="cuda").manual_seed(11)
     src_q, src_k, src_v, dout = (torch.randn(2, 64, 4, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -124,10 +126,9 @@ def test_kernels_run_on_the_callers_current_stream():
     k_paged, v_paged = (torch.zeros(8, 16, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     block_table = torch.tensor([[5, 1, 6, 2], [0, 7, 3, 4]], dtype=torch.int32, device="cuda")
     cache_seqlens = torch.tensor([40, 63], dtype=torch.int32, device="cuda")
-    torch.cuda.synchronize()
-    with torch.cuda.stream(side):
-        assert fat._stream(q) == side.cuda_stream
-        torch.cuda._sleep(100_000_000)  # clock cycles: ~50 ms
+    inputs = (q, k, v, k_new, v_new, k_paged, v_paged)
+
+    def write_inputs_then_call():
         with torch.no_grad():
             for dst, src in ((q, src_q), (k, src_k), (v, src_v), (k_new, src_new), (v_new, -src_new)):
                 dst.copy_(src)
@@ -137,6 +138,20 @@ def test_kernels_run_on_the_callers_current_stream():
         grads = torch.autograd.grad(out, (q, k, v), dout)
         decoded = fat.flash_attn_with_kvcache(src_q[:, :1], k_paged, v_paged, k=k_new, v=v_new,
                                               cache_seqlens=cache_seqlens, block_table=block_table, causal=True)
+        return out, grads, decoded
+
+    with torch.cuda.stream(side):
+        write_inputs_then_call()  # the allocator's warm-up
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        for x in inputs:
+            x.zero_()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        assert fat._stream(q) == side.cuda_stream
+        torch.cuda._sleep(200_000_000)  # clock cycles: ~100 ms
+        out, grads, decoded = write_inputs_then_call()
+        assert not side.query(), "a call waited for the device: this test could not see a kernel on another stream"
     side.synchronize()
     # The same calls on the default stream, after everything is in place.
     q2, k2, v2 = (x.clone().requires_grad_() for x in (src_q, src_k, src_v))
@@ -303,6 +318,43 @@ def test_kvcache_leftpad_on_gpu(dtype, paged):
         exact = sdpa(qs[None], keys.double(), values.double(), causal=True)
         naive = sdpa(qs[None].to(dtype), keys, values, causal=True)
         check(out[s:s + 1], exact, naive, f"leftpad out of sequence {s}")
+
+
+def test_kvcache_plan_is_memoised_per_key_on_gpu():
+    """flashattn.torch asks the CUDA split plan once per key (the tensors' shapes, strides and dtypes, the options, the
+    device): a second call reuses it and gives the bits of the first; the same pool viewed with blocks that are not
+    runs of whole rows (other strides, another kernel path and plan) gets an entry of its own; and every entry equals
+    the plan made afresh for its call."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    b, hq, hk, d, block, per_seq = 2, 32, 8, 128, 16, 512  # 8k keys a sequence: split-KV
+    k_pool, v_pool = (torch.randn(b * per_seq, block, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+                      for _ in range(2))
+    # the same keys, each block stored [head, row, D]: the (block, row, head, D) view's blocks are not row runs
+    k_heads, v_heads = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k_pool, v_pool))
+    assert torch.equal(k_heads, k_pool) and k_heads.stride() != k_pool.stride()
+    table = torch.randperm(b * per_seq, device="cuda", generator=gen).reshape(b, per_seq).to(torch.int32)
+    seqlens = torch.tensor([8000, 5000], dtype=torch.int32, device="cuda")
+    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def call(k_cache, v_cache):
+        return fat.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table,
+                                           return_softmax_lse=True)
+
+    fat._kvcache_plans.clear()
+    out, lse = call(k_pool, v_pool)
+    assert len(fat._kvcache_plans) == 1
+    out_again, lse_again = call(k_pool, v_pool)  # planned from the memo
+    assert len(fat._kvcache_plans) == 1
+    assert torch.equal(out_again, out) and torch.equal(lse_again, lse)
+    out_heads, lse_heads = call(k_heads, v_heads)
+    assert len(fat._kvcache_plans) == 2, "a cache of other strides must not reuse the plan"
+    memo = dict(fat._kvcache_plans)
+    fat._kvcache_plans.clear()
+    call(k_heads, v_heads)
+    call(k_pool, v_pool)
+    assert fat._kvcache_plans == memo
+    assert rel_l2(out_heads.float().cpu().numpy(), out.float().cpu().numpy()) < 1e-2
+    assert rel_l2(lse_heads.cpu().numpy(), lse.cpu().numpy()) < 1e-4
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
