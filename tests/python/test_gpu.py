@@ -323,8 +323,8 @@ def test_kvcache_leftpad_on_gpu(dtype, paged):
 def test_kvcache_plan_is_memoised_per_key_on_gpu():
     """flashattn.torch asks the CUDA split plan once per key (the tensors' shapes, strides and dtypes, the options, the
     device): a second call reuses it and gives the bits of the first; the same pool viewed with blocks that are not
-    runs of whole rows (other strides, another kernel path and plan) gets an entry of its own; and every entry equals
-    the plan made afresh for its call."""
+    runs of whole rows gets an entry of its own (the plan reads strides: the lean paged copies need row runs); and
+    every entry equals the plan made afresh for its call."""
     gen = torch.Generator(device="cuda").manual_seed(5)
     b, hq, hk, d, block, per_seq = 2, 32, 8, 128, 16, 512  # 8k keys a sequence: split-KV
     k_pool, v_pool = (torch.randn(b * per_seq, block, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen)
