@@ -1196,6 +1196,10 @@ int main(int argc, char** argv) {
     });
     copy_tbs = double(kStreamBytes) / (copy_ms * 1e-3) / 1e12;  // read + write
   }
+  // The most K/V one point may hold on this device: the arena less its 1 GiB for the rest of the point's buffers, or
+  // without an arena what the device had free less 2 GiB. Points above it are skipped (and listed), so that a sweep
+  // with a budget for the largest card (--budget-gib 128: B = 256 / 128k on an H200) runs on a smaller one too.
+  double device_kv_gib = 0;
   {  // the input arena: the largest point's K/V (--budget-gib) plus 1 GiB, within what the device has free
     size_t free_bytes = 0, total_bytes = 0;
     CHECK_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
@@ -1203,6 +1207,8 @@ int main(int argc, char** argv) {
     const int64_t size = std::min<int64_t>(want, int64_t(free_bytes) - (int64_t(2) << 30));
     if (size > 0 && cudaMalloc(reinterpret_cast<void**>(&g_arena.base), size_t(size)) == cudaSuccess) g_arena.size = size;
     else cudaGetLastError();  // no arena: every buffer is its own cudaMalloc
+    const int64_t kv_capacity = g_arena.base != nullptr ? g_arena.size - (int64_t(1) << 30) : int64_t(free_bytes) - (int64_t(2) << 30);
+    device_kv_gib = double(kv_capacity) / double(int64_t(1) << 30);
   }
   char date[32];
   const std::time_t now = std::time(nullptr);
@@ -1273,10 +1279,14 @@ int main(int argc, char** argv) {
         s.reversed_pages = layout == "paged-rev";
         s.churn_policy = layout == "paged-lifo" ? 1 : layout == "paged-lowest" ? 2 : 0;
         std::vector<std::pair<Knobs, Result>> results;
-        if (double(s.kv_bytes()) > budget_gib * double(int64_t(1) << 30)) {
+        const double kv_gib = double(s.kv_bytes()) / double(int64_t(1) << 30);
+        if (kv_gib > budget_gib || kv_gib > device_kv_gib) {
           if (round > 0) continue;  // listed once
           Result r;
-          r.error = "skipped: K/V " + std::to_string(s.kv_bytes() >> 30) + " GiB > --budget-gib";
+          char why[160];
+          if (kv_gib > budget_gib) std::snprintf(why, sizeof(why), "skipped: K/V %.0f GiB > --budget-gib", kv_gib);
+          else std::snprintf(why, sizeof(why), "skipped: K/V %.0f GiB > the %.0f GiB this device holds for a point", kv_gib, device_kv_gib);
+          r.error = why;
           for (const Knobs& k : configs) results.emplace_back(k, r);
         } else {
           results = run_shape(s, configs, reps, prop.l2CacheSize, stream, prop);

@@ -121,9 +121,12 @@ def main():
             for batch in (int(x) for x in args.batches.split(",")):
                 for cache in (int(x) for x in args.caches.split(",")):
                     kv_bytes = batch * cache * heads_k * 2 * args.dim * 2
-                    if kv_bytes > args.budget_gib * (1 << 30):
+                    # q, out and torch's context need a few GiB beside the K/V (a copy of 128 GiB fits an H200)
+                    over = ("skipped: over --budget-gib" if kv_bytes > args.budget_gib * (1 << 30) else
+                            "skipped: over this device's memory" if kv_bytes > props.total_memory - (4 << 30) else None)
+                    if over is not None:
                         points.append({"backend": backend, "batch": batch, "cache": cache, "heads_q": heads_q,
-                                       "heads_k": heads_k, "error": "skipped: over --budget-gib"})
+                                       "heads_k": heads_k, "error": over})
                         continue
                     r = time_point(backend, batch, cache, heads_q, heads_k, args.dim, args.reps, l2_bytes)
                     points.append(r)

@@ -28,7 +28,9 @@
 #                      kernel family of a long test (the others then run unchecked, at full speed)
 #   FA_MEMORY=1        the peak-memory sweep (ours: flashattn_cuda_bench --memory; torch: peers.py --memory)
 #   FA_DECODE=1        the decode benchmark (flashattn_decode_bench; FA_DECODE_ARGS) beside torch's decode;
-#                      FA_DECODE_ROUNDS=N (default 3): per point, the layouts N times back to back (medians)
+#                      FA_DECODE_ROUNDS=N (default 3): per point, the layouts N times back to back (medians).
+#                      The issue's whole sweep: FA_DECODE_ARGS='--batches 1,4,16,64,256 --caches 1024,8192,32768,131072
+#                      --budget-gib 128' (B = 256 / 128k is 128 GiB of K/V: an H200; a smaller card skips and lists it)
 #   FA_ROUNDS=N        ours against FlashAttention-2 in N alternating rounds (bench/rounds.py: medians and
 #                      ranges of the ratios; FA_ROUNDS_ARGS, default D = 128 / 256 in bf16 and fp16; each point
 #                      warms up for 300 ms in both processes, rounds.py --warmup-ms)
