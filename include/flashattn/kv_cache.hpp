@@ -88,9 +88,15 @@ struct PagedKvCacheConfig {
   int heads_k = 0;          // Hk: key/value heads
   int head_dim = 0;         // D of keys
   int head_dim_v = 0;       // Dv of values; 0 means D
-  fa_dtype dtype = FA_FLOAT16;                // FA_FLOAT32, FA_FLOAT16 or FA_BFLOAT16
+  fa_dtype dtype = FA_FLOAT16;                // FA_FLOAT32, FA_FLOAT16, FA_BFLOAT16 or FA_FLOAT8_E4M3
   fa_device_kind device = FA_DEVICE_CPU;      // where the pool and the index tensors live
   int device_id = 0;                          // CUDA ordinal; 0 for the CPU
+  // An FP8 (e4m3) pool (vLLM's kv_cache_dtype="fp8_e4m3"): the per-tensor dequantisation scales of
+  // fa_kvcache_args, real = code value * scale, finite and > 0; every KvcacheBatch carries them, and
+  // fa_kvcache quantises the appended rows with them (flashattn.h). q, k_new, v_new and out are then
+  // float16 or bfloat16. Other pools: unused, 0 or 1.
+  float k_scale = 0.f;
+  float v_scale = 0.f;
 };
 
 // The cache-side inputs of one fa_kvcache call. Keep one per call site and reuse it step after
@@ -102,12 +108,13 @@ struct KvcacheBatch {
   int batch = 0;              // B: the sequences, in the order given to make_batch
   int new_tokens = 0;         // S_new: rows of k_new / v_new each sequence takes in this call
   int max_blocks = 0;         // columns of block_table: the most blocks any of the B sequences holds
+  float k_scale = 0.f, v_scale = 0.f;  // the pool's (PagedKvCacheConfig): an FP8 pool's scales, else 0 / 1
   // Host copies of what was uploaded. Table entries past a sequence's own blocks are block 0 (a valid
   // id, so a kernel may form its address, but never one of the sequence's visible keys).
   std::vector<int32_t> block_table_host, cache_seqlens_host;
   DeviceBuffer block_table_storage, cache_seqlens_storage;
 
-  // fa_kvcache_args with k_cache, v_cache, block_table and cache_seqlens filled; the caller adds
+  // fa_kvcache_args with k_cache, v_cache, block_table, cache_seqlens (and k_scale, v_scale) filled; the caller adds
   // q, k_new, v_new, out (and lse, rotary, workspace, num_splits as needed).
   fa_kvcache_args args() const;
 };
@@ -166,7 +173,8 @@ class PagedKvCache {
   // Copies rows [first, first + count) of the sequence (committed or pending rows) to host memory:
   // k_host (count, Hk, D), v_host (count, Hk, Dv), contiguous, in the cache's dtype. Either may be null.
   Status read_rows(SeqId seq, int first, int count, void* k_host, void* v_host) const;
-  // Fills the whole pool with NaN (debug aid: a read of a row that was never written shows up).
+  // Fills the whole pool with NaN, every byte 0xFF (a NaN in every dtype, e4m3 included; debug aid: a read of a
+  // row that was never written shows up).
   Status poison();
 
  private:

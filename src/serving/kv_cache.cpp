@@ -13,10 +13,12 @@
 
 #include <algorithm>
 #include <cinttypes>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <new>
 #include <set>
+#include <utility>
 
 #include "core/dtype.hpp"
 #include "core/status.hpp"
@@ -223,6 +225,8 @@ fa_kvcache_args KvcacheBatch::args() const {
   a.v_cache = v_cache;
   a.block_table = block_table;
   a.cache_seqlens = cache_seqlens;
+  a.k_scale = k_scale;
+  a.v_scale = v_scale;
   return a;
 }
 
@@ -242,9 +246,18 @@ Status PagedKvCache::create(const PagedKvCacheConfig& config, std::unique_ptr<Pa
   if (c.heads_k < 1) return invalid("heads_k", "must be >= 1", c.heads_k);
   if (c.head_dim < 1) return invalid("head_dim", "must be >= 1", c.head_dim);
   if (c.head_dim_v < 1) return invalid("head_dim_v", "must be >= 1 (or 0 for head_dim)", config.head_dim_v);
-  if (c.dtype != FA_FLOAT32 && c.dtype != FA_FLOAT16 && c.dtype != FA_BFLOAT16)
-    return error(FA_ERROR_INVALID_ARGUMENT, "PagedKvCacheConfig.dtype: must be float32, float16 or bfloat16, got %s",
-                 dtype_name(c.dtype));
+  if (c.dtype != FA_FLOAT32 && c.dtype != FA_FLOAT16 && c.dtype != FA_BFLOAT16 && c.dtype != FA_FLOAT8_E4M3)
+    return error(FA_ERROR_INVALID_ARGUMENT,
+                 "PagedKvCacheConfig.dtype: must be float32, float16, bfloat16 or float8_e4m3, got %s", dtype_name(c.dtype));
+  for (const auto& [field, scale] : {std::pair<const char*, float>{"k_scale", c.k_scale}, {"v_scale", c.v_scale}}) {
+    if (c.dtype == FA_FLOAT8_E4M3 && !(std::isfinite(scale) && scale > 0.f))
+      return error(FA_ERROR_INVALID_ARGUMENT, "PagedKvCacheConfig.%s: must be finite and > 0 for a float8_e4m3 pool, got %g",
+                   field, double(scale));
+    if (c.dtype != FA_FLOAT8_E4M3 && scale != 0.f && scale != 1.f)
+      return error(FA_ERROR_INVALID_ARGUMENT,
+                   "PagedKvCacheConfig.%s: a %s pool has no scale (0 or 1, as fa_kvcache asks), got %g", field,
+                   dtype_name(c.dtype), double(scale));
+  }
   if (c.device == FA_DEVICE_CPU) {
     if (c.device_id != 0) return invalid("device_id", "must be 0 for the CPU", c.device_id);
   } else if (c.device == FA_DEVICE_CUDA) {
@@ -490,6 +503,8 @@ Status PagedKvCache::make_batch(const std::vector<SeqId>& seqs, KvcacheBatch* ba
                                               config_.device_id);
   batch->k_cache = k_cache();
   batch->v_cache = v_cache();
+  batch->k_scale = config_.k_scale;
+  batch->v_scale = config_.v_scale;
   return Status();
 }
 

@@ -6,12 +6,15 @@
 //   - fork shares blocks, copy-on-write copies exactly the shared partially filled block and only then;
 //   - exhaustion fails with FA_ERROR_OUT_OF_MEMORY and leaves every piece of state as it was;
 //   - the batch tensors for fa_kvcache;
+//   - an FP8 (e4m3) pool: its scales in every batch, the appended codes of every sequence (a forked one's
+//     copy-on-write block included), each call against the float64 reference over the dequantised history;
 //   - end to end: every sequence's output of every prefill and decode call of the serving loop
 //     (CPU flash backend, paged cache, poisoned pool and outputs) matches the float64 reference
 //     computed on that sequence's dense key/value history, under the tolerance rule.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -20,6 +23,7 @@
 #include <vector>
 
 #include "../../examples/continuous_batching.hpp"  // the loop under test (header-only, examples/)
+#include "core/fp8.hpp"
 #include "flashattn/kv_cache.hpp"
 #include "testing.hpp"
 
@@ -166,6 +170,10 @@ TEST(KvCacheManager, ConfigRulesNameTheField) {
       {"head_dim_v", [](PagedKvCacheConfig& c) { c.head_dim_v = -2; }},
       {"dtype", [](PagedKvCacheConfig& c) { c.dtype = FA_INT32; }},
       {"device_id", [](PagedKvCacheConfig& c) { c.device_id = 1; }},  // the CPU is device 0
+      {"k_scale", [](PagedKvCacheConfig& c) { c.dtype = FA_FLOAT8_E4M3; c.v_scale = 1.f; }},  // an FP8 pool needs both
+      {"v_scale", [](PagedKvCacheConfig& c) { c.dtype = FA_FLOAT8_E4M3; c.k_scale = 0.5f; c.v_scale = NAN; }},
+      {"v_scale", [](PagedKvCacheConfig& c) { c.dtype = FA_FLOAT8_E4M3; c.k_scale = 0.5f; c.v_scale = -1.f; }},
+      {"k_scale", [](PagedKvCacheConfig& c) { c.k_scale = 0.5f; }},  // a 16-bit pool has none
   };
   for (const Case& k : cases) {
     PagedKvCacheConfig c;
@@ -463,6 +471,113 @@ TEST(KvCacheManager, BatchTensorsForKvcache) {
   ASSERT_TRUE(cache->make_batch({five}, &batch).ok());
   EXPECT_EQ(batch.block_table_storage.data(), storage);
   EXPECT_EQ(batch.batch, 1);
+}
+
+// An FP8 (e4m3) pool driven through the manager and fa_kvcache (CPU flash backend): each batch carries the pool's
+// scales; the append writes e4m3(x / scale) codes into the sequences' blocks (checked against a model of every
+// sequence's codes, so rows written before, and a forked sequence's copy-on-write block, are checked too); and
+// every call's output matches the float64 reference over the sequence's dequantised history.
+TEST(KvCacheManager, Fp8PoolAppendsCodesAndAttendsOverThem) {
+  constexpr int hq = 4, hk = 2, d = 64, bs = 5;
+  PagedKvCacheConfig c;
+  c.num_blocks = 16;
+  c.block_size = bs;
+  c.heads_k = hk;
+  c.head_dim = d;
+  c.dtype = FA_FLOAT8_E4M3;
+  c.k_scale = 0.0625f;  // powers of two: code value * scale is exact in bfloat16, the oracle's dtype
+  c.v_scale = 0.125f;
+  std::unique_ptr<PagedKvCache> cache;
+  const Status created = PagedKvCache::create(c, &cache);
+  ASSERT_TRUE(created.ok()) << created.to_string();
+  ASSERT_TRUE(cache->poison().ok());  // 0xFF: an e4m3 NaN, so a row read before it is written shows up
+  EXPECT_EQ(cache->k_cache().dtype, FA_FLOAT8_E4M3);
+  std::mt19937_64 rng = fa_test::make_rng("kv cache manager fp8 pool");
+  const int64_t row = int64_t(hk) * d;  // codes of one token's K (or V) row
+  std::map<SeqId, std::vector<uint8_t>> k_codes, v_codes;  // the model: every sequence's codes in token order
+  const SeqId a = cache->add_sequence(), b = cache->add_sequence();
+  SeqId forked = -1;
+  struct Step {
+    std::vector<SeqId> seqs;
+    int new_tokens;
+  };
+  // Prompts of 7 (a partially filled second block) and 3 tokens (causal), a fork of a, then decode steps of all three.
+  const std::vector<Step> steps = {{{a}, 7}, {{b}, 3}, {{a, b, -1}, 1}, {{b, -1, a}, 1}, {{-1, a, b}, 2}};
+  KvcacheBatch batch;
+  int copies_before_fork = 0;
+  for (size_t step = 0; step < steps.size(); ++step) {
+    if (step == 2) {  // fork a: the child shares a's blocks (and its codes) until copy-on-write
+      ASSERT_TRUE(cache->fork(a, &forked).ok());
+      k_codes[forked] = k_codes[a];
+      v_codes[forked] = v_codes[a];
+      copies_before_fork = int(cache->copies_made());
+    }
+    std::vector<SeqId> seqs = steps[step].seqs;
+    for (SeqId& s : seqs) s = s < 0 ? forked : s;
+    const int batch_size = int(seqs.size()), n = steps[step].new_tokens;
+    const std::string what = "step " + std::to_string(step);
+    ASSERT_TRUE(cache->reserve(seqs, n).ok()) << what;
+    ASSERT_TRUE(cache->make_batch(seqs, &batch).ok()) << what;
+    EXPECT_EQ(batch.k_scale, c.k_scale);
+    EXPECT_EQ(batch.v_scale, c.v_scale);
+    fa_test::HostTensor q({batch_size, n, hq, d}, FA_BFLOAT16), k_new({batch_size, n, hk, d}, FA_BFLOAT16),
+        v_new({batch_size, n, hk, d}, FA_BFLOAT16), out({batch_size, n, hq, d}, FA_BFLOAT16), lse({batch_size, hq, n}, FA_FLOAT32);
+    q.fill_normal(rng);
+    k_new.fill_normal(rng, 2.0);  // codes up to ~2 x 4 / 0.0625 = 128 of e4m3's 448
+    v_new.fill_normal(rng);
+    out.poison();
+    lse.poison();
+    fa_kvcache_args args = batch.args();
+    EXPECT_EQ(args.k_scale, c.k_scale);
+    EXPECT_EQ(args.v_scale, c.v_scale);
+    args.q = q.view();
+    args.k_new = k_new.view();
+    args.v_new = v_new.view();
+    args.out = out.view();
+    args.lse = lse.view();
+    fa_options options = fa_test::options_for(FA_BACKEND_CPU_FLASH);
+    options.causal = n > 1 ? 1 : 0;
+    fa_error err{};
+    ASSERT_EQ(fa_kvcache(&args, &options, &err), FA_OK) << what << ": " << err.message;
+    ASSERT_TRUE(cache->commit(seqs).ok()) << what;
+    for (int j = 0; j < batch_size; ++j) {
+      const SeqId seq = seqs[size_t(j)];
+      const std::string where = what + " sequence " + std::to_string(seq);
+      for (int64_t e = 0; e < int64_t(n) * row; ++e) {  // the appended rows, as fa_kvcache quantises them
+        k_codes[seq].push_back(float_to_e4m3(float(k_new.get(j * n * row + e)) / c.k_scale));
+        v_codes[seq].push_back(float_to_e4m3(float(v_new.get(j * n * row + e)) / c.v_scale));
+      }
+      const int total = cache->length(seq);
+      ASSERT_EQ(int64_t(k_codes[seq].size()), int64_t(total) * row) << where;
+      std::vector<uint8_t> k_rows(size_t(total * row)), v_rows(size_t(total * row));
+      ASSERT_TRUE(cache->read_rows(seq, 0, total, k_rows.data(), v_rows.data()).ok()) << where;
+      EXPECT_TRUE(k_rows == k_codes[seq]) << where << ": cached K codes differ from the model";
+      EXPECT_TRUE(v_rows == v_codes[seq]) << where << ": cached V codes differ from the model";
+      // The oracle: q (1, n, Hq, D) against the dequantised history (1, total, Hk, D), causal bottom-right.
+      fa_test::Problem p;
+      p.seqlen_q = n;
+      p.seqlen_k = total;
+      p.heads_q = hq;
+      p.heads_k = hk;
+      p.head_dim = d;
+      p.dtype = FA_BFLOAT16;
+      fa_test::Tensors t = fa_test::make_tensors(p, rng);
+      for (int64_t e = 0; e < int64_t(n) * hq * d; ++e) t.q.set(e, q.get(j * n * hq * d + e));
+      for (int64_t e = 0; e < int64_t(total) * row; ++e) {
+        t.k.set(e, double(e4m3_to_float(k_rows[size_t(e)])) * c.k_scale);
+        t.v.set(e, double(e4m3_to_float(v_rows[size_t(e)])) * c.v_scale);
+      }
+      fa_options reference = fa_test::options_for(FA_BACKEND_CPU_REFERENCE);
+      reference.causal = options.causal;
+      const fa_test::Oracle oracle = fa_test::run_oracle(t, reference, /*with_backward=*/false);
+      for (int64_t e = 0; e < int64_t(n) * hq * d; ++e) t.out.set(e, out.get(j * n * hq * d + e));
+      for (int64_t e = 0; e < int64_t(hq) * n; ++e) t.lse.set(e, lse.get(j * hq * n + e));
+      fa_test::expect_forward_matches(where, t, oracle, FA_BFLOAT16);
+    }
+  }
+  // The forked sequence and a both wrote into a's shared, partially filled second block: one of them copied it first.
+  EXPECT_GT(int(cache->copies_made()), copies_before_fork);
+  EXPECT_TRUE(cache->check_invariants().ok());
 }
 
 // Long random sequences of every operation against the model: after each one, the invariants, the
