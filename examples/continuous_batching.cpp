@@ -7,8 +7,9 @@
 //
 //   continuous_batching [--device cpu|cuda] [--dtype float32|float16|bfloat16] [--requests 12]
 //                       [--num-blocks 48] [--block-size 16] [--prefill-chunk 0] [--seed 1]
-//                       [--heads-q 4] [--heads-k 2] [--head-dim 64] [--threads 0] [--verify]
+//                       [--heads-q 4] [--heads-k 2] [--head-dim 64] [--threads 0] [--kv-fp8] [--verify]
 //
+// --kv-fp8 keeps the pool in FP8 (e4m3, scales 1/16; with --dtype float16 or bfloat16, the dtype of q and out).
 // --verify checks every sequence's output of every call against the float64 reference
 // (FA_BACKEND_CPU_REFERENCE) on that sequence's dense key/value history, and prints the worst error.
 #include <cmath>
@@ -35,7 +36,7 @@ int usage(const char* message) {
   std::fprintf(stream,
                "usage: continuous_batching [--device cpu|cuda] [--dtype float32|float16|bfloat16] [--requests N]\n"
                "       [--num-blocks N] [--block-size N] [--prefill-chunk N] [--seed N] [--heads-q N] [--heads-k N]\n"
-               "       [--head-dim N] [--threads N] [--verify]\n"
+               "       [--head-dim N] [--threads N] [--kv-fp8] [--verify]\n"
                "A toy continuous-batching server over the paged KV cache (flashattn/kv_cache.hpp): requests arrive\n"
                "and finish at different steps; each step prefills new prompts and decodes one token for every\n"
                "active sequence in one fa_kvcache call. --verify checks every call against the float64 reference.\n");
@@ -71,14 +72,17 @@ struct Verifier {
   void check(const CallRecord& r) {
     if (!status.ok()) return;
     const int total = r.cached + r.new_tokens, hq = config.heads_q, hk = config.heads_k, d = config.head_dim, dv = config.dv();
-    auto to_f32 = [&](const uint8_t* src, int64_t count) {
+    // (an FP8 pool's history holds e4m3 codes: real = code value x scale)
+    auto to_f32 = [&](const uint8_t* src, int64_t count, fa_dtype dtype, float scale) {
       std::vector<float> dst(static_cast<size_t>(count));
-      for (int64_t e = 0; e < count; ++e) dst[size_t(e)] = flashattn::load_as_float(src, e, config.dtype);
+      for (int64_t e = 0; e < count; ++e) dst[size_t(e)] = flashattn::load_as_float(src, e, dtype) * scale;
       return dst;
     };
-    std::vector<float> q = to_f32(r.q, int64_t(r.new_tokens) * hq * d);
-    std::vector<float> k = to_f32(r.k_history->data(), int64_t(total) * hk * d);
-    std::vector<float> v = to_f32(r.v_history->data(), int64_t(total) * hk * dv);
+    const fa_dtype cache = config.cache_dtype();
+    const float k_scale = config.fp8_cache ? config.k_scale : 1.f, v_scale = config.fp8_cache ? config.v_scale : 1.f;
+    std::vector<float> q = to_f32(r.q, int64_t(r.new_tokens) * hq * d, config.dtype, 1.f);
+    std::vector<float> k = to_f32(r.k_history->data(), int64_t(total) * hk * d, cache, k_scale);
+    std::vector<float> v = to_f32(r.v_history->data(), int64_t(total) * hk * dv, cache, v_scale);
     std::vector<float> ref(size_t(r.new_tokens) * hq * dv);
     fa_forward_args args{};
     args.q = flashattn::tensor(q.data(), {1, r.new_tokens, hq, d}, FA_FLOAT32);
@@ -117,6 +121,7 @@ int main(int argc, char** argv) {
     auto number = [&]() { return std::atoi(argv[++i]); };
     if (a == "--help" || a == "-h") return usage(nullptr);
     if (a == "--verify") verify = true;
+    else if (a == "--kv-fp8") config.fp8_cache = true;
     else if (!has_value) return usage(("missing value after " + a).c_str());
     else if (a == "--device") {
       const std::string d = value();
@@ -140,6 +145,7 @@ int main(int argc, char** argv) {
     else if (a == "--threads") config.num_threads = number();
     else return usage(("unknown option " + a).c_str());
   }
+  if (config.fp8_cache && config.dtype == FA_FLOAT32) return usage("--kv-fp8: needs --dtype float16 or bfloat16 (q and out)");
   if (config.device == FA_DEVICE_CUDA && fa_cuda_device_count() == 0)
     return usage("--device cuda: no CUDA device (or this build has no CUDA backend)");
 
@@ -150,9 +156,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   const std::vector<Request> workload = make_workload(requests, config.seed);
-  std::printf("%d requests on %s, %s, Hq=%d Hk=%d D=%d, %d blocks of %d tokens\n", requests,
-              config.device == FA_DEVICE_CPU ? "cpu" : "cuda", flashattn::dtype_name(config.dtype), config.heads_q, config.heads_k,
-              config.head_dim, config.num_blocks, config.block_size);
+  std::printf("%d requests on %s, %s%s, Hq=%d Hk=%d D=%d, %d blocks of %d tokens\n", requests,
+              config.device == FA_DEVICE_CPU ? "cpu" : "cuda", flashattn::dtype_name(config.dtype),
+              config.fp8_cache ? " (float8_e4m3 pool)" : "", config.heads_q, config.heads_k, config.head_dim, config.num_blocks,
+              config.block_size);
   for (size_t n = 0; n < workload.size(); ++n)
     std::printf("  request %2zu: arrives at step %3d, prompt %3d, decode %2d, beams %d (needs <= %lld blocks)\n", n,
                 workload[n].arrival_step, workload[n].prompt_tokens, workload[n].decode_tokens, workload[n].beams,

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "core/dtype.hpp"  // internal header: host float16 / bfloat16 rounding of the random inputs
+#include "core/fp8.hpp"    // internal header: e4m3 codes of an FP8 pool's history
 #include "core/status.hpp"
 #include "flashattn/kv_cache.hpp"
 
@@ -52,7 +53,12 @@ struct ServerConfig {
   double input_std = 1.0;         // of the random q / k / v: > 3 makes the softmax peaky
   uint64_t seed = 1;
   bool poison = false;            // NaN in the pool at start and in out / lse before every call
+  // An FP8 (e4m3) pool (dtype, of q / k_new / v_new / out, then float16 or bfloat16) with these dequantisation
+  // scales: fa_kvcache stores the appended rows as e4m3(x / scale).
+  bool fp8_cache = false;
+  float k_scale = 0.0625f, v_scale = 0.0625f;
   int dv() const { return head_dim_v > 0 ? head_dim_v : head_dim; }
+  fa_dtype cache_dtype() const { return fp8_cache ? FA_FLOAT8_E4M3 : dtype; }
 };
 
 // One sequence's share of one attention call, as host copies (for verification).
@@ -67,7 +73,8 @@ struct CallRecord {
   const uint8_t* q = nullptr;      // (new_tokens, Hq, D), in the dtype
   const uint8_t* out = nullptr;    // (new_tokens, Hq, Dv)
   const float* lse = nullptr;      // (Hq, new_tokens)
-  // The sequence's whole key / value history, dense: (cached + new_tokens, Hk, D / Dv), in the dtype.
+  // The sequence's whole key / value history, dense: (cached + new_tokens, Hk, D / Dv), in the cache's dtype
+  // (an FP8 pool: the e4m3 codes that the appends stored, real = code value x k_scale / v_scale).
   const std::vector<uint8_t>* k_history = nullptr;
   const std::vector<uint8_t>* v_history = nullptr;
 };
@@ -96,7 +103,11 @@ class ToyServer {
     c.heads_k = config.heads_k;
     c.head_dim = config.head_dim;
     c.head_dim_v = config.dv();
-    c.dtype = config.dtype;
+    c.dtype = config.cache_dtype();
+    if (config.fp8_cache) {
+      c.k_scale = config.k_scale;
+      c.v_scale = config.v_scale;
+    }
     c.device = config.device;
     c.device_id = config.device_id;
     FA_RETURN_IF_ERROR(PagedKvCache::create(c, &cache_));
@@ -294,11 +305,11 @@ class ToyServer {
     FA_RETURN_IF_ERROR(kvcache(args, options));
     FA_RETURN_IF_ERROR(out_dev_.download(out_host_.data(), int64_t(out_host_.size())));
     FA_RETURN_IF_ERROR(lse_dev_.download(lse_host_.data(), int64_t(lse_host_.size() * sizeof(float))));
-    // The library appended k_new / v_new; keep the dense history in step with it.
+    // The library appended k_new / v_new (an FP8 pool: their codes); keep the dense history in step with it.
     for (int64_t b = 0; b < batch; ++b) {
       Sequence& s = live_.at(seqs[size_t(b)]);
-      append(&s.k_history, k_new_host_.data() + b * n * k_row * es, n * k_row * es);
-      append(&s.v_history, v_new_host_.data() + b * n * v_row * es, n * v_row * es);
+      append(&s.k_history, k_new_host_.data(), b * n * k_row, n * k_row, c.k_scale);
+      append(&s.v_history, v_new_host_.data(), b * n * v_row, n * v_row, c.v_scale);
     }
     causal_ = options.causal != 0;
     return Status();
@@ -340,8 +351,15 @@ class ToyServer {
     return dev->upload(host.data(), int64_t(host.size()));
   }
 
-  static void append(std::vector<uint8_t>* history, const uint8_t* rows, int64_t bytes) {
-    history->insert(history->end(), rows, rows + bytes);
+  // Elements [first, first + count) of `rows` (in the dtype) onto the history, in the cache's dtype: an FP8 pool
+  // takes e4m3(x / scale), the quantisation flashattn.h specifies for the append (core/fp8.hpp, the library's own).
+  void append(std::vector<uint8_t>* history, const uint8_t* rows, int64_t first, int64_t count, float scale) const {
+    if (!config_.fp8_cache) {
+      const int64_t es = dtype_size(config_.dtype);
+      history->insert(history->end(), rows + first * es, rows + (first + count) * es);
+      return;
+    }
+    for (int64_t e = first; e < first + count; ++e) history->push_back(float_to_e4m3(load_as_float(rows, e, config_.dtype) / scale));
   }
 
   ServerConfig config_;

@@ -682,13 +682,14 @@ struct ServingCase {
   int heads_q, heads_k, head_dim, head_dim_v;
   int block_size, num_blocks, prefill_chunk;
   double input_std;
+  bool fp8_cache = false;  // an e4m3 pool with ServerConfig's scales (powers of two: the oracle's bf16 holds them exactly)
 };
 
 std::string case_name(const ServingCase& c) {
   return std::string(dtype_name(c.dtype)) + " Hq=" + std::to_string(c.heads_q) + " Hk=" + std::to_string(c.heads_k) +
          " D=" + std::to_string(c.head_dim) + " Dv=" + std::to_string(c.head_dim_v > 0 ? c.head_dim_v : c.head_dim) + " block=" + std::to_string(c.block_size) +
          " blocks=" + std::to_string(c.num_blocks) + " chunk=" + std::to_string(c.prefill_chunk) +
-         " std=" + std::to_string(c.input_std);
+         " std=" + std::to_string(c.input_std) + (c.fp8_cache ? " fp8 pool" : "");
 }
 
 class ContinuousBatching : public ::testing::TestWithParam<ServingCase> {};
@@ -708,6 +709,7 @@ TEST_P(ContinuousBatching, EveryCallMatchesTheReferenceOnTheDenseHistory) {
   config.num_threads = 2;
   config.input_std = sc.input_std;
   config.poison = true;  // NaN pool and outputs: a row read before it was written, or never written, fails
+  config.fp8_cache = sc.fp8_cache;
   std::mt19937_64 rng = fa_test::make_rng("continuous_batching " + case_name(sc));
   config.seed = rng();
   // Odd prompt lengths (1, 17, block edges), arrivals that overlap, beams, and more demand than the
@@ -720,17 +722,17 @@ TEST_P(ContinuousBatching, EveryCallMatchesTheReferenceOnTheDenseHistory) {
   ASSERT_TRUE(server.init(config).ok());
 
   const int hq = sc.heads_q, hk = sc.heads_k, d = sc.head_dim, dv = sc.head_dim_v > 0 ? sc.head_dim_v : sc.head_dim;
-  const int64_t es = dtype_size(sc.dtype);
+  const int64_t es = dtype_size(sc.dtype), cache_es = dtype_size(config.cache_dtype());
   int prefill_calls = 0, decode_calls = 0, forked_decode_calls = 0, max_waiting = 0, max_decode_batch = 0;
   auto on_call = [&](const toy::CallRecord& r) {
     const std::string what = case_name(sc) + " step " + std::to_string(r.step) + " seq " + std::to_string(r.seq) +
                              (r.prefill ? " prefill" : " decode") + " cached=" + std::to_string(r.cached) +
                              " new=" + std::to_string(r.new_tokens);
     const int total = r.cached + r.new_tokens;
-    ASSERT_EQ(int64_t(r.k_history->size()), int64_t(total) * hk * d * es) << what;
+    ASSERT_EQ(int64_t(r.k_history->size()), int64_t(total) * hk * d * cache_es) << what;
     // The cache holds exactly the dense history: the library appended k_new / v_new at cache_seqlens,
     // and copy-on-write kept the shared prefix.
-    std::vector<uint8_t> k_rows(size_t(total) * hk * d * es), v_rows(size_t(total) * hk * dv * es);
+    std::vector<uint8_t> k_rows(size_t(total) * hk * d * cache_es), v_rows(size_t(total) * hk * dv * cache_es);
     ASSERT_TRUE(server.cache().read_rows(r.seq, 0, total, k_rows.data(), v_rows.data()).ok()) << what;
     EXPECT_TRUE(k_rows == *r.k_history) << what << ": cached keys differ from the history";
     EXPECT_TRUE(v_rows == *r.v_history) << what << ": cached values differ from the history";
@@ -747,8 +749,15 @@ TEST_P(ContinuousBatching, EveryCallMatchesTheReferenceOnTheDenseHistory) {
     p.dtype = sc.dtype;
     fa_test::Tensors t = fa_test::make_tensors(p, rng);
     std::memcpy(t.q.data(), r.q, size_t(r.new_tokens) * hq * d * es);
-    std::memcpy(t.k.data(), r.k_history->data(), r.k_history->size());
-    std::memcpy(t.v.data(), r.v_history->data(), r.v_history->size());
+    if (sc.fp8_cache) {  // the dequantised history: code value x scale, exact in the 16-bit dtype
+      for (int64_t e = 0; e < int64_t(total) * hk * d; ++e)
+        t.k.set(e, double(load_as_float(r.k_history->data(), e, FA_FLOAT8_E4M3)) * config.k_scale);
+      for (int64_t e = 0; e < int64_t(total) * hk * dv; ++e)
+        t.v.set(e, double(load_as_float(r.v_history->data(), e, FA_FLOAT8_E4M3)) * config.v_scale);
+    } else {
+      std::memcpy(t.k.data(), r.k_history->data(), r.k_history->size());
+      std::memcpy(t.v.data(), r.v_history->data(), r.v_history->size());
+    }
     fa_options options = fa_test::options_for(FA_BACKEND_CPU_REFERENCE);
     options.causal = r.causal ? 1 : 0;
     EXPECT_EQ(r.causal, r.prefill) << what;
@@ -786,7 +795,9 @@ INSTANTIATE_TEST_SUITE_P(
                       ServingCase{FA_FLOAT32, 6, 2, 32, 0, 5, 30, 7, 4.0},     // GQA 3, chunks, peaky softmax
                       ServingCase{FA_FLOAT32, 3, 3, 64, 32, 7, 24, 16, 1.0},   // MHA, Dv != D
                       ServingCase{FA_FLOAT16, 4, 1, 64, 0, 1, 160, 0, 1.0},    // MQA, one token per block
-                      ServingCase{FA_BFLOAT16, 2, 2, 128, 0, 16, 12, 9, 3.0}),  // chunks, peaky
+                      ServingCase{FA_BFLOAT16, 2, 2, 128, 0, 16, 12, 9, 3.0},   // chunks, peaky
+                      ServingCase{FA_BFLOAT16, 4, 2, 64, 0, 16, 12, 7, 1.0, true},  // an FP8 pool, chunks
+                      ServingCase{FA_FLOAT16, 3, 1, 128, 0, 3, 60, 0, 2.0, true}),  // FP8, MQA, odd blocks
     [](const ::testing::TestParamInfo<ServingCase>& info) { return "case" + std::to_string(info.index); });
 
 }  // namespace
