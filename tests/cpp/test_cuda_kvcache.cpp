@@ -408,10 +408,12 @@ Status synchronize(Status s) {
   return s;
 }
 
-// Runs the case on the GPU into t (out, lse and both caches downloaded).
-Status run_gpu(const KvCase& c, KvTensors& t, fa_stats* stats = nullptr) {
+// Runs the case on the GPU into t (out, lse and both caches downloaded). with_lse false: the call has no lse (t.lse
+// comes back as it was uploaded).
+Status run_gpu(const KvCase& c, KvTensors& t, fa_stats* stats = nullptr, bool with_lse = true) {
   DeviceKv d(t);
   fa_kvcache_args a = d.args();
+  if (!with_lse) a.lse = fa_tensor{};
   a.num_splits = c.num_splits;
   a.check_indices = c.check_indices;
   fa_options o = d.options(c);
@@ -422,7 +424,9 @@ Status run_gpu(const KvCase& c, KvTensors& t, fa_stats* stats = nullptr) {
 }
 
 #else
-Status run_gpu(const KvCase&, KvTensors&, fa_stats* = nullptr) { return Status(FA_ERROR_NOT_COMPILED, "no CUDA in this build"); }
+Status run_gpu(const KvCase&, KvTensors&, fa_stats* = nullptr, bool = true) {
+  return Status(FA_ERROR_NOT_COMPILED, "no CUDA in this build");
+}
 #endif
 
 // The same call on a CPU backend (host tensors): checks this file's oracle machinery where no GPU exists.
@@ -840,6 +844,37 @@ TEST(CudaKvcache, SplitMergeRescalesAcrossSplitBatches) {
 TEST(CudaKvcache, EverySplitCountAgrees) {
   SKIP_WITHOUT_GPU();
   check_every_split_count(KvCase{}, "");  // 8 query heads, 2 K/V heads (KvCase's defaults)
+}
+
+// lse is optional (flashattn.h): without it every path (one split, the combine kernel, the cluster merge; the
+// plan's split counts and forced ones; contiguous and paged) writes the same out and caches, bit for bit, and
+// nothing where an lse would be.
+TEST(CudaKvcache, WithoutLseTheSameOut) {
+  SKIP_WITHOUT_GPU();
+  for (const int block_size : {0, 16})
+    for (const int cached : {1000, 4097})
+      for (const int splits : {0, 1, 3, 8, 16}) {
+        KvCase c;
+        c.batch = 1;
+        c.capacity = 5000;
+        c.cached = {cached};
+        c.seqlen_new = 1;
+        c.block_size = block_size;
+        c.num_splits = splits;
+        const std::string what = c.to_string();
+        auto rng = fa_test::make_rng("without lse " + what);
+        const KvTensors pristine = make_kv(c, rng);
+        KvTensors with = pristine, without = pristine;
+        fa_stats with_stats{}, without_stats{};
+        ASSERT_TRUE(run_gpu(c, with, &with_stats).ok()) << what;
+        ASSERT_TRUE(run_gpu(c, without, &without_stats, /*with_lse=*/false).ok()) << what;
+        EXPECT_EQ(with_stats.num_splits, without_stats.num_splits) << what;
+        EXPECT_EQ(std::string(with_stats.kernel), std::string(without_stats.kernel)) << what;
+        EXPECT_EQ(with.lse.count_nonfinite(), 0) << what;
+        EXPECT_TRUE(same_bytes(without.out, with.out)) << what << ": out without lse";
+        EXPECT_TRUE(same_bytes(without.k_cache, with.k_cache) && same_bytes(without.v_cache, with.v_cache)) << what;
+        EXPECT_TRUE(same_bytes(without.lse, pristine.lse)) << what << ": the lse tensor was not passed, yet it changed";
+      }
 }
 
 // Sequences of length 0 (nothing cached, nothing appended: out = 0, lse = -inf) and 1.
