@@ -237,11 +237,13 @@ def _(dout, q, k, v, out, lse, alibi_slopes, rng_state, softmax_scale, causal, w
 
 def _backward_workspace(*args) -> Optional[Tensor]:
     """On CUDA, the backward's scratch comes from torch's caching allocator (on the CPU the
-    backend manages its own): sized by the library for exactly this problem."""
+    backend manages its own): sized by the library for exactly this problem (memoised per key, as
+    the kvcache plan: the size reads no tensor data)."""
     q = args[1]
     if not q.is_cuda:
         return None
-    nbytes = _ext.backward_workspace_size(*map(_dl, args))
+    nbytes = _memoised(_backward_workspace_sizes, _plan_key(args + (q.device,)),
+                       lambda: _ext.backward_workspace_size(*map(_dl, args)))
     return torch.empty((nbytes,), dtype=torch.uint8, device=q.device) if nbytes > 0 else None
 
 
@@ -498,36 +500,41 @@ def _kvcache_impl(
     workspace = None
     if q.is_cuda:
         # Plan on the host once per batch shape (memoised), then run allocation-free with torch's memory.
-        key = _kvcache_plan_key(tensors + (alibi_slopes, cache_batch_idx, cache_leftpad),
-                                (q.device, num_splits, rotary_interleaved, fp8, k_scale, v_scale) + options)
-        plan = _kvcache_plans.get(key)
-        if plan is None:
-            plan = _ext.plan_kvcache(*call_args(num_splits), _dl(alibi_slopes), *options, **cache_options())
-            if len(_kvcache_plans) >= _KVCACHE_PLANS_MAX:
-                _kvcache_plans.clear()
-            _kvcache_plans[key] = plan
-        num_splits, nbytes = plan
+        key = _plan_key(tensors + (alibi_slopes, cache_batch_idx, cache_leftpad, q.device, num_splits, rotary_interleaved,
+                                   fp8, k_scale, v_scale) + options)
+        num_splits, nbytes = _memoised(_kvcache_plans, key, lambda: _ext.plan_kvcache(
+            *call_args(num_splits), _dl(alibi_slopes), *options, **cache_options()))
         workspace = torch.empty((nbytes,), dtype=torch.uint8, device=q.device) if nbytes > 0 else None
     _ext.kvcache(*call_args(num_splits), _dl(workspace), _dl(alibi_slopes), *options, 0, _stream(q), **cache_options())
     return out, lse
 
 
-# The CUDA split plans already made: fa_plan_kvcache reads no tensor data (no device access; the data pointers only
-# for their alignment rule, which the run checks again), so its (num_splits, workspace bytes) are a function of the
-# tensors' shapes, strides and dtypes, the options and the device. A continuous-batching server meets a few keys (one
-# per batch size and cache capacity), so the bound is a safety net: past it the memo starts again.
-_KVCACHE_PLANS_MAX = 4096
-_kvcache_plans: dict = {}
+# Host plans of the CUDA backend already made: the kvcache split plan (fa_plan_kvcache) and the backward's workspace
+# size (fa_backward_workspace_size). Neither reads tensor data (no device access; the data pointers only for their
+# alignment rule, which the run checks again), so each is a function of the tensors' shapes, strides and dtypes, the
+# other arguments and the device. A server or a training loop meets a few keys (a continuous-batching server one per
+# batch size and cache capacity), so the bound is a safety net: past it a memo starts again.
+_PLANS_MAX = 4096
+_kvcache_plans: dict = {}  # key -> (num_splits, workspace bytes)
+_backward_workspace_sizes: dict = {}  # key -> bytes
 
 
-def _kvcache_plan_key(tensors, scalars) -> tuple:
-    parts = list(scalars)
-    for t in tensors:
-        if t is None:
-            parts.append(None)
-        else:
-            parts += (t.shape, t.stride(), t.dtype)
+def _plan_key(values) -> tuple:
+    """A tensor stands for its shape, strides and dtype; anything else for itself."""
+    parts = []
+    for x in values:  # (a loop: a generator expression costs more here)
+        parts.append((x.shape, x.stride(), x.dtype) if isinstance(x, Tensor) else x)
     return tuple(parts)
+
+
+def _memoised(memo: dict, key: tuple, make):
+    value = memo.get(key)
+    if value is None:
+        value = make()
+        if len(memo) >= _PLANS_MAX:
+            memo.clear()
+        memo[key] = value
+    return value
 
 
 def _is_fp8(t: Tensor) -> bool:

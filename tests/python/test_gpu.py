@@ -357,6 +357,34 @@ def test_kvcache_plan_is_memoised_per_key_on_gpu():
     assert rel_l2(lse_heads.cpu().numpy(), lse.cpu().numpy()) < 1e-4
 
 
+def test_backward_workspace_size_is_memoised_per_key_on_gpu():
+    """flashattn.torch asks the backward's workspace size once per key, as the kvcache plan: a second backward of the
+    same problem reuses it and gives the bits of the first (deterministic); another mask or length gets an entry of
+    its own; and every entry equals the size asked afresh."""
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v, dout = (torch.randn(2, 300, 8, 64, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+
+    def grads(causal, length):
+        qkv = [x[:, :length].detach().requires_grad_() for x in (q, k, v)]
+        out = fat.flash_attn_func(*qkv, causal=causal, deterministic=True)
+        return torch.autograd.grad(out, qkv, dout[:, :length])
+
+    fat._backward_workspace_sizes.clear()
+    first = grads(True, 300)
+    assert len(fat._backward_workspace_sizes) == 1
+    again = grads(True, 300)  # sized from the memo
+    assert len(fat._backward_workspace_sizes) == 1
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    grads(False, 300)
+    grads(True, 200)
+    assert len(fat._backward_workspace_sizes) == 3
+    memo = dict(fat._backward_workspace_sizes)
+    fat._backward_workspace_sizes.clear()
+    for causal, length in ((True, 200), (False, 300), (True, 300)):
+        grads(causal, length)
+    assert fat._backward_workspace_sizes == memo
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_kvcache_cache_batch_idx_on_gpu(dtype):
     """cache_batch_idx on the GPU: out against float64 SDPA over the gathered cache (slot cache_batch_idx[b] as entry b)

@@ -660,3 +660,26 @@ def test_eager_fast_path_equals_the_custom_op(rng):
     op_grads = torch.autograd.grad(op_out, (q, k, v), dout)
     assert torch.equal(out, op_out)
     assert all(torch.equal(a, b) for a, b in zip(grads, op_grads))
+
+
+def test_plan_memo_keys_and_bound(monkeypatch):
+    """The CUDA host plans' memo (kvcache split plan, backward workspace size): a tensor keys by its shape, strides and
+    dtype, never its data; a key's plan is made once; past the bound the memo starts again."""
+    a = torch.zeros(4, 6)
+    assert fat._plan_key((a, 1, None)) == fat._plan_key((torch.ones(4, 6), 1, None))
+    assert fat._plan_key((a, 1, None)) != fat._plan_key((torch.zeros(6, 4).t(), 1, None))  # same shape, other strides
+    assert fat._plan_key((a,)) != fat._plan_key((a.double(),))
+    assert fat._plan_key((a, None)) != fat._plan_key((None, a))
+    made = []
+
+    def make():
+        made.append(len(made))
+        return len(made)
+
+    memo = {}
+    assert fat._memoised(memo, ("k",), make) == 1
+    assert fat._memoised(memo, ("k",), make) == 1 and len(made) == 1
+    monkeypatch.setattr(fat, "_PLANS_MAX", 2)
+    assert fat._memoised(memo, ("k2",), make) == 2
+    assert fat._memoised(memo, ("k3",), make) == 3
+    assert memo == {("k3",): 3}
