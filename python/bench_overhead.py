@@ -1,7 +1,7 @@
 """Call overhead of flashattn.torch (and flashattn.jax) on a tiny input, against
 torch.nn.functional.scaled_dot_product_attention on the same tensors.
 
-    python python/bench_overhead.py [--device cpu|cuda] [--iterations N]
+    python python/bench_overhead.py [--device cpu|cuda] [--iterations N] [--compare OTHER_TORCH_PY]
 
 Prints microseconds per call (median of 7 repetitions of N calls). The tiny problem (B = Sq = Sk
 = Hq = 1, D = 64; the decode rows: 16 cached keys) makes the attention itself negligible: what is
@@ -21,11 +21,11 @@ import flashattn
 import flashattn.torch as fat
 
 
-def per_call_us(fn, iterations):
+def per_call_us(fn, iterations, samples=7):
     for _ in range(max(10, iterations // 10)):
         fn()
-    samples = []
-    for _ in range(7):
+    times = []
+    for _ in range(samples):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -33,8 +33,38 @@ def per_call_us(fn, iterations):
             fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) / iterations * 1e6)
-    return statistics.median(samples)
+        times.append((time.perf_counter() - start) / iterations * 1e6)
+    return statistics.median(times)
+
+
+def load_other_wrapper(path):
+    """Another version of flashattn/torch.py, as a module of its own beside flashattn.torch: its torch.library ops
+    renamed (flashattn:: -> flashattn_other::) so that both register, over the same extension."""
+    import importlib.util
+
+    source = open(path).read().replace('"flashattn::', '"flashattn_other::')
+    spec = importlib.util.spec_from_loader("flashattn_other_torch", loader=None)
+    module = importlib.util.module_from_spec(spec)
+    module.__file__ = path
+    exec(compile(source, path, "exec"), module.__dict__)
+    return module
+
+
+def compare_wrappers(other, rows, iterations, rounds=7):
+    """The wrapper rows with flashattn.torch (this tree) and with `other`, alternating sample by sample in one process
+    (a process's host state can move a call's time by 2x between processes): medians and the median of the ratios."""
+    print(f"== this tree's flashattn.torch against {other.__file__}, {rounds} alternating samples of {iterations} calls")
+    for name, make in rows:
+        mine, theirs = make(fat), make(other)
+        per_call_us(mine, iterations // 10)  # warm both
+        per_call_us(theirs, iterations // 10)
+        a, b = [], []
+        for _ in range(rounds):
+            a.append(per_call_us(mine, iterations, samples=1))
+            b.append(per_call_us(theirs, iterations, samples=1))
+        ratios = sorted(y / x for x, y in zip(a, b))
+        print(f"{name:64s} this {statistics.median(a):7.1f} us, other {statistics.median(b):7.1f} us, "
+              f"other / this {ratios[len(ratios) // 2]:.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f})")
 
 
 def main():
@@ -42,6 +72,8 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="float32 on the CPU, bfloat16 on CUDA by default")
     parser.add_argument("--iterations", type=int, default=2000)
+    parser.add_argument("--compare", metavar="TORCH_PY", help="another flashattn/torch.py: its wrapper calls beside "
+                        "this tree's, alternating in this process (an A/B of the wrapper alone)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     q, k, v = (torch.randn(1, 1, 1, 64, device=args.device, dtype=dtype) for _ in range(3))
@@ -85,6 +117,17 @@ def main():
     ]
     print(f"flashattn {flashattn.__version__}, torch {torch.__version__}, device {args.device}, {dtype}, "
           f"q/k/v (1, 1, 1, 64), {torch.get_num_threads()} torch threads")
+    if args.compare:
+        wrapper_rows = [
+            ("flash_attn_func", lambda m: lambda: m.flash_attn_func(q, k, v)),
+            ("flash_attn_with_kvcache (decode, 16 keys)",
+             lambda m: lambda: m.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens)),
+            ("  the same, paged (block_table), appending k / v",
+             lambda m: lambda: m.flash_attn_with_kvcache(q, k_paged, v_paged, k=k, v=v, cache_seqlens=cache_lengths_before,
+                                                         block_table=block_table)),
+        ]
+        compare_wrappers(load_other_wrapper(args.compare), wrapper_rows, args.iterations)
+        return
     for name, fn in rows:
         try:
             print(f"{name:64s} {per_call_us(fn, args.iterations):8.1f} us/call")
