@@ -163,7 +163,11 @@ typedef struct fa_kvcache_args {
                                stride = block_size x row stride, K and V), as a dense tensor of that
                                shape has; others (e.g. heads-major blocks) take more address math. */
   fa_tensor v_cache;        /* like k_cache, last dim Dv */
-  fa_tensor block_table;    /* optional int32 (B, max_blocks): present = paged cache */
+  fa_tensor block_table;    /* optional int32 (B, max_blocks): present = paged cache. Blocks may repeat
+                               (a shared prefix, read by several sequences); a block that k_new rows
+                               are appended to must belong to that sequence alone, else sequences race
+                               (one writes what another reads or writes). Not checked: a paged cache
+                               manager's copy-on-write (flashattn/kv_cache.hpp) keeps it so. */
   fa_tensor cache_seqlens;  /* required int32 (B): tokens already in the cache of sequence b */
   fa_tensor k_new, v_new;   /* optional (B, S_new, Hk, D/Dv): written at cache_seqlens[b].. first */
   fa_tensor rotary_cos, rotary_sin; /* optional (S_rotary, rotary_dim / 2), dtype of q: rotary
@@ -171,7 +175,7 @@ typedef struct fa_kvcache_args {
   int32_t rotary_interleaved; /* nonzero: rotate pairs (0,1),(2,3)..; zero: halves (GPT-NeoX) */
   fa_tensor out;            /* (B, Sq, Hq, Dv) */
   fa_tensor lse;            /* optional float32 (B, Hq, Sq) */
-  int32_t num_splits;       /* split-KV: 0 = chosen by the backend (see fa_plan_kvcache) */
+  int32_t num_splits;       /* split-KV: 0 = chosen by the backend (see fa_plan_kvcache); else 1..1024 */
   int32_t check_indices;    /* nonzero: on CUDA, check cache_seqlens and block_table on the device and
                                report a bad entry before anything is written (one stream synchronisation;
                                not allowed inside a CUDA graph capture). Zero: bad entries are never

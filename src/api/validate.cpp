@@ -690,7 +690,11 @@ Status make_kvcache_params(const fa_kvcache_args& a, const fa_options& options, 
         a.block_table, *p, [&](int b) { return cached ? cached[b * a.cache_seqlens.strides[0]] + p->seqlen_new : 0; },
         [&](int b) { return leftpad ? leftpad[b * a.cache_leftpad.strides[0]] : 0; }));
   }
-  if (a.num_splits < 0) return FA_INVALID("num_splits: must be >= 0 (0 = chosen by the backend), got %d", a.num_splits);
+  // An upper bound so that a count no plan would choose (the CUDA heuristic's cap is 128) cannot ask for
+  // partial buffers of terabytes: a caller's typo gets this message, not an allocation failure.
+  constexpr int kMaxNumSplits = 1024;
+  if (a.num_splits < 0 || a.num_splits > kMaxNumSplits)
+    return FA_INVALID("num_splits: must be in [0, %d] (0 = chosen by the backend), got %d", kMaxNumSplits, a.num_splits);
   p->num_splits = a.num_splits;
   p->check_indices = a.check_indices != 0;
   if (a.workspace.data != nullptr) {

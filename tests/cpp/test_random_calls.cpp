@@ -1,0 +1,561 @@
+// Random KV-cache calls through the C ABI, valid ones and ones broken in one or two places (a shape, a
+// stride, a dtype, a device, a missing tensor, an index entry, an option). Whatever the caller passes, a
+// call must either
+//   - fail with a clear error (a status of the argument kind, a message that names what it rejects) and
+//     leave every byte of every buffer as it was, or
+//   - succeed, write nothing but its outputs (out, lse, the workspace and exactly the appended cache rows),
+//     and agree with the float64 reference backend given the same arguments.
+// Every buffer has guard bytes on both sides and slack after its view, so a broken shape or stride may
+// reach further than the valid call did. The test calls only when each view it can measure lies inside its
+// buffer and no output's elements share bytes: a view past its storage, or an output that overlaps itself,
+// is the caller's fault, which no library can see (flash_attn and torch do not look either). Views it cannot
+// measure (a negative extent or stride, an unknown dtype, a rank out of range) must be rejected before
+// any access; under AddressSanitizer (CI) a read through one would fail the run.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/dtype.hpp"
+#include "flashattn/flashattn.h"
+#include "testing.hpp"
+
+namespace flashattn {
+namespace {
+
+constexpr size_t kGuardBytes = 64;  // before and after each buffer's storage
+constexpr uint8_t kGuardByte = 0xA5;
+constexpr int kSlackFactor = 3;     // storage = kSlackFactor x the valid view's bytes (+ 64)
+
+// A C caller may store any int in an enum field; C++ may not load one outside the enum's range, so the
+// test reads the fields' bits, as the library does.
+template <typename Enum>
+int raw(const Enum& field) {
+  int value;
+  static_assert(sizeof(Enum) == sizeof(int));
+  std::memcpy(&value, &field, sizeof(value));
+  return value;
+}
+
+int64_t size_of(int t) {
+  switch (t) {
+    case FA_FLOAT32: case FA_INT32: return 4;
+    case FA_FLOAT16: case FA_BFLOAT16: return 2;
+    case FA_UINT8: case FA_FLOAT8_E4M3: return 1;
+    default: return 0;  // not a dtype
+  }
+}
+
+// One tensor argument: its view (as the library gets it) and the buffer behind it.
+struct Buffer {
+  std::string name;
+  fa_tensor* view = nullptr;   // the field inside the call's args / options
+  std::vector<uint8_t> bytes;  // guard | storage | guard
+  size_t storage = 0;          // bytes the view may reach from data
+  bool written = false;        // out, lse, or a cache (written when the call appends)
+  uint8_t* data() { return bytes.data() + kGuardBytes; }
+};
+
+// Bytes from data to the end of the view's last element; -1 when the view cannot be measured
+// (rank out of range, unknown dtype, negative extent or stride) or reaches beyond 2^40 bytes.
+int64_t reach_bytes(const fa_tensor& t) {
+  const int64_t elem = size_of(raw(t.dtype));
+  if (t.ndim < 0 || t.ndim > FA_MAX_DIMS || elem == 0) return -1;
+  int64_t last = 0;
+  for (int d = 0; d < t.ndim; ++d) {
+    if (t.shape[d] < 0 || t.strides[d] < 0) return -1;
+    if (t.shape[d] == 0) return 0;
+  }
+  for (int d = 0; d < t.ndim; ++d) {
+    if (t.shape[d] > (int64_t(1) << 40) || t.strides[d] > (int64_t(1) << 40)) return int64_t(1) << 62;
+    last += (t.shape[d] - 1) * t.strides[d];
+    if (last > (int64_t(1) << 40)) return int64_t(1) << 62;
+  }
+  return (last + 1) * elem;
+}
+
+// Element offsets (in elements) of every index tuple of a measurable view, row-major.
+std::vector<int64_t> element_offsets(const fa_tensor& t);
+
+// Elements of a measurable view, saturating at 2^40.
+int64_t numel_of(const fa_tensor& t) {
+  int64_t n = 1;
+  for (int d = 0; d < t.ndim; ++d) n = std::min<int64_t>(n * t.shape[d], int64_t(1) << 40);
+  return n;
+}
+
+// Whether two elements of a measurable view share an address (strides that do not separate them).
+bool overlaps_itself(const fa_tensor& t) {
+  if (numel_of(t) > reach_bytes(t) / size_of(raw(t.dtype))) return true;  // more elements than addresses
+  std::vector<int64_t> offsets = element_offsets(t);
+  std::sort(offsets.begin(), offsets.end());
+  return std::adjacent_find(offsets.begin(), offsets.end()) != offsets.end();
+}
+
+std::vector<int64_t> element_offsets(const fa_tensor& t) {
+  for (int d = 0; d < t.ndim; ++d)
+    if (t.shape[d] == 0) return {};
+  std::vector<int64_t> offsets{0};
+  for (int d = 0; d < t.ndim; ++d) {
+    std::vector<int64_t> next;
+    next.reserve(offsets.size() * size_t(t.shape[d]));
+    for (int64_t o : offsets)
+      for (int64_t i = 0; i < t.shape[d]; ++i) next.push_back(o + i * t.strides[d]);
+    offsets.swap(next);
+  }
+  return offsets;
+}
+
+// A random call: its tensors, its arguments and options, and a record of what was drawn and broken.
+struct Call {
+  Call() = default;
+  Call(const Call&) = delete;  // buffers point into args / options, views into buffers
+  Call& operator=(const Call&) = delete;
+  fa_kvcache_args args{};
+  fa_options options{};
+  std::vector<Buffer> buffers;
+  std::string log;
+  fa_dtype dtype = FA_FLOAT32;
+  bool fp8 = false, append = false;
+
+  Buffer& add(const std::string& name, fa_tensor* field, std::vector<int64_t> shape, fa_dtype t) {
+    Buffer b;
+    b.name = name;
+    b.written = name == "out" || name == "lse" || name == "k_cache" || name == "v_cache";
+    b.view = field;
+    int64_t numel = 1;
+    for (int64_t s : shape) numel *= s;
+    b.storage = size_t(kSlackFactor * numel * size_of(t) + 64);
+    b.bytes.assign(b.storage + 2 * kGuardBytes, kGuardByte);
+    std::memset(b.data(), 0, b.storage);
+    *field = fa_tensor{};
+    field->data = b.data();
+    field->ndim = int32_t(shape.size());
+    field->dtype = t;
+    field->device = FA_DEVICE_CPU;
+    int64_t stride = 1;
+    for (int d = int(shape.size()) - 1; d >= 0; --d) {
+      field->shape[d] = shape[size_t(d)];
+      field->strides[d] = stride;
+      stride *= shape[size_t(d)];
+    }
+    buffers.push_back(std::move(b));
+    return buffers.back();
+  }
+  Buffer* find(const std::string& name) {
+    for (Buffer& b : buffers)
+      if (b.name == name) return &b;
+    return nullptr;
+  }
+};
+
+// Fills every storage byte of a floating buffer with values of its dtype (normal, times `scale`), so that
+// slack a broken view reaches holds numbers too.
+void fill_float(Buffer& b, fa_dtype t, std::mt19937_64& rng, double scale) {
+  std::normal_distribution<double> normal(0.0, scale);
+  const int64_t n = int64_t(b.storage) / size_of(t);
+  for (int64_t i = 0; i < n; ++i) store_from_float(b.data(), i, t, float(normal(rng)));
+}
+
+void set_int(Buffer& b, int64_t i, int32_t v) { std::memcpy(b.data() + 4 * i, &v, 4); }
+int32_t get_int(const fa_tensor& t, int64_t element) {
+  int32_t v;
+  std::memcpy(&v, static_cast<const uint8_t*>(t.data) + 4 * element, 4);
+  return v;
+}
+
+template <typename T>
+T pick(std::mt19937_64& rng, std::initializer_list<T> values) {
+  return *(values.begin() + std::uniform_int_distribution<size_t>(0, values.size() - 1)(rng));
+}
+int uniform(std::mt19937_64& rng, int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); }
+bool chance(std::mt19937_64& rng, double p) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; }
+
+// A valid call: small random sizes, contiguous or paged (block sizes 1 to 16, shuffled ids, spare blocks)
+// or through cache_batch_idx, float32 / float16 / bfloat16, FP8 caches, append, rotary, left padding,
+// masks and the other options.
+void make_valid_call(Call& c, std::mt19937_64& rng, fa_backend backend) {
+  c.buffers.reserve(20);  // at most 17 buffers: references stay valid while adding
+  fa_options_init(&c.options);
+  c.options.backend = backend;
+  c.options.num_threads = uniform(rng, 1, 2);
+  const int B = uniform(rng, 1, 3), Sq = pick(rng, {1, 1, 2, 3, 5}), Hk = uniform(rng, 1, 2), Hq = Hk * pick(rng, {1, 2, 3});
+  const int D = pick(rng, {8, 16, 40, 64}), Dv = chance(rng, 0.8) ? D : pick(rng, {8, 24});
+  c.dtype = pick(rng, {FA_FLOAT32, FA_FLOAT16, FA_BFLOAT16});
+  c.fp8 = c.dtype != FA_FLOAT32 && chance(rng, 0.3);
+  const fa_dtype cache_dtype = c.fp8 ? FA_FLOAT8_E4M3 : c.dtype;
+  const int S_new = chance(rng, 0.5) ? uniform(rng, 1, 3) : 0;
+  c.append = S_new > 0;
+  const int layout = uniform(rng, 0, 2);  // 0 contiguous, 1 paged, 2 contiguous through cache_batch_idx
+  const int capacity = uniform(rng, S_new + 1, 40);
+  std::vector<int> cached(static_cast<size_t>(B)), pad(static_cast<size_t>(B), 0);
+  for (int b = 0; b < B; ++b) cached[size_t(b)] = uniform(rng, 0, capacity - S_new);
+  const bool leftpad = chance(rng, 0.25);
+  if (leftpad)
+    for (int b = 0; b < B; ++b) pad[size_t(b)] = uniform(rng, 0, cached[size_t(b)]);
+  c.log = "B=" + std::to_string(B) + " Sq=" + std::to_string(Sq) + " Hq=" + std::to_string(Hq) + " Hk=" + std::to_string(Hk) +
+          " D=" + std::to_string(D) + " Dv=" + std::to_string(Dv) + " " + dtype_name(c.dtype) + (c.fp8 ? " fp8-cache" : "") +
+          " S_new=" + std::to_string(S_new) + " capacity=" + std::to_string(capacity) + " layout=" + std::to_string(layout);
+
+  fill_float(c.add("q", &c.args.q, {B, Sq, Hq, D}, c.dtype), c.dtype, rng, 1.0);
+  c.add("out", &c.args.out, {B, Sq, Hq, Dv}, c.dtype);
+  if (chance(rng, 0.7)) c.add("lse", &c.args.lse, {B, Hq, Sq}, FA_FLOAT32);
+  if (c.fp8) {
+    c.args.k_scale = pick(rng, {0.05f, 0.25f, 1.f});
+    c.args.v_scale = pick(rng, {0.03f, 0.5f});
+  } else if (chance(rng, 0.2)) {
+    c.args.k_scale = c.args.v_scale = 1.f;  // "no scale", allowed for 16-bit caches
+  }
+  const double k_std = c.fp8 ? 1.0 / c.args.k_scale : 1.0, v_std = c.fp8 ? 1.0 / c.args.v_scale : 1.0;
+
+  int rows_per_entry = capacity, entries = B;  // the cache's dimensions 0 and 1
+  std::vector<int32_t> table_ids;
+  int per_seq = 1;
+  if (layout == 1) {
+    rows_per_entry = pick(rng, {1, 3, 4, 16});
+    per_seq = (capacity + rows_per_entry - 1) / rows_per_entry;
+    entries = B * per_seq + uniform(rng, 0, 3);
+    std::vector<int32_t> ids(static_cast<size_t>(entries));
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    table_ids.assign(ids.begin(), ids.begin() + B * per_seq);
+    // Without an append, blocks may repeat (shared prefixes); with one, the blocks a sequence writes must be its own.
+    if (!c.append && chance(rng, 0.3)) table_ids[size_t(uniform(rng, 0, B * per_seq - 1))] = table_ids[0];
+  } else if (layout == 2) {
+    entries = B + uniform(rng, 0, 3);
+  }
+  fill_float(c.add("k_cache", &c.args.k_cache, {entries, rows_per_entry, Hk, D}, cache_dtype), cache_dtype, rng, k_std);
+  fill_float(c.add("v_cache", &c.args.v_cache, {entries, rows_per_entry, Hk, Dv}, cache_dtype), cache_dtype, rng, v_std);
+  if (layout == 1) {
+    Buffer& t = c.add("block_table", &c.args.block_table, {B, per_seq}, FA_INT32);
+    for (int i = 0; i < B * per_seq; ++i) set_int(t, i, table_ids[size_t(i)]);
+  } else if (layout == 2) {
+    std::vector<int32_t> slots(static_cast<size_t>(entries));
+    std::iota(slots.begin(), slots.end(), 0);
+    std::shuffle(slots.begin(), slots.end(), rng);
+    Buffer& s = c.add("cache_batch_idx", &c.args.cache_batch_idx, {B}, FA_INT32);
+    for (int b = 0; b < B; ++b) set_int(s, b, slots[size_t(b)]);
+  }
+  Buffer& lengths = c.add("cache_seqlens", &c.args.cache_seqlens, {B}, FA_INT32);
+  for (int b = 0; b < B; ++b) set_int(lengths, b, cached[size_t(b)]);
+  if (leftpad) {
+    Buffer& p = c.add("cache_leftpad", &c.args.cache_leftpad, {B}, FA_INT32);
+    for (int b = 0; b < B; ++b) set_int(p, b, pad[size_t(b)]);
+  }
+  if (c.append) {
+    fill_float(c.add("k_new", &c.args.k_new, {B, S_new, Hk, D}, c.dtype), c.dtype, rng, 1.0);
+    fill_float(c.add("v_new", &c.args.v_new, {B, S_new, Hk, Dv}, c.dtype), c.dtype, rng, 1.0);
+  }
+  if (Dv == D && chance(rng, 0.3)) {
+    const int half = uniform(rng, 1, D / 2), positions = capacity + Sq + uniform(rng, 0, 2);
+    // cos and sin of angles, as a rotary table holds (any values would do; these keep |q|, |k| as they are)
+    Buffer& cos = c.add("rotary_cos", &c.args.rotary_cos, {positions, half}, c.dtype);
+    Buffer& sin = c.add("rotary_sin", &c.args.rotary_sin, {positions, half}, c.dtype);
+    std::uniform_real_distribution<double> angle(0, 6.283185307179586);
+    for (int64_t i = 0; i < int64_t(cos.storage) / size_of(c.dtype); ++i) {
+      const double a = angle(rng);
+      store_from_float(cos.data(), i, c.dtype, float(std::cos(a)));
+      store_from_float(sin.data(), i, c.dtype, float(std::sin(a)));
+    }
+    c.args.rotary_interleaved = uniform(rng, 0, 1);
+  }
+  c.options.causal = chance(rng, 0.4);
+  if (chance(rng, 0.25)) c.options.window_left = uniform(rng, 0, 6);
+  if (!c.options.causal && chance(rng, 0.15)) c.options.window_right = uniform(rng, 0, 3);
+  if (chance(rng, 0.2)) c.options.softcap = pick(rng, {2.f, 30.f});
+  if (chance(rng, 0.3)) c.options.softmax_scale = pick(rng, {0.05f, 0.3f, 1.f});
+  if (chance(rng, 0.15)) {
+    const bool per_batch = chance(rng, 0.5);
+    Buffer& s = per_batch ? c.add("options.alibi_slopes", &c.options.alibi_slopes, {B, Hq}, FA_FLOAT32)
+                          : c.add("options.alibi_slopes", &c.options.alibi_slopes, {Hq}, FA_FLOAT32);
+    for (int64_t i = 0; i < int64_t(s.storage) / 4; ++i) store_from_float(s.data(), i, FA_FLOAT32, 0.1f * float(1 + i % 5));
+  }
+  if (chance(rng, 0.3)) c.args.num_splits = uniform(rng, 1, 4);
+  c.log += std::string(" causal=") + std::to_string(c.options.causal) + " window=(" + std::to_string(c.options.window_left) +
+           "," + std::to_string(c.options.window_right) + ") softcap=" + std::to_string(c.options.softcap) +
+           " rotary=" + (c.args.rotary_cos.data ? std::to_string(c.args.rotary_cos.shape[1] * 2) : "-") +
+           " leftpad=" + std::to_string(leftpad) + " alibi=" + std::to_string(c.options.alibi_slopes.data != nullptr) +
+           " splits=" + std::to_string(c.args.num_splits);
+  if (chance(rng, 0.25)) {  // a caller's workspace of the planned size
+    fa_kvcache_plan plan{};
+    fa_error error{};
+    ASSERT_EQ(fa_plan_kvcache(&c.args, &c.options, &plan, &error), FA_OK) << c.log << ": " << error.message;
+    c.add("workspace", &c.args.workspace, {std::max<int64_t>(plan.workspace_bytes, 1)}, FA_UINT8);
+    c.log += " workspace=" + std::to_string(plan.workspace_bytes);
+  }
+}
+
+// Breaks (or, by chance, keeps valid) one thing of the call, and says what in the log.
+void mutate(Call& c, std::mt19937_64& rng) {
+  const int kind = uniform(rng, 0, 9);
+  Buffer& b = c.buffers[size_t(uniform(rng, 0, int(c.buffers.size()) - 1))];
+  fa_tensor& t = *b.view;
+  const bool index = raw(t.dtype) == FA_INT32;
+  std::string what;
+  switch (kind) {
+    case 0: {  // rank
+      const int v = pick(rng, {-1, 0, int(t.ndim) - 1, int(t.ndim) + 1, 5, 1 << 20});
+      what = b.name + ".ndim=" + std::to_string(v);
+      t.ndim = v;
+      break;
+    }
+    case 1: case 2: {  // an extent
+      if (t.ndim < 1 || t.ndim > FA_MAX_DIMS) return mutate(c, rng);
+      const int d = uniform(rng, 0, t.ndim - 1);
+      const int64_t s = std::clamp<int64_t>(t.shape[d], -1, int64_t(1) << 40);  // an earlier break may have left any value
+      const int64_t v = pick<int64_t>(rng, {-1, 0, 1, s - 1, s + 1, 2 * s, int64_t(1) << 31, std::numeric_limits<int64_t>::max()});
+      what = b.name + ".shape[" + std::to_string(d) + "]=" + std::to_string(v);
+      t.shape[d] = v;
+      break;
+    }
+    case 3: {  // a stride
+      if (t.ndim < 1 || t.ndim > FA_MAX_DIMS) return mutate(c, rng);
+      const int d = uniform(rng, 0, t.ndim - 1);
+      const int64_t s = std::clamp<int64_t>(t.strides[d], -1, int64_t(1) << 40);
+      const int64_t v = d == t.ndim - 1 ? pick<int64_t>(rng, {-1, 0, 2, 3})
+                                        : pick<int64_t>(rng, {-1, 0, s + 1, 2 * s, s > 1 ? s - 1 : 1, int64_t(1) << 40});
+      what = b.name + ".strides[" + std::to_string(d) + "]=" + std::to_string(v);
+      t.strides[d] = v;
+      break;
+    }
+    case 4: {  // dtype, stored raw as a C caller can
+      const int v = pick(rng, {-1, 0, 1, 2, 3, 4, 5, 6, 1000});
+      what = b.name + ".dtype=" + std::to_string(v);
+      std::memcpy(&t.dtype, &v, sizeof(int));
+      break;
+    }
+    case 5: {  // device: never CUDA (host pointers on a GPU machine would be the caller's fault); a bad kind or ordinal
+      if (chance(rng, 0.5)) {
+        const int v = pick(rng, {-1, 2, 77});
+        what = b.name + ".device=" + std::to_string(v);
+        std::memcpy(&t.device, &v, sizeof(int));
+      } else {
+        t.device_id = pick(rng, {-1, 1, 99});
+        what = b.name + ".device_id=" + std::to_string(t.device_id);
+      }
+      break;
+    }
+    case 6: {  // absent (optional: a different valid call; required: an error)
+      what = b.name + " absent";
+      t.data = nullptr;
+      break;
+    }
+    case 7: {  // an entry of an index tensor (float data is left alone: NaN inputs are NonFinite's subject)
+      if (!index || t.data == nullptr) return mutate(c, rng);
+      const int64_t n = std::clamp<int64_t>(reach_bytes(t) / 4, 1, int64_t(b.storage) / 4);
+      const int64_t i = uniform(rng, 0, int(n) - 1);
+      // With an append, a block id may only turn invalid: a valid id of another sequence's block would make two
+      // sequences write one row (a race the caller made; see flashattn.h).
+      const int32_t v = c.append && b.name == "block_table"
+                            ? pick(rng, {-1, std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max(), 1 << 20})
+                            : pick(rng, {-1, 0, 1, 2, 5, 39, 40, 41, 1 << 20, std::numeric_limits<int32_t>::min(),
+                                         std::numeric_limits<int32_t>::max()});
+      const int32_t old = get_int(t, i);
+      std::memcpy(static_cast<uint8_t*>(t.data) + 4 * i, &v, 4);
+      what = b.name + " element " + std::to_string(i) + ": " + std::to_string(old) + " -> " + std::to_string(v);
+      break;
+    }
+    case 8: {  // an option
+      switch (uniform(rng, 0, 8)) {
+        case 0: c.options.softmax_scale = pick(rng, {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(), -1.f, 1e30f}); what = "softmax_scale=" + std::to_string(c.options.softmax_scale); break;
+        case 1: c.options.causal = pick(rng, {-1, 2, 0, 1}); what = "causal=" + std::to_string(c.options.causal); break;
+        case 2: c.options.window_left = pick(rng, {-2, -1, 0, 1, std::numeric_limits<int32_t>::max(), std::numeric_limits<int32_t>::min()}); what = "window_left=" + std::to_string(c.options.window_left); break;
+        case 3: c.options.window_right = pick(rng, {-2, -1, 0, 1, std::numeric_limits<int32_t>::max()}); what = "window_right=" + std::to_string(c.options.window_right); break;
+        case 4: c.options.softcap = pick(rng, {-1.f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(), 1e-30f}); what = "softcap=" + std::to_string(c.options.softcap); break;
+        case 5: c.options.dropout_p = pick(rng, {-0.1f, 1.f, std::numeric_limits<float>::quiet_NaN(), 0.3f}); what = "dropout_p=" + std::to_string(c.options.dropout_p); break;
+        case 6: c.options.num_threads = pick(rng, {-1, 0, 3, 64}); what = "num_threads=" + std::to_string(c.options.num_threads); break;
+        case 7: { const int v = pick(rng, {-1, 1, 2, 3, 4, 9}); std::memcpy(&c.options.backend, &v, sizeof(int)); what = "backend=" + std::to_string(v); break; }
+        default: c.options.abi_version = pick(rng, {0, FA_ABI_VERSION + 1, -1}); what = "abi_version=" + std::to_string(c.options.abi_version); break;
+      }
+      break;
+    }
+    default: {  // a scalar argument
+      switch (uniform(rng, 0, 3)) {
+        case 0: c.args.num_splits = pick(rng, {-1, 0, 1, 7, 1000, std::numeric_limits<int32_t>::max()}); what = "num_splits=" + std::to_string(c.args.num_splits); break;
+        case 1: c.args.k_scale = pick(rng, {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(), -1.f, 0.f, 1.f, 2.f}); what = "k_scale=" + std::to_string(c.args.k_scale); break;
+        case 2: c.args.v_scale = pick(rng, {std::numeric_limits<float>::quiet_NaN(), -0.f, 1.f, 1e-3f}); what = "v_scale=" + std::to_string(c.args.v_scale); break;
+        default: c.args.rotary_interleaved = pick(rng, {-1, 7, 0, 1}); what = "rotary_interleaved=" + std::to_string(c.args.rotary_interleaved); break;
+      }
+      break;
+    }
+  }
+  c.log += "; broken: " + what;
+}
+
+using Snapshot = std::vector<std::vector<uint8_t>>;
+Snapshot snapshot(const Call& c) {
+  Snapshot s;
+  for (const Buffer& b : c.buffers) s.push_back(b.bytes);
+  return s;
+}
+void restore(Call& c, const Snapshot& s) {  // in place: the views' data pointers stay valid
+  for (size_t i = 0; i < s.size(); ++i) std::copy(s[i].begin(), s[i].end(), c.buffers[i].bytes.begin());
+}
+
+// The bytes a successful call may write, per buffer: out, lse and the workspace wholly (every element of
+// their views), the caches only at the appended rows [cache_seqlens[b], + S_new) of each sequence.
+std::vector<std::vector<bool>> writable(Call& c) {
+  std::vector<std::vector<bool>> w;
+  auto mark = [](std::vector<bool>& m, int64_t byte, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) m[size_t(kGuardBytes + byte + i)] = true;
+  };
+  const fa_kvcache_args& a = c.args;
+  for (Buffer& b : c.buffers) {
+    std::vector<bool> m(b.bytes.size(), false);
+    const fa_tensor& t = *b.view;
+    const int64_t elem = size_of(raw(t.dtype));
+    if (t.data == nullptr) {
+      // absent: nothing may be written
+    } else if (b.name == "out" || b.name == "lse" || b.name == "workspace") {
+      for (int64_t o : element_offsets(t)) mark(m, o * elem, elem);
+    } else if ((b.name == "k_cache" || b.name == "v_cache") && a.k_new.data != nullptr) {
+      const int64_t B = a.q.shape[0], S_new = a.k_new.shape[1];
+      for (int64_t s = 0; s < B; ++s)
+        for (int64_t j = 0; j < S_new; ++j) {
+          const int64_t row = get_int(a.cache_seqlens, s * a.cache_seqlens.strides[0]) + j;
+          int64_t entry = s, in_entry = row;
+          if (a.block_table.data != nullptr) {
+            entry = get_int(a.block_table, s * a.block_table.strides[0] + (row / t.shape[1]) * a.block_table.strides[1]);
+            in_entry = row % t.shape[1];
+          } else if (a.cache_batch_idx.data != nullptr) {
+            entry = get_int(a.cache_batch_idx, s * a.cache_batch_idx.strides[0]);
+          }
+          for (int64_t h = 0; h < t.shape[2]; ++h)
+            for (int64_t d = 0; d < t.shape[3]; ++d)
+              mark(m, (entry * t.strides[0] + in_entry * t.strides[1] + h * t.strides[2] + d * t.strides[3]) * elem, elem);
+        }
+    }
+    w.push_back(std::move(m));
+  }
+  return w;
+}
+
+// Elements of a view as doubles (floating dtypes; e4m3 as its code's value).
+std::vector<double> values(const fa_tensor& t) {
+  std::vector<double> v;
+  for (int64_t o : element_offsets(t)) v.push_back(load_as_float(t.data, o, t.dtype));
+  return v;
+}
+
+bool same_class(double a, double b) {  // both finite, or the same infinity, or both NaN
+  if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b);
+  if (std::isinf(a) || std::isinf(b)) return a == b;
+  return true;
+}
+
+// The tolerance of one element of an output rounded to `t`, computed in float32 (the backend under test)
+// against float64 (the reference): both round the same exact value, so they may differ by one unit in the
+// last place of `t`, plus float32's accumulation error.
+double tolerance(fa_dtype t, double reference) {
+  const double ulp = t == FA_BFLOAT16 ? 1.0 / 128 : t == FA_FLOAT16 ? 1.0 / 1024 : 1.0 / (1 << 23);
+  return 2 * ulp * std::abs(reference) + (t == FA_FLOAT32 ? 2e-5 : 2e-3);
+}
+
+struct Counts {
+  int accepted = 0, rejected = 0, skipped = 0;
+};
+
+void run_one(std::mt19937_64& rng, fa_backend backend, int breaks, Counts* counts, const std::string& seed_note) {
+  Call c;
+  make_valid_call(c, rng, backend);
+  if (::testing::Test::HasFatalFailure()) return;
+  for (int i = 0; i < breaks; ++i) mutate(c, rng);
+  if (raw(c.options.backend) == FA_BACKEND_CUDA) {
+    // The CUDA backend refuses host tensors, but on a machine without a GPU it fails before it looks: a
+    // different error each place. Not this test's subject (Validation.CudaTensorsWithoutUsableGpu is).
+    ++counts->skipped;
+    return;
+  }
+  for (Buffer& b : c.buffers) {
+    if (b.view->data == nullptr) continue;
+    const int64_t reach = reach_bytes(*b.view);
+    const bool writes = b.written && (b.name == "out" || b.name == "lse" || c.args.k_new.data != nullptr);
+    if (reach > int64_t(b.storage) || (reach > 0 && writes && overlaps_itself(*b.view)) || (reach > 0 && numel_of(*b.view) > (1 << 22))) {
+      // the caller's fault: a view past its storage, an output whose elements share bytes; or a view of a stride 0
+      // over millions of elements, whose elements this test would list
+      ++counts->skipped;
+      return;
+    }
+  }
+  const Snapshot before = snapshot(c);
+  fa_error error{};
+  const fa_status status = fa_kvcache(&c.args, &c.options, &error);
+  const std::string where = c.log + " [" + seed_note + "]";
+  if (status != FA_OK) {
+    ++counts->rejected;
+    EXPECT_TRUE(status == FA_ERROR_INVALID_ARGUMENT || status == FA_ERROR_UNSUPPORTED)
+        << where << ": status " << fa_status_name(status) << ": " << error.message;
+    const std::string message = error.message;
+    EXPECT_TRUE(status != FA_ERROR_INVALID_ARGUMENT || message.find(": ") != std::string::npos)
+        << where << ": the message names no argument: \"" << message << "\"";
+    EXPECT_FALSE(message.empty()) << where;
+    for (size_t i = 0; i < c.buffers.size(); ++i)
+      ASSERT_TRUE(c.buffers[i].bytes == before[i]) << where << ": rejected (" << message << ") but " << c.buffers[i].name << " changed";
+    return;
+  }
+  ++counts->accepted;
+  // Only the outputs changed, and only where they may.
+  const std::vector<std::vector<bool>> may_write = writable(c);
+  for (size_t i = 0; i < c.buffers.size(); ++i) {
+    const std::vector<uint8_t>& now = c.buffers[i].bytes;
+    for (size_t k = 0; k < now.size(); ++k)
+      ASSERT_TRUE(now[k] == before[i][k] || may_write[i][k])
+          << where << ": " << c.buffers[i].name << " byte " << int64_t(k) - int64_t(kGuardBytes) << " changed outside the call's outputs";
+  }
+  // The same call on the float64 reference backend: the same outputs, within the rounding of their dtype.
+  std::vector<double> out = values(c.args.out), lse, k_cache = values(c.args.k_cache), v_cache = values(c.args.v_cache);
+  if (c.args.lse.data != nullptr) lse = values(c.args.lse);
+  for (double x : out) ASSERT_TRUE(std::isfinite(x)) << where << ": out holds " << x << " for finite inputs";
+  if (raw(c.options.backend) == FA_BACKEND_CPU_REFERENCE) return;
+  restore(c, before);
+  fa_options reference = c.options;
+  reference.backend = FA_BACKEND_CPU_REFERENCE;
+  const fa_status ref_status = fa_kvcache(&c.args, &reference, &error);
+  ASSERT_EQ(ref_status, FA_OK) << where << ": the reference backend refuses what the backend under test ran: " << error.message;
+  const std::vector<double> ref_out = values(c.args.out), ref_k = values(c.args.k_cache), ref_v = values(c.args.v_cache);
+  for (size_t i = 0; i < out.size(); ++i)
+    ASSERT_LE(std::abs(out[i] - ref_out[i]), tolerance(c.args.out.dtype, ref_out[i]))
+        << where << ": out element " << i << " = " << out[i] << ", reference " << ref_out[i];
+  if (c.args.lse.data != nullptr) {
+    const std::vector<double> ref_lse = values(c.args.lse);
+    for (size_t i = 0; i < lse.size(); ++i) {
+      ASSERT_TRUE(same_class(lse[i], ref_lse[i])) << where << ": lse element " << i << " = " << lse[i] << ", reference " << ref_lse[i];
+      if (std::isfinite(ref_lse[i])) {
+        ASSERT_LE(std::abs(lse[i] - ref_lse[i]), 1e-4 * (1 + std::abs(ref_lse[i]))) << where << ": lse element " << i;
+      }
+    }
+  }
+  // The appended rows: both backends round the same float32 value (after rotary) to the cache's dtype.
+  ASSERT_TRUE(k_cache == ref_k) << where << ": the appended k rows differ from the reference backend's";
+  ASSERT_TRUE(v_cache == ref_v) << where << ": the appended v rows differ from the reference backend's";
+}
+
+void run_many(const char* salt, fa_backend backend, int calls) {
+  auto rng = fa_test::make_rng(salt);
+  const uint64_t first = rng();
+  Counts counts;
+  for (int n = 0; n < calls && !::testing::Test::HasFatalFailure(); ++n) {
+    // Each call's own generator, so that a failure names a call that can be replayed alone.
+    std::mt19937_64 call_rng(first + uint64_t(n));
+    const int breaks = n % 4 == 0 ? 0 : n % 4 == 3 ? 2 : 1;
+    run_one(call_rng, backend, breaks, &counts, std::string(salt) + " call " + std::to_string(n));
+  }
+  std::printf("[random calls] %s: %d accepted, %d rejected, %d skipped (a view past its storage)\n", salt, counts.accepted,
+              counts.rejected, counts.skipped);
+  // The generator must keep reaching both outcomes: else this test would check nothing.
+  EXPECT_GE(counts.accepted, calls / 4);
+  EXPECT_GE(counts.rejected, calls / 4);
+}
+
+TEST(RandomCalls, KvcacheOnTheCpuFlashBackend) { run_many("random-kvcache-cpu-flash", FA_BACKEND_CPU_FLASH, 3000); }
+TEST(RandomCalls, KvcacheThroughAuto) { run_many("random-kvcache-auto", FA_BACKEND_AUTO, 1000); }
+
+}  // namespace
+}  // namespace flashattn
