@@ -315,6 +315,11 @@ Status fill_core(const Core& c, const fa_options& options, AttentionParams* p) {
     FA_RETURN_IF_ERROR(check_cu_seqlens({"cu_seqlens_k", c.cu_seqlens_k}, q, p->batch, k_rows, max_k, "max_seqlen_k"));
     p->cu_seqlens_q = static_cast<const int32_t*>(c.cu_seqlens_q.data);
     p->cu_seqlens_k = static_cast<const int32_t*>(c.cu_seqlens_k.data);
+    // max_seqlen_q / max_seqlen_k are upper bounds, and no sequence is longer than its tensor's rows: the
+    // backends size their grids by the smaller (a loose bound near INT32_MAX overflowed the CPU backend's tile
+    // count, which then ran no tile). A paged cache's rows are bounded by its capacity, checked below.
+    p->seqlen_q = int(std::min<int64_t>(c.max_seqlen_q, c.q.shape[0]));
+    if (!paged) p->seqlen_k = int(std::min<int64_t>(c.max_seqlen_k, c.k.shape[0]));
   }
 
   // paged K/V

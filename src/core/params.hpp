@@ -23,8 +23,8 @@ struct AttentionParams {
 
   // ---- sizes ----
   int batch;                // B: number of sequences
-  int seqlen_q;             // dense: Sq of every sequence; varlen: max_seqlen_q (an upper bound)
-  int seqlen_k;             // dense: Sk; varlen: max_seqlen_k; paged: max_blocks * page_block_size
+  int seqlen_q;             // dense: Sq of every sequence; varlen: min(max_seqlen_q, total_q) (an upper bound)
+  int seqlen_k;             // dense: Sk; varlen: min(max_seqlen_k, total_k); paged: max_blocks * page_block_size
   int heads_q;              // Hq
   int heads_k;              // Hk, Hq % Hk == 0; query head h reads key/value head h / (Hq / Hk)
   int head_dim;             // D of q and k

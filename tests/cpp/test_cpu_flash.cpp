@@ -10,6 +10,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/dtype.hpp"
@@ -285,6 +286,35 @@ TEST(CpuFlashForward, Varlen) {
   }
   pr.dtype = FA_BFLOAT16;
   expect_forward_like_oracle(pr, flash_options(), "varlen bf16");
+}
+
+// max_seqlen_q / max_seqlen_k are upper bounds: a loose one, up to INT32_MAX, gives the tight one's results
+// (to float32 rounding: the tiles may be cut differently), forward and backward. (INT32_MAX used to overflow
+// the tile count: no tile ran and out stayed 0. Found by RandomCalls.)
+TEST(CpuFlashForward, VarlenLooseMaxSeqlen) {
+  auto rng = fa_test::make_rng("varlen-loose-max");
+  Problem pr = problem(3, 0, 0, 4, 2, 32);
+  pr.varlen_q = {5, 0, 37};
+  pr.varlen_k = {7, 3, 50};
+  fa_test::Tensors tight = fa_test::make_tensors(pr, rng);
+  fa_options o = flash_options();
+  o.causal = 1;
+  ASSERT_TRUE(forward(fa_test::forward_args(tight), o).ok());
+  ASSERT_TRUE(backward(fa_test::backward_args(tight), o).ok());
+  for (const int32_t loose : {51, 1 << 20, std::numeric_limits<int32_t>::max()}) {  // the longest sequence has 50 keys
+    fa_test::Tensors t = tight;
+    t.poison_outputs();
+    t.max_seqlen_q = loose;
+    t.max_seqlen_k = loose;
+    ASSERT_TRUE(forward(fa_test::forward_args(t), o).ok()) << loose;
+    ASSERT_TRUE(backward(fa_test::backward_args(t), o).ok()) << loose;
+    for (const auto& [name, got, want] : {std::tuple{"out", &t.out, &tight.out}, std::tuple{"lse", &t.lse, &tight.lse},
+                                          std::tuple{"dq", &t.dq, &tight.dq}, std::tuple{"dk", &t.dk, &tight.dk},
+                                          std::tuple{"dv", &t.dv, &tight.dv}}) {
+      const fa_test::ErrorStats e = fa_test::compare(*got, *want);
+      EXPECT_TRUE(e.nan == 0 && e.mismatched_inf == 0 && e.rel_l2 <= 1e-6) << name << ", max_seqlen " << loose << ": " << e.to_string();
+    }
+  }
 }
 
 // Varlen gives what each sequence gives alone, densely.
