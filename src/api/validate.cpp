@@ -17,6 +17,10 @@ namespace {
 
 constexpr int kMaxHeadDim = 1024;  // a sanity bound for every backend; CUDA compiles fewer
 constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
+// The largest extent of batch, rows and heads (flashattn.h): the backends count rows in int32 and step
+// past the last one by a tile (at most 2^20 rows), which must not overflow. (At 2^31 - 48 keys the CPU
+// backend's key loop wrapped to negative rows and read outside k.)
+constexpr int64_t kMaxExtent = (int64_t(1) << 31) - (int64_t(1) << 20);
 
 // The integer in a C enum field, read without an enum-typed load: a caller may pass any int there,
 // and loading a value outside the enumerators as the enum type is undefined behaviour in C++.
@@ -83,8 +87,9 @@ Status check_extent(const Arg& a, int dim, const char* dim_name, int64_t expecte
 }
 
 Status check_fits_int32(const Arg& a, int dim, const char* dim_name) {
-  if (a.t.shape[dim] > kMaxInt32)
-    return FA_INVALID("%s: dimension %d (%s) = %lld exceeds the int32 range", a.name, dim, dim_name, (long long)a.t.shape[dim]);
+  if (a.t.shape[dim] > kMaxExtent)
+    return FA_INVALID("%s: dimension %d (%s) = %lld exceeds the largest extent, 2^31 - 2^20 = %lld", a.name, dim, dim_name,
+                      (long long)a.t.shape[dim], (long long)kMaxExtent);
   return Status();
 }
 
@@ -331,7 +336,9 @@ Status fill_core(const Core& c, const fa_options& options, AttentionParams* p) {
     p->num_blocks = int(c.k.shape[0]);
     if (p->page_block_size < 1) return FA_INVALID("k: dimension 1 (block_size) must be >= 1, got %d", p->page_block_size);
     const int64_t capacity = c.block_table->shape[1] * int64_t(p->page_block_size);
-    if (capacity > kMaxInt32) return FA_INVALID("block_table: max_blocks * block_size = %lld exceeds the int32 range", (long long)capacity);
+    if (capacity > kMaxExtent)
+      return FA_INVALID("block_table: max_blocks * block_size = %lld exceeds the largest extent, 2^31 - 2^20 = %lld", (long long)capacity,
+                        (long long)kMaxExtent);
     if (!varlen) p->seqlen_k = int(capacity);
     else if (c.max_seqlen_k > capacity)
       return FA_INVALID("max_seqlen_k: %d exceeds the paged capacity max_blocks * block_size = %lld", c.max_seqlen_k, (long long)capacity);

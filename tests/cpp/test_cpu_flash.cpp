@@ -317,6 +317,44 @@ TEST(CpuFlashForward, VarlenLooseMaxSeqlen) {
   }
 }
 
+// 2^31 - 2^20 keys, the largest extent (flashattn.h), all rows at one address (stride 0): with a window of
+// one key per query the answer is known: out = that v row, lse = its score. (At 2^31 - 48 keys the key loop
+// used to step past INT32_MAX and read at negative rows.)
+TEST(CpuFlashForward, KeysAtTheLargestExtent) {
+  constexpr int64_t kLargest = (int64_t(1) << 31) - (int64_t(1) << 20);
+  constexpr int kSq = 3, kD = 8;
+  std::vector<float> q(size_t(kSq) * kD), kv(kD), out(size_t(kSq) * kD, std::nanf("")), lse(kSq, std::nanf(""));
+  for (int i = 0; i < kSq * kD; ++i) q[size_t(i)] = 0.25f * float(i % 7) - 0.5f;
+  for (int d = 0; d < kD; ++d) kv[size_t(d)] = float(d) - 3.f;
+  auto view = [](float* data, std::vector<int64_t> shape, std::vector<int64_t> strides) {
+    fa_tensor t{};
+    t.data = data;
+    t.ndim = int32_t(shape.size());
+    for (size_t d = 0; d < shape.size(); ++d) t.shape[d] = shape[d], t.strides[d] = strides[d];
+    t.dtype = FA_FLOAT32;
+    t.device = FA_DEVICE_CPU;
+    return t;
+  };
+  fa_forward_args a{};
+  a.q = view(q.data(), {1, kSq, 1, kD}, {kSq * kD, kD, kD, 1});
+  a.k = view(kv.data(), {1, kLargest, 1, kD}, {0, 0, kD, 1});
+  a.v = a.k;
+  a.out = view(out.data(), {1, kSq, 1, kD}, {kSq * kD, kD, kD, 1});
+  a.lse = view(lse.data(), {1, 1, kSq}, {kSq, kSq, 1});
+  fa_options o = flash_options();
+  o.causal = 1;        // query i sees keys up to Sk - Sq + i ...
+  o.window_left = 0;   // ... and none before it: one key
+  const Status s = forward(a, o);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  const double scale = 1.0 / std::sqrt(double(kD));
+  for (int i = 0; i < kSq; ++i) {
+    double score = 0;
+    for (int d = 0; d < kD; ++d) score += double(q[size_t(i) * kD + d]) * kv[size_t(d)];
+    EXPECT_NEAR(lse[size_t(i)], score * scale, 1e-5) << "row " << i;
+    for (int d = 0; d < kD; ++d) EXPECT_EQ(out[size_t(i) * kD + d], kv[size_t(d)]) << "row " << i << " column " << d;
+  }
+}
+
 // Varlen gives what each sequence gives alone, densely.
 TEST(CpuFlashForward, VarlenEqualsPerSequenceDense) {
   auto rng = fa_test::make_rng("varlen-dense");

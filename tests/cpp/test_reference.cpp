@@ -6,6 +6,8 @@
 
 #include <cmath>
 #include <limits>
+#include <string>
+#include <vector>
 
 #include "cpu/reference/reference.hpp"
 #include "testing.hpp"
@@ -36,6 +38,43 @@ HeadProblem random_problem(std::mt19937_64& rng, int sq, int sk, int d, int dv) 
 
 // With identical keys every visible key gets the same probability, so out_i is the mean of the
 // visible values: this pins down which keys each query sees.
+// A call whose float64 copies do not fit in memory (here 2^31 - 2^20 keys of D = 256, 4 TiB as float64; the
+// inputs are one row at stride 0) is FA_ERROR_OUT_OF_MEMORY, not a terminated program: the allocation fails
+// inside the backend's parallel loop, which no exception may leave. (Not under AddressSanitizer, which
+// reports so large an allocation itself.)
+TEST(Reference, MemoryPastTheMachineIsAnErrorNotACrash) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer reports the allocation itself";
+#else
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+  GTEST_SKIP() << "AddressSanitizer reports the allocation itself";
+#endif
+#endif
+  constexpr int64_t kKeys = (int64_t(1) << 31) - (int64_t(1) << 20);
+  constexpr int kD = 256;
+  std::vector<float> q(kD, 0.1f), kv(kD, 1.f), out(kD, 7.f), lse(1, 7.f);
+  auto view = [](float* data, std::vector<int64_t> shape, std::vector<int64_t> strides) {
+    fa_tensor t{};
+    t.data = data;
+    t.ndim = int32_t(shape.size());
+    for (size_t d = 0; d < shape.size(); ++d) t.shape[d] = shape[d], t.strides[d] = strides[d];
+    t.dtype = FA_FLOAT32;
+    t.device = FA_DEVICE_CPU;
+    return t;
+  };
+  fa_forward_args a{};
+  a.q = view(q.data(), {1, 1, 1, kD}, {kD, kD, kD, 1});
+  a.k = view(kv.data(), {1, kKeys, 1, kD}, {0, 0, kD, 1});
+  a.v = a.k;
+  a.out = view(out.data(), {1, 1, 1, kD}, {kD, kD, kD, 1});
+  a.lse = view(lse.data(), {1, 1, 1}, {1, 1, 1});
+  const Status s = forward(a, fa_test::options_for(FA_BACKEND_CPU_REFERENCE));
+  EXPECT_EQ(s.code(), FA_ERROR_OUT_OF_MEMORY) << s.to_string();
+  EXPECT_NE(s.message().find("host allocation failed"), std::string::npos) << s.to_string();
+#endif
+}
+
 TEST(Reference, CausalIsBottomRightAligned) {
   auto rng = fa_test::make_rng("causal");
   HeadProblem p = random_problem(rng, 2, 5, 4, 3);

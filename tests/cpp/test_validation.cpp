@@ -142,6 +142,11 @@ TEST(Validation, Shapes) {
   check_forward_rule("out Dv", [](DenseCall& c) { c.fwd.out.shape[3] = 4; }, {kInvalid, "out: dimension 3 (Dv) must be 8 like v"});
   check_forward_rule("out ndim", [](DenseCall& c) { drop_leading_dim(c.fwd.out); }, {kInvalid, "out: expected 4 dimensions"});
   check_forward_rule("too long", [](DenseCall& c) { c.fwd.q.shape[1] = int64_t(1) << 33; }, {kInvalid, "q: dimension 1 (extent)"});
+  // 2^31 - 2^20 is the largest extent (flashattn.h); k's rows all at one address (stride 0) make it cheap.
+  constexpr int64_t kLargest = (int64_t(1) << 31) - (int64_t(1) << 20);
+  check_forward_rule("keys past the largest extent", [](DenseCall& c) {
+    for (fa_tensor* t : {&c.fwd.k, &c.fwd.v}) t->shape[1] = kLargest + 1, t->strides[0] = t->strides[1] = 0;
+  }, {kInvalid, "k: dimension 1 (extent) = 2146435073 exceeds the largest extent, 2^31 - 2^20 = 2146435072"});
 }
 
 TEST(Validation, Lse) {

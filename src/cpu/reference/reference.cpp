@@ -1,7 +1,10 @@
 #include "cpu/reference/reference.hpp"
 
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <new>
+#include <stdexcept>
 
 #include "core/dtype.hpp"
 #include "core/mask.hpp"
@@ -230,22 +233,45 @@ void rotate(const KvcacheParams& p, int position, double* x) {
 
 namespace {
 
+// body(i) for i in [0, n) on `threads` OpenMP threads. An exception must not leave a parallel region (the
+// program would terminate), so each is caught in its iteration, the rest are skipped, and the first kind is
+// reported after the loop: this backend holds a head's Sq x Sk scores in float64, which a long call may fail
+// to allocate (FA_ERROR_OUT_OF_MEMORY; outputs may then be partly written).
+template <typename Body>
+Status parallel_for(int n, int threads, const Body& body) {
+  enum { kNone, kMemory, kOther };
+  std::atomic<int> failure{kNone};
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int i = 0; i < n; ++i) {
+    if (failure.load(std::memory_order_relaxed) != kNone) continue;
+    try {
+      body(i);
+    } catch (const std::bad_alloc&) {
+      failure = kMemory;
+    } catch (const std::length_error&) {  // a vector longer than the address space
+      failure = kMemory;
+    } catch (...) {
+      failure = kOther;
+    }
+  }
+  if (failure == kMemory)
+    return error(FA_ERROR_OUT_OF_MEMORY, "host allocation failed: cpu_reference holds each head's Sq x Sk scores in float64");
+  if (failure == kOther) return error(FA_ERROR_INTERNAL, "cpu_reference: unexpected exception");
+  return Status();
+}
+
 Status forward_impl(const AttentionParams& p, bool emulate) {
-  const int heads = p.batch * p.heads_q;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(p.num_threads)
-  for (int bh = 0; bh < heads; ++bh) {
+  return parallel_for(p.batch * p.heads_q, p.num_threads, [&](int bh) {
     const HeadIndex x = head_index(p, bh);
     store_result(x, attend(make_problem(x, emulate)));
-  }
-  return Status();
+  });
 }
 
 Status backward_impl(const BackwardParams& p, bool emulate) {
   // Parallel over (b, key head): the query heads of one group accumulate into the same dk/dv.
   const int groups = p.batch * p.heads_k;
   const int group_size = p.heads_q / p.heads_k;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(p.num_threads)
-  for (int bg = 0; bg < groups; ++bg) {
+  return parallel_for(groups, p.num_threads, [&](int bg) {
     const int b = bg / p.heads_k, hk = bg % p.heads_k;
     const SequenceExtent e = sequence_extent(p, b);
     std::vector<double> dk(size_t(e.seqlen_k) * p.head_dim, 0.0), dv(size_t(e.seqlen_k) * p.head_dim_v, 0.0);
@@ -264,8 +290,7 @@ Status backward_impl(const BackwardParams& p, bool emulate) {
       for (int c = 0; c < p.head_dim; ++c) store_from_float(p.dk, k_row + c, p.dtype, float(dk[size_t(j) * p.head_dim + c]));
       for (int c = 0; c < p.head_dim_v; ++c) store_from_float(p.dv, v_row + c, p.dtype, float(dv[size_t(j) * p.head_dim_v + c]));
     }
-  }
-  return Status();
+  });
 }
 
 }  // namespace
@@ -308,9 +333,7 @@ Status kvcache(const KvcacheParams& p) {
   //    stay the cache rows'). Rotary positions of the queries: cached + i when causal or windowed (each query is
   //    a new token), else all at `cached` (flash_attn's convention for non-causal decode).
   const bool per_token_positions = p.window_left >= 0 || p.window_right >= 0;
-  const int heads = p.batch * p.heads_q;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(p.num_threads)
-  for (int bh = 0; bh < heads; ++bh) {
+  return parallel_for(p.batch * p.heads_q, p.num_threads, [&](int bh) {
     HeadIndex x = head_index(p, bh);
     const int cached = p.cache_seqlens[x.b];
     x.e.seqlen_k = cached + p.seqlen_new;
@@ -320,8 +343,7 @@ Status kvcache(const KvcacheParams& p) {
       for (int i = 0; i < x.e.seqlen_q; ++i)
         rotate(p, per_token_positions ? cached + i : cached, &hp.q[size_t(i) * p.head_dim]);
     store_result(x, attend(hp));
-  }
-  return Status();
+  });
 }
 
 }  // namespace flashattn::cpu::reference
