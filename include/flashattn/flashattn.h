@@ -12,8 +12,8 @@
  *   lse     float32, dense (B, Hq, Sq), varlen (Hq, total_q); natural log of the row's sum of exp
  * Any strides are accepted except that the last dimension must be contiguous (stride 1).
  * Hq must be a multiple of Hk (multi-query and grouped-query attention).
- * Every extent but the last (batch, rows, heads; a paged cache's max_blocks * block_size) is at most
- * 2^31 - 2^20: rows are counted in int32, with room for a tile past the last one.
+ * Every extent but the last (batch, rows, heads; a paged cache's max_blocks * block_size), and B * Hq,
+ * is at most 2^31 - 2^20: rows and heads are counted in int32, with room for a tile past the last one.
  *
  * Semantics (identical on every backend):
  *   scores  = softmax_scale * q k^T                (softmax_scale 0 means 1/sqrt(D))

@@ -298,6 +298,11 @@ Status fill_core(const Core& c, const fa_options& options, AttentionParams* p) {
   if (p->heads_k < 1) return FA_INVALID("k: dimension %d (Hk) must be >= 1, got %d", khd, p->heads_k);
   if (p->heads_q % p->heads_k != 0)
     return FA_INVALID("k: dimension %d (Hk) must divide q's Hq = %d, got %d", khd, p->heads_q, p->heads_k);
+  // The backends count (batch, head) pairs in int32 (cpu_reference: B * Hq = 3 * 10^9 wrapped negative and it
+  // returned without computing anything).
+  if (int64_t(p->batch) * p->heads_q > kMaxExtent)
+    return FA_INVALID("q: B * Hq = %d * %d = %lld exceeds the largest extent, 2^31 - 2^20 = %lld", p->batch, p->heads_q,
+                      (long long)(int64_t(p->batch) * p->heads_q), (long long)kMaxExtent);
   FA_RETURN_IF_ERROR(check_extent(k, khd + 1, "D", p->head_dim, "q"));
   p->head_dim_v = int(c.v.shape[khd + 1]);
   if (p->head_dim_v < 1 || p->head_dim_v > kMaxHeadDim)

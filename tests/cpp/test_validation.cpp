@@ -147,6 +147,9 @@ TEST(Validation, Shapes) {
   check_forward_rule("keys past the largest extent", [](DenseCall& c) {
     for (fa_tensor* t : {&c.fwd.k, &c.fwd.v}) t->shape[1] = kLargest + 1, t->strides[0] = t->strides[1] = 0;
   }, {kInvalid, "k: dimension 1 (extent) = 2146435073 exceeds the largest extent, 2^31 - 2^20 = 2146435072"});
+  check_forward_rule("B * Hq past the largest extent", [](DenseCall& c) {
+    for (fa_tensor* t : {&c.fwd.q, &c.fwd.out}) t->shape[2] = int64_t(1) << 30, t->strides[0] = t->strides[1] = t->strides[2] = 0;
+  }, {kInvalid, "q: B * Hq = 2 * 1073741824 = 2147483648 exceeds the largest extent"});
 }
 
 TEST(Validation, Lse) {
