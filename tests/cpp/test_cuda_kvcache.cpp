@@ -651,6 +651,66 @@ void check_head_dims(KvCase (*make_case)(fa_dtype), std::initializer_list<int> d
     }
 }
 
+// A random case among those the CUDA kvcache takes (the test policy's fresh inputs and odd sizes, over every
+// option at once): 16-bit or FP8 caches of the compiled head dims, GQA groups of 1 to 8, contiguous (strided
+// rows, left padding) or paged (block sizes 1 to 256, heads-major blocks, repeated blocks when nothing is
+// appended), append, rotary of either layout, masks, softcap, ALiBi, a scale, split counts, a peaky softmax.
+// `small` bounds the sizes for the CPU run of the harness.
+KvCase random_case(std::mt19937_64& rng, bool small) {
+  auto pick = [&](std::initializer_list<int> values) { return *(values.begin() + rng() % values.size()); };
+  auto chance = [&](double p) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; };
+  KvCase c;
+  c.dtype = chance(0.5) ? FA_BFLOAT16 : FA_FLOAT16;
+  c.fp8 = chance(0.25);
+  c.head_dim = c.fp8 ? pick({32, 48, 64, 80, 112, 128, 192, 256}) : pick({32, 64, 80, 96, 128, 192, 256});
+  c.heads_k = pick({1, 1, 2, 4});
+  c.heads_q = c.heads_k * (small ? pick({1, 2, 4}) : pick({1, 2, 4, 8}));
+  c.batch = 1 + int(rng() % (small ? 3 : 6));
+  c.seqlen_q = small ? pick({1, 1, 2, 5}) : pick({1, 1, 1, 2, 4, 7, 16, 33});
+  c.seqlen_new = chance(0.5) ? 0 : (chance(0.7) ? c.seqlen_q : 1 + int(rng() % 3));
+  c.capacity = c.seqlen_new + (small ? pick({1, 17, 100, 300}) : pick({1, 17, 100, 300, 1030, 4100}));
+  c.cached.resize(size_t(c.batch));
+  for (int& n : c.cached) n = int(rng() % uint64_t(c.capacity - c.seqlen_new + 1));
+  if (chance(0.5)) {
+    c.block_size = pick({1, 3, 16, 16, 32, 64, 256});
+    c.heads_major_blocks = chance(0.2);
+    c.repeat_blocks = c.seqlen_new == 0 && chance(0.2);  // (appends into a shared block would race)
+  } else {
+    if (chance(0.2)) c.cache_row_pad = c.fp8 ? 32 : 8;  // 16-byte rows
+    if (chance(0.2)) {
+      c.leftpad.resize(size_t(c.batch));
+      for (int b = 0; b < c.batch; ++b) c.leftpad[size_t(b)] = int(rng() % uint64_t(c.cached[size_t(b)] + 1));
+    }
+  }
+  if (chance(0.3)) {
+    c.rotary = chance(0.5) ? 1 : 2;
+    c.rotary_dim = chance(0.5) ? 0 : c.head_dim / 2 - (c.head_dim / 2) % 2;
+  }
+  c.causal = chance(0.5);
+  if (chance(0.2)) c.window_left = int(rng() % 300);
+  if (!c.causal && chance(0.1)) c.window_right = int(rng() % 5);
+  if (chance(0.15)) c.softcap = 30.f;
+  c.alibi = chance(0.15);
+  if (chance(0.2)) c.softmax_scale = 0.05f;
+  if (chance(0.3)) c.num_splits = pick({1, 2, 3, 8, 33});
+  if (chance(0.1)) c.input_std = 4.0;
+  return c;
+}
+
+TEST(CudaKvcache, RandomCases) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("random kvcache cases");
+  for (int n = 0; n < 200 && !HasFailure(); ++n) check_case("random case " + std::to_string(n), random_case(rng, false));
+}
+
+// The generator above on the CPU flash backend, so that CI runs its cases through this file's oracle and judge
+// (which a wrong case, not a wrong kernel, would fail).
+TEST(CudaKvcacheHarness, RandomCasesOnTheCpuFlashBackend) {
+  auto rng = fa_test::make_rng("random kvcache cases on the cpu");
+  for (int n = 0; n < 40 && !HasFailure(); ++n)
+    check_case("random case " + std::to_string(n), random_case(rng, true), FA_BACKEND_CPU_FLASH);
+}
+
 TEST(CudaKvcache, HeadDimsAndDtypes) {
   SKIP_WITHOUT_GPU();
   check_head_dims([](fa_dtype dtype) { KvCase c; c.dtype = dtype; return c; }, {32, 64, 80, 96, 128, 192, 256}, "");
