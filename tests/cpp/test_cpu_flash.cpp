@@ -326,14 +326,8 @@ TEST(CpuFlashForward, KeysAtTheLargestExtent) {
   std::vector<float> q(size_t(kSq) * kD), kv(kD), out(size_t(kSq) * kD, std::nanf("")), lse(kSq, std::nanf(""));
   for (int i = 0; i < kSq * kD; ++i) q[size_t(i)] = 0.25f * float(i % 7) - 0.5f;
   for (int d = 0; d < kD; ++d) kv[size_t(d)] = float(d) - 3.f;
-  auto view = [](float* data, std::vector<int64_t> shape, std::vector<int64_t> strides) {
-    fa_tensor t{};
-    t.data = data;
-    t.ndim = int32_t(shape.size());
-    for (size_t d = 0; d < shape.size(); ++d) t.shape[d] = shape[d], t.strides[d] = strides[d];
-    t.dtype = FA_FLOAT32;
-    t.device = FA_DEVICE_CPU;
-    return t;
+  auto view = [](float* data, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides) {
+    return fa_test::host_view(data, FA_FLOAT32, shape, strides);
   };
   fa_forward_args a{};
   a.q = view(q.data(), {1, kSq, 1, kD}, {kSq * kD, kD, kD, 1});

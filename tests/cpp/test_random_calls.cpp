@@ -222,12 +222,17 @@ void draw_options(Call& c, std::mt19937_64& rng, int batch, int heads_q, bool dr
 // A valid KV-cache call: small random sizes, contiguous or paged (block sizes 1 to 16, shuffled ids, spare blocks)
 // or through cache_batch_idx, float32 / float16 / bfloat16, FP8 caches, append, rotary, left padding,
 // masks and the other options.
-void make_kvcache_call(Call& c, std::mt19937_64& rng, fa_backend backend) {
-  c.api = Api::kKvcache;
+// The start of every drawn call: its entry point, default options for `backend`, 1 or 2 threads.
+void start_call(Call& c, Api api, fa_backend backend, std::mt19937_64& rng) {
+  c.api = api;
   c.buffers.reserve(20);  // at most 17 buffers: references stay valid while adding
   fa_options_init(&c.options);
   c.options.backend = backend;
   c.options.num_threads = uniform(rng, 1, 2);
+}
+
+void make_kvcache_call(Call& c, std::mt19937_64& rng, fa_backend backend) {
+  start_call(c, Api::kKvcache, backend, rng);
   const int B = uniform(rng, 1, 3), Sq = pick(rng, {1, 1, 2, 3, 5}), Hk = uniform(rng, 1, 2), Hq = Hk * pick(rng, {1, 2, 3});
   const int D = pick(rng, {8, 16, 40, 64}), Dv = chance(rng, 0.8) ? D : pick(rng, {8, 24});
   c.dtype = pick(rng, {FA_FLOAT32, FA_FLOAT16, FA_BFLOAT16});
@@ -407,11 +412,7 @@ Shapes draw_attention(Call& c, std::mt19937_64& rng, bool dense_only, fa_tensor&
 }
 
 void make_forward_call(Call& c, std::mt19937_64& rng, fa_backend backend) {
-  c.api = Api::kForward;
-  c.buffers.reserve(20);
-  fa_options_init(&c.options);
-  c.options.backend = backend;
-  c.options.num_threads = uniform(rng, 1, 2);
+  start_call(c, Api::kForward, backend, rng);
   fa_forward_args& a = c.fwd;
   // cpu_standard takes the dense layout only (else FA_ERROR_UNSUPPORTED: not what this test draws calls for)
   const Shapes s = draw_attention(c, rng, backend == FA_BACKEND_CPU_STANDARD, a.q, a.k, a.v, a.cu_seqlens_q, a.cu_seqlens_k,
@@ -436,11 +437,7 @@ fa_status forward_for_backward(Call& c, fa_error* error) {
 // the recomputed probabilities, and the backends may compute rowsum(dP * P) as rowsum(dout * out), which
 // holds only for the forward's out).
 void make_backward_call(Call& c, std::mt19937_64& rng, fa_backend backend) {
-  c.api = Api::kBackward;
-  c.buffers.reserve(20);
-  fa_options_init(&c.options);
-  c.options.backend = backend;
-  c.options.num_threads = uniform(rng, 1, 2);
+  start_call(c, Api::kBackward, backend, rng);
   c.options.deterministic = uniform(rng, 0, 1);
   fa_backward_args& a = c.bwd;
   const Shapes s = draw_attention(c, rng, false, a.q, a.k, a.v, a.cu_seqlens_q, a.cu_seqlens_k, a.max_seqlen_q,

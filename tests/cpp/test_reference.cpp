@@ -54,14 +54,8 @@ TEST(Reference, MemoryPastTheMachineIsAnErrorNotACrash) {
   constexpr int64_t kKeys = (int64_t(1) << 31) - (int64_t(1) << 20);
   constexpr int kD = 256;
   std::vector<float> q(kD, 0.1f), kv(kD, 1.f), out(kD, 7.f), lse(1, 7.f);
-  auto view = [](float* data, std::vector<int64_t> shape, std::vector<int64_t> strides) {
-    fa_tensor t{};
-    t.data = data;
-    t.ndim = int32_t(shape.size());
-    for (size_t d = 0; d < shape.size(); ++d) t.shape[d] = shape[d], t.strides[d] = strides[d];
-    t.dtype = FA_FLOAT32;
-    t.device = FA_DEVICE_CPU;
-    return t;
+  auto view = [](float* data, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides) {
+    return fa_test::host_view(data, FA_FLOAT32, shape, strides);
   };
   fa_forward_args a{};
   a.q = view(q.data(), {1, 1, 1, kD}, {kD, kD, kD, 1});

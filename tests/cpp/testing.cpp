@@ -103,6 +103,16 @@ int64_t HostTensor::count_nonfinite() const {
   return bad;
 }
 
+fa_tensor host_view(void* data, fa_dtype dtype, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides) {
+  fa_tensor t{};
+  t.data = data;
+  t.ndim = int32_t(shape.size());
+  for (size_t d = 0; d < shape.size(); ++d) t.shape[d] = shape[d], t.strides[d] = strides[d];
+  t.dtype = dtype;
+  t.device = FA_DEVICE_CPU;
+  return t;
+}
+
 std::mt19937_64 make_rng(const std::string& salt) {
   // Fresh inputs every run (DESIGN.md), reproducible from the printed seed: FA_TEST_SEED=<n>.
   static const uint64_t base = [] {

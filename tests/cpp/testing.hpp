@@ -67,6 +67,9 @@ class HostTensor {
 
 std::mt19937_64 make_rng(const std::string& salt);  // fresh seed per test run, printed on failure
 
+// A host view of `data` with any shape and strides (elements), e.g. rows at stride 0 for huge extents.
+fa_tensor host_view(void* data, fa_dtype dtype, const std::vector<int64_t>& shape, const std::vector<int64_t>& strides);
+
 struct ErrorStats {
   double max_abs = 0;        // max |got - ref|
   double rel_l2 = 0;         // ||got - ref|| / ||ref|| (ref norm floored at 1e-30)
