@@ -244,6 +244,37 @@ def test_varlen_matches_dense_per_sequence(rng, backend):
             assert_close(actual[None], expected, torch.float32, what=f"{name} of sequence {s}")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_varlen_loose_max_seqlen(rng, backend):
+    """max_seqlen_q / max_seqlen_k are upper bounds: up to 2**31 - 1 they give the tight bound's results (a bound
+    near INT32_MAX once overflowed the CPU tile count, and the call returned with out never written)."""
+    lengths_q, lengths_k = [3, 0, 21], [5, 2, 30]
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lengths_q)]), dtype=torch.int32)
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lengths_k)]), dtype=torch.int32)
+    q = randn(rng, (sum(lengths_q), 4, 32), torch.float32).requires_grad_()
+    k = randn(rng, (sum(lengths_k), 2, 32), torch.float32).requires_grad_()
+    v = randn(rng, (sum(lengths_k), 2, 32), torch.float32).requires_grad_()
+    dout = randn(rng, (sum(lengths_q), 4, 32), torch.float32)
+
+    def run(max_q, max_k):
+        out = fat.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, backend=backend)
+        return (out,) + torch.autograd.grad(out, (q, k, v), dout)
+
+    tight = run(max(lengths_q), max(lengths_k))
+    for loose in (64, 2**31 - 1):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), run(loose, loose), tight):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"{name} with max_seqlen {loose}")
+
+
+def test_kvcache_num_splits_bounds(rng):
+    q = randn(rng, (1, 1, 2, 32), torch.float32)
+    cache = randn(rng, (1, 40, 1, 32), torch.float32)
+    with pytest.raises(flashattn.InvalidArgumentError, match=r"num_splits: must be in \[0, 1024\]"):
+        fat.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=30, num_splits=1025)
+    most = fat.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=30, num_splits=1024)
+    torch.testing.assert_close(most, fat.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=30), rtol=1e-5, atol=1e-6)
+
+
 def test_varlen_paged_forward(rng):
     lengths = [5, 37, 16]
     hq, hk, d, block = 4, 2, 32, 16
