@@ -14,7 +14,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -196,7 +195,7 @@ T pick(std::mt19937_64& rng, std::initializer_list<T> values) {
 int uniform(std::mt19937_64& rng, int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); }
 bool chance(std::mt19937_64& rng, double p) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; }
 
-// Masks and the other options of a valid call; `alibi_batch` > 0: ALiBi slopes of (B, Hq) or (Hq).
+// Masks and the other options of a valid call (ALiBi slopes of (B, Hq) or (Hq); dropout where `dropout`).
 void draw_options(Call& c, std::mt19937_64& rng, int batch, int heads_q, bool dropout) {
   c.options.causal = chance(rng, 0.4);
   if (chance(rng, 0.25)) c.options.window_left = uniform(rng, 0, 6);
