@@ -63,7 +63,7 @@ struct Buffer {
 };
 
 // Bytes from data to the end of the view's last element; -1 when the view cannot be measured
-// (rank out of range, unknown dtype, negative extent or stride) or reaches beyond 2^40 bytes.
+// (rank out of range, unknown dtype, negative extent or stride); 2^62 when it reaches beyond 2^40 elements.
 int64_t reach_bytes(const fa_tensor& t) {
   const int64_t elem = size_of(raw(t.dtype));
   if (t.ndim < 0 || t.ndim > FA_MAX_DIMS || elem == 0) return -1;
@@ -72,10 +72,12 @@ int64_t reach_bytes(const fa_tensor& t) {
     if (t.shape[d] < 0 || t.strides[d] < 0) return -1;
     if (t.shape[d] == 0) return 0;
   }
+  constexpr int64_t kFar = int64_t(1) << 40;
   for (int d = 0; d < t.ndim; ++d) {
-    if (t.shape[d] > (int64_t(1) << 40) || t.strides[d] > (int64_t(1) << 40)) return int64_t(1) << 62;
+    // (shape - 1) * stride without overflow: both may be up to 2^63 after a break
+    if (t.strides[d] > 0 && t.shape[d] - 1 > kFar / t.strides[d]) return int64_t(1) << 62;
     last += (t.shape[d] - 1) * t.strides[d];
-    if (last > (int64_t(1) << 40)) return int64_t(1) << 62;
+    if (last > kFar) return int64_t(1) << 62;
   }
   return (last + 1) * elem;
 }
@@ -85,8 +87,9 @@ std::vector<int64_t> element_offsets(const fa_tensor& t);
 
 // Elements of a measurable view, saturating at 2^40.
 int64_t numel_of(const fa_tensor& t) {
+  constexpr int64_t kFar = int64_t(1) << 40;
   int64_t n = 1;
-  for (int d = 0; d < t.ndim; ++d) n = std::min<int64_t>(n * t.shape[d], int64_t(1) << 40);
+  for (int d = 0; d < t.ndim; ++d) n = t.shape[d] > 0 && n > kFar / t.shape[d] ? kFar : std::min(n * t.shape[d], kFar);
   return n;
 }
 
