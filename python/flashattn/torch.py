@@ -477,9 +477,19 @@ def _kvcache_impl(
     cache_batch_idx: Optional[Tensor] = None,
     cache_leftpad: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
+    return _kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, alibi_slopes,
+                         softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved, num_splits,
+                         backend, k_scale, v_scale, cache_batch_idx, cache_leftpad, want_lse=True)
+
+
+def _kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, alibi_slopes,
+                  softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved, num_splits, backend,
+                  k_scale, v_scale, cache_batch_idx, cache_leftpad, want_lse: bool):
+    """_kvcache_impl's body. want_lse False (eager calls without return_softmax_lse only: the custom op's schema
+    returns lse): the library gets no lse tensor and writes none, one allocation fewer per decode step; lse is None."""
     out_shape, lse_shape = _dense_out_shapes(q, v_cache)
     out = _empty(out_shape, q)
-    lse = _empty(lse_shape, q, torch.float32)
+    lse = _empty(lse_shape, q, torch.float32) if want_lse else None
     # An FP8 (e4m3) cache crosses to the library as the uint8 view of its codes (the same storage: the append
     # writes into the caller's cache), with its dequantisation scales.
     fp8 = _is_fp8(k_cache) or _is_fp8(v_cache)
@@ -501,7 +511,7 @@ def _kvcache_impl(
     if q.is_cuda:
         # Plan on the host once per batch shape (memoised), then run allocation-free with torch's memory.
         key = _plan_key(tensors + (alibi_slopes, cache_batch_idx, cache_leftpad, q.device, num_splits, rotary_interleaved,
-                                   fp8, k_scale, v_scale) + options)
+                                   fp8, k_scale, v_scale, want_lse) + options)
         num_splits, nbytes = _memoised(_kvcache_plans, key, lambda: _ext.plan_kvcache(
             *call_args(num_splits), _dl(alibi_slopes), *options, **cache_options()))
         workspace = torch.empty((nbytes,), dtype=torch.uint8, device=q.device) if nbytes > 0 else None
@@ -787,9 +797,12 @@ def flash_attn_with_kvcache(
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     rotary_cos, rotary_sin = _last_dim_contiguous(rotary_cos), _last_dim_contiguous(rotary_sin)
     check_fp8_scales(_is_fp8(k_cache), k_scale, v_scale)
-    run = _kvcache_impl if _eager() else _kvcache
-    out, lse = run(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, alibi_slopes,
-                        _scale(softmax_scale), bool(causal), left, right, float(softcap), bool(rotary_interleaved),
-                        int(num_splits), backend_id(backend), float(k_scale or 0.0), float(v_scale or 0.0),
-                        cache_batch_idx, cache_leftpad)
+    args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, alibi_slopes,
+            _scale(softmax_scale), bool(causal), left, right, float(softcap), bool(rotary_interleaved),
+            int(num_splits), backend_id(backend), float(k_scale or 0.0), float(v_scale or 0.0),
+            cache_batch_idx, cache_leftpad)
+    if _eager():
+        out, lse = _kvcache_call(*args, want_lse=bool(return_softmax_lse))
+    else:
+        out, lse = _kvcache(*args)
     return (out, lse) if return_softmax_lse else out

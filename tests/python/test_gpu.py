@@ -414,6 +414,27 @@ def test_kvcache_cache_batch_idx_on_gpu(dtype):
         check(out[s:s + 1], exact, naive, f"cache_batch_idx out of sequence {s}")
 
 
+@pytest.mark.parametrize("num_splits", [0, 1, 5])
+def test_kvcache_without_lse_on_gpu(num_splits):
+    """Without return_softmax_lse the eager call passes no lse (and plans under its own memo key): the out and
+    appended paged caches of the call with lse, bit for bit, with the split plan's count or a forced one."""
+    b, hq, hk, d, block, blocks_per_seq = 3, 32, 8, 128, 16, 64
+    cached = torch.tensor([1000, 17, 0], dtype=torch.int32, device="cuda")
+    table = torch.randperm(b * blocks_per_seq, device="cuda").to(torch.int32).reshape(b, blocks_per_seq)
+    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    k_new, v_new = (torch.randn(b, 1, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k_cache, v_cache = (torch.randn(b * blocks_per_seq, block, hk, d, device="cuda", dtype=torch.bfloat16)
+                        for _ in range(2))
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    kw = dict(cache_seqlens=cached, block_table=table, num_splits=num_splits)
+    out, lse = fat.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, return_softmax_lse=True, **kw)
+    out_alone = fat.flash_attn_with_kvcache(q, k2, v2, k_new, v_new, **kw)
+    torch.cuda.synchronize()
+    assert torch.isfinite(lse).all()
+    assert torch.equal(out_alone, out)
+    assert torch.equal(k2, k_cache) and torch.equal(v2, v_cache)
+
+
 @pytest.mark.skipif(getattr(torch, "float8_e4m3fn", None) is None, reason="this torch has no float8_e4m3fn")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])

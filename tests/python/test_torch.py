@@ -492,6 +492,32 @@ def test_kvcache_cache_batch_idx(rng, backend):
         fat.flash_attn_with_kvcache(q, k_slots, v_slots, cache_batch_idx=idx, block_table=table, **kw)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kvcache_without_lse_passes_none(rng, backend, monkeypatch):
+    """An eager call without return_softmax_lse hands the library no lse (one allocation fewer per decode step) and
+    gets the out and appended caches of the call with it, bit for bit."""
+    b, s_cache, s_new, hq, hk, d = 2, 16, 3, 4, 2, 32
+    cached = torch.tensor([7, 0], dtype=torch.int32)
+    q = randn(rng, (b, s_new, hq, d), torch.float32)
+    k_new, v_new = randn(rng, (b, s_new, hk, d), torch.float32), randn(rng, (b, s_new, hk, d), torch.float32)
+    k_cache, v_cache = randn(rng, (b, s_cache, hk, d), torch.float32), randn(rng, (b, s_cache, hk, d), torch.float32)
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    lse_passed = []
+    real_kvcache = fat._ext.kvcache
+
+    def spy(*args, **kwargs):
+        lse_passed.append(args[11] is not None)  # kvcache(q, k_cache, v_cache, block_table, cache_seqlens, k_new,
+        return real_kvcache(*args, **kwargs)     # v_new, rotary_cos, rotary_sin, rotary_interleaved, out, lse, ...)
+
+    monkeypatch.setattr(fat._ext, "kvcache", spy)
+    kw = dict(cache_seqlens=cached, causal=True, backend=backend)
+    out, lse = fat.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, return_softmax_lse=True, **kw)
+    out_alone = fat.flash_attn_with_kvcache(q, k2, v2, k_new, v_new, **kw)
+    assert lse_passed == [True, False]
+    assert isinstance(out_alone, torch.Tensor) and torch.equal(out_alone, out)
+    assert torch.equal(k2, k_cache) and torch.equal(v2, v_cache)
+
+
 def test_kvcache_int_seqlens_and_no_append(rng):
     b, s_cache, hq, hk, d = 2, 20, 2, 1, 32
     q = randn(rng, (b, 1, hq, d), torch.float32)
