@@ -14,14 +14,23 @@ namespace fa_test {
 
 using flashattn::dtype_size;
 
+namespace {
+std::vector<int64_t> row_major_strides(const std::vector<int64_t>& shape) {
+  std::vector<int64_t> strides(shape.size(), 1);
+  for (int d = int(shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * std::max<int64_t>(shape[d + 1], 1);
+  return strides;
+}
+}  // namespace
+
 HostTensor::HostTensor(std::vector<int64_t> shape, fa_dtype dtype) : shape_(std::move(shape)), dtype_(dtype) {
-  strides_.assign(shape_.size(), 1);
-  for (int d = int(shape_.size()) - 2; d >= 0; --d) strides_[d] = strides_[d + 1] * std::max<int64_t>(shape_[d + 1], 1);
+  strides_ = row_major_strides(shape_);
+  row_major_ = true;
   storage_.assign(size_t(std::max<int64_t>(numel(), 1) * dtype_size(dtype_)), 0);
 }
 
 HostTensor::HostTensor(std::vector<int64_t> shape, std::vector<int64_t> strides, fa_dtype dtype)
     : shape_(std::move(shape)), strides_(std::move(strides)), dtype_(dtype) {
+  row_major_ = strides_ == row_major_strides(shape_);
   int64_t extent = 1;
   for (size_t d = 0; d < shape_.size(); ++d)
     if (shape_[d] > 0) extent += (shape_[d] - 1) * strides_[d];
@@ -52,6 +61,7 @@ fa_tensor HostTensor::view_on(void* data, fa_device_kind device, int device_id) 
 }
 
 int64_t HostTensor::offset_of(int64_t logical) const {
+  if (row_major_) return logical;
   int64_t offset = 0;
   for (int d = int(shape_.size()) - 1; d >= 0; --d) {
     offset += (logical % shape_[d]) * strides_[d];
@@ -74,19 +84,22 @@ void HostTensor::set_int(int64_t logical, int32_t value) {
 }
 
 std::vector<double> HostTensor::to_double() const {
-  std::vector<double> v(static_cast<size_t>(numel()));
-  for (int64_t n = 0; n < numel(); ++n) v[n] = get(n);
+  const int64_t count = numel();
+  std::vector<double> v(static_cast<size_t>(count));
+  for (int64_t n = 0; n < count; ++n) v[size_t(n)] = get(n);
   return v;
 }
 
 void HostTensor::fill_normal(std::mt19937_64& rng, double stddev, double mean) {
   std::normal_distribution<double> dist(mean, stddev);
-  for (int64_t n = 0; n < numel(); ++n) set(n, dist(rng));
+  const int64_t count = numel();
+  for (int64_t n = 0; n < count; ++n) set(n, dist(rng));
 }
 
 void HostTensor::fill_uniform(std::mt19937_64& rng, double lo, double hi) {
   std::uniform_real_distribution<double> dist(lo, hi);
-  for (int64_t n = 0; n < numel(); ++n) set(n, dist(rng));
+  const int64_t count = numel();
+  for (int64_t n = 0; n < count; ++n) set(n, dist(rng));
 }
 
 void HostTensor::poison() {
@@ -99,7 +112,7 @@ void HostTensor::poison() {
 
 int64_t HostTensor::count_nonfinite() const {
   int64_t bad = 0;
-  for (int64_t n = 0; n < numel(); ++n) bad += !std::isfinite(get(n));
+  for (int64_t n = 0, count = numel(); n < count; ++n) bad += !std::isfinite(get(n));
   return bad;
 }
 
@@ -301,7 +314,7 @@ Oracle run_oracle(Tensors& t, const fa_options& options, bool with_backward) {
   // so run it on float32 copies of q/k/v/dout holding the same (already rounded) values.
   auto as_f32 = [](const HostTensor& src) {
     HostTensor dst(src.shape(), FA_FLOAT32);
-    for (int64_t n = 0; n < src.numel(); ++n) dst.set(n, src.get(n));
+    for (int64_t n = 0, count = src.numel(); n < count; ++n) dst.set(n, src.get(n));
     return dst;
   };
   exact.q = as_f32(t.q);

@@ -61,6 +61,7 @@ class HostTensor {
 
  private:
   std::vector<int64_t> shape_, strides_;
+  bool row_major_ = false;  // strides_ are the row-major ones of shape_: offset_of(n) is n (no divisions)
   fa_dtype dtype_ = FA_FLOAT32;
   std::vector<uint8_t> storage_;
 };
