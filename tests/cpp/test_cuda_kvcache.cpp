@@ -313,11 +313,15 @@ Expected expected_for(const KvCase& c, const KvTensors& pristine) {
   const Status fs = flashattn::forward(forward_args(q_exact, k_exact, v_exact, out_exact, &lse_exact), fo);
   EXPECT_TRUE(fs.ok()) << "oracle: " << fs.to_string();
   e.out64 = out_exact.to_double();
-  e.lse64.assign(size_t(c.batch) * c.heads_q * c.seqlen_q, 0.0);
-  for (int b = 0; b < c.batch; ++b)
-    for (int h = 0; h < c.heads_q; ++h)
-      for (int i = 0; i < c.seqlen_q; ++i)
-        e.lse64[(size_t(b) * c.heads_q + h) * c.seqlen_q + i] = lse_exact.get(int64_t(h) * rows_q + b * c.seqlen_q + i);
+  auto kvcache_lse_order = [&](const HostTensor& varlen_lse) {  // the forward's (Hq, rows) as the kvcache's (B, Hq, Sq)
+    std::vector<double> lse(size_t(c.batch) * c.heads_q * c.seqlen_q);
+    for (int b = 0; b < c.batch; ++b)
+      for (int h = 0; h < c.heads_q; ++h)
+        for (int i = 0; i < c.seqlen_q; ++i)
+          lse[(size_t(b) * c.heads_q + h) * c.seqlen_q + i] = varlen_lse.get(int64_t(h) * rows_q + b * c.seqlen_q + i);
+    return lse;
+  };
+  e.lse64 = kvcache_lse_order(lse_exact);
   HostTensor out_naive({rows_q, c.heads_q, d}, c.dtype), lse_naive({c.heads_q, rows_q}, FA_FLOAT32);
   fa_options naive_options = fo;
   if (c.fp8) {  // scores = scale * q . (code * k_scale): k_scale joins the softmax scale, in float as a kernel would
@@ -330,11 +334,7 @@ Expected expected_for(const KvCase& c, const KvTensors& pristine) {
   EXPECT_TRUE(v.ok()) << v.to_string();
   EXPECT_TRUE(flashattn::cpu::reference::forward_naive_same_precision(p).ok());
   e.naive_out = out_naive.to_double();
-  e.naive_lse.assign(e.lse64.size(), 0.0);
-  for (int b = 0; b < c.batch; ++b)
-    for (int h = 0; h < c.heads_q; ++h)
-      for (int i = 0; i < c.seqlen_q; ++i)
-        e.naive_lse[(size_t(b) * c.heads_q + h) * c.seqlen_q + i] = lse_naive.get(int64_t(h) * rows_q + b * c.seqlen_q + i);
+  e.naive_lse = kvcache_lse_order(lse_naive);
   // out = (P codes) * v_scale, delivered in the output dtype like every kernel's: the scaled value is rounded
   // to it once more (a one-key row's out is code x v_scale, which the 16-bit dtype cannot hold: without this
   // rounding the baseline's error there is ~0 and no 16-bit output could meet it; H200, 2026-11-30 11:22 UTC).
