@@ -173,7 +173,12 @@ typedef struct fa_kvcache_args {
   fa_tensor cache_seqlens;  /* required int32 (B): tokens already in the cache of sequence b */
   fa_tensor k_new, v_new;   /* optional (B, S_new, Hk, D/Dv): written at cache_seqlens[b].. first */
   fa_tensor rotary_cos, rotary_sin; /* optional (S_rotary, rotary_dim / 2), dtype of q: rotary
-                                       embedding of q and k_new at their absolute positions */
+                                       embedding of q and k_new at their absolute positions. The
+                                       rotated k_new is stored in the cache's dtype. The rotated q:
+                                       CUDA rounds it to q's dtype for the tensor cores (as a q rotated
+                                       by a separate kernel would be), the CPU backends attend with it
+                                       unrounded (float32 or wider); out and lse may differ by that
+                                       rounding (lse by ~1e-3 for one key at |lse| ~ 1 in bf16). */
   int32_t rotary_interleaved; /* nonzero: rotate pairs (0,1),(2,3)..; zero: halves (GPT-NeoX) */
   fa_tensor out;            /* (B, Sq, Hq, Dv) */
   fa_tensor lse;            /* optional float32 (B, Hq, Sq) */
