@@ -173,7 +173,12 @@ typedef struct fa_kvcache_args {
   fa_tensor cache_seqlens;  /* required int32 (B): tokens already in the cache of sequence b */
   fa_tensor k_new, v_new;   /* optional (B, S_new, Hk, D/Dv): written at cache_seqlens[b].. first */
   fa_tensor rotary_cos, rotary_sin; /* optional (S_rotary, rotary_dim / 2), dtype of q: rotary
-                                       embedding of q and k_new at their absolute positions. The
+                                       embedding of q and k_new at their absolute positions (each
+                                       sequence's up to cache_seqlens[b] + max(S_new, Sq) - 1 must be
+                                       rows of the table: checked per sequence for host lengths; with
+                                       lengths in device memory (CUDA) for every length the call
+                                       allows, S_rotary >= capacity - S_new + max(S_new, Sq), where
+                                       capacity is S_cache or max_blocks x block_size). The
                                        rotated k_new is stored in the cache's dtype. The rotated q:
                                        CUDA rounds it to q's dtype for the tensor cores (as a q rotated
                                        by a separate kernel would be), the CPU backends attend with it

@@ -764,7 +764,8 @@ def flash_attn_with_kvcache(
     block_table (B, max_blocks) int32, paged (num_blocks, block_size, Hk, D) (any block size);
     k/v, when given, are written into the caches in place at rows cache_seqlens[b] onwards (rotated
     by rotary_cos/rotary_sin (S_rotary, rotary_dim / 2) when given; q is rotated at cache_seqlens
-    + i when causal or windowed, else at cache_seqlens); attention then covers the first
+    + i when causal or windowed, else at cache_seqlens; on CUDA S_rotary >= capacity - S_new + max(S_new, Sq),
+    capacity = S_cache or max_blocks * block_size); attention then covers the first
     cache_seqlens[b] + S_new keys. cache_seqlens is an int or (B,) int32. No backward pass.
     Returns out, or (out, softmax_lse (B, Hq, Sq) float32) with return_softmax_lse.
 

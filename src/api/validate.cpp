@@ -698,6 +698,15 @@ Status make_kvcache_params(const fa_kvcache_args& a, const fa_options& options, 
           return FA_INVALID("rotary_cos: dimension 0 (S_rotary) = %d must cover position %lld of sequence %d", p->seqlen_rotary,
                             (long long)last - 1, b);
       }
+    } else {
+      // Lengths in device memory cannot be read here, and the CUDA kernels read the table at each row's position
+      // without a further check: the table must cover every position that a length the kernels accept (up to the
+      // capacity - S_new) reaches, max(S_new, Sq) rows past it. (flash_attn asks S_rotary >= the cache's S.)
+      const int64_t reach = int64_t(p->seqlen_k) - p->seqlen_new + std::max(p->seqlen_new, p->seqlen_q);
+      if (reach > p->seqlen_rotary)
+        return FA_INVALID("rotary_cos: dimension 0 (S_rotary) = %d must be >= %lld = the cache capacity %d - S_new %d + "
+                          "max(S_new, Sq) when cache_seqlens is in device memory (every position a valid length reaches)",
+                          p->seqlen_rotary, (long long)reach, p->seqlen_k, p->seqlen_new);
     }
   }
   if (paged) {

@@ -171,7 +171,10 @@ KvTensors make_kv(const KvCase& c, std::mt19937_64& rng) {
   if (c.rotary != 0) {
     t.rotary_interleaved = c.rotary == 2;
     const int rd = c.rotary_dim > 0 ? c.rotary_dim : d;
-    const int positions = c.capacity + c.seqlen_q;
+    // every position a length the call allows reaches (CUDA's rule, its lengths being in device memory): the
+    // table's capacity (whole blocks) + Sq
+    const int table_rows = c.block_size > 0 ? (c.capacity + c.block_size - 1) / c.block_size * c.block_size : c.capacity;
+    const int positions = table_rows + c.seqlen_q;
     t.cos = HostTensor({positions, rd / 2}, c.dtype);
     t.sin = HostTensor({positions, rd / 2}, c.dtype);
     for (int pos = 0; pos < positions; ++pos)
@@ -727,6 +730,29 @@ TEST(CudaKvcacheHarness, RandomCasesOnTheCpuFlashBackend) {
   auto rng = fa_test::make_rng("random kvcache cases on the cpu");
   for (int n = 0; n < 40 && !HasFailure(); ++n)
     check_case("random case " + std::to_string(n), random_case(rng, true), FA_BACKEND_CPU_FLASH);
+}
+
+// The generator's cases as the CUDA backend gets them (every tensor in device memory, so no index entry is read
+// on the host) pass the validation, whose rules for device lengths are stricter (the rotary table's rows): no GPU
+// run should meet a case refused for its inputs.
+TEST(CudaKvcacheHarness, RandomCasesPassTheValidationOfDeviceTensors) {
+  auto rng = fa_test::make_rng("random kvcache cases as device tensors");
+  for (int n = 0; n < 200 && !HasFailure(); ++n) {
+    const KvCase c = random_case(rng, n % 2 == 0);
+    KvTensors t = make_kv(c, rng);
+    fa_kvcache_args a = t.args();
+    for (fa_tensor* v : {&a.q, &a.k_cache, &a.v_cache, &a.block_table, &a.cache_batch_idx, &a.cache_leftpad, &a.cache_seqlens,
+                         &a.k_new, &a.v_new, &a.rotary_cos, &a.rotary_sin, &a.out, &a.lse})
+      v->device = FA_DEVICE_CUDA;
+    fa_options o = kv_options(c, FA_BACKEND_CUDA);
+    if (c.alibi) {
+      o.alibi_slopes = t.slopes.view();
+      o.alibi_slopes.device = FA_DEVICE_CUDA;
+    }
+    flashattn::KvcacheParams p;
+    const Status s = flashattn::api::make_kvcache_params(a, o, &p);
+    EXPECT_TRUE(s.ok()) << "random case " << n << " [" << c.to_string() << "]: " << s.to_string();
+  }
 }
 
 TEST(CudaKvcache, HeadDimsAndDtypes) {

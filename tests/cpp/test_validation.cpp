@@ -9,6 +9,7 @@
 #include <limits>
 #include <string>
 
+#include "api/validate.hpp"
 #include "testing.hpp"
 
 namespace flashattn {
@@ -342,6 +343,35 @@ TEST(Validation, Kvcache) {
   }
   check_kvcache_rule("leftpad block id", [](KvcacheCall& c) { c.args.cache_leftpad = c.leftpad.view(); c.table.set_int(1, -7); }, {kInvalid, "block_table: entry (0, 1) = -7 is not a block id in [0, 6)"});
   check_kvcache_rule("standard has no kvcache", [](KvcacheCall& c) { c.options.backend = FA_BACKEND_CPU_STANDARD; }, {FA_ERROR_UNSUPPORTED, "cpu_standard does not implement KV-cache attention"});
+}
+
+// With cache_seqlens in device memory (CUDA) the lengths cannot be read before the kernels, which read the rotary
+// table at each row's position: the table must then cover every position a valid length reaches. Host lengths are
+// checked one by one (above). Parameters only (no GPU needed): the tensors are labelled CUDA, never dereferenced.
+TEST(Validation, KvcacheRotaryTableWithDeviceLengths) {
+  auto params = [](int s_rotary, bool device) {
+    KvcacheCall c;
+    c.args.rotary_cos.shape[0] = c.args.rotary_sin.shape[0] = s_rotary;
+    if (device) {
+      for (fa_tensor* t : {&c.args.q, &c.args.k_cache, &c.args.v_cache, &c.args.block_table, &c.args.cache_seqlens, &c.args.k_new,
+                           &c.args.v_new, &c.args.rotary_cos, &c.args.rotary_sin, &c.args.out})
+        t->device = FA_DEVICE_CUDA;
+      c.options.backend = FA_BACKEND_CUDA;
+    }
+    flashattn::KvcacheParams p;
+    return flashattn::api::make_kvcache_params(c.args, c.options, &p);
+  };
+  // capacity 3 blocks x 4 rows = 12, S_new = 2, Sq = 3: every valid length (<= 10) reaches position 10 + 3 - 1 = 12
+  EXPECT_TRUE(params(13, true).ok());
+  const Status s = params(12, true);
+  EXPECT_EQ(s.code(), FA_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(s.message().find("rotary_cos: dimension 0 (S_rotary) = 12 must be >= 13 = the cache capacity 12 - S_new 2 + "
+                             "max(S_new, Sq)"),
+            std::string::npos)
+      << s.to_string();
+  // the host lengths (7 and 3) reach position 9 only
+  EXPECT_TRUE(params(10, false).ok());
+  EXPECT_FALSE(params(9, false).ok());
 }
 
 // A contiguous cache of 5 slots, sequences 0 and 1 in slots 4 and 1 (cache_batch_idx).
