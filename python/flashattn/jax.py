@@ -278,7 +278,8 @@ def flash_attn_with_kvcache(
     k_cache/v_cache are (B, S_cache, Hk, D) or, with block_table (B, max_blocks) int32, paged (num_blocks,
     block_size, Hk, D); cache_seqlens is an int or (B,) int32: rows already in sequence b's cache. When k and v are
     given they are written at rows cache_seqlens[b].. (rotated by rotary_cos / rotary_sin (S_rotary, rotary_dim / 2)
-    when given; q is rotated at cache_seqlens + i when causal or windowed, else at cache_seqlens), and attention
+    when given; q is rotated at cache_seqlens + i when causal or windowed, else at cache_seqlens; on CUDA S_rotary >=
+    capacity - S_new + max(S_new, Sq), capacity = S_cache or max_blocks * block_size), and attention
     covers cache_seqlens[b] + S_new keys. causal and window_size (left, right; -1 unbounded) are aligned to the
     bottom-right corner; softcap, alibi_slopes (Hq) or (B, Hq) float32, num_splits (0: the library's choice),
     cache_batch_idx (B,) int32 (contiguous caches: sequence b uses cache entry cache_batch_idx[b]), cache_leftpad
