@@ -22,9 +22,14 @@
 #include <string>
 #include <vector>
 
+#include "api/validate.hpp"
 #include "core/dtype.hpp"
 #include "flashattn/flashattn.h"
 #include "testing.hpp"
+
+#if defined(FLASHATTN_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
 
 namespace flashattn {
 namespace {
@@ -131,6 +136,7 @@ struct Call {
   std::string log;
   fa_dtype dtype = FA_FLOAT32;
   bool fp8 = false, append = false;
+  bool on_device = false;  // drawn for the CUDA backend: its buffers are mirrored in device memory for the call
 
   Buffer& add(const std::string& name, fa_tensor* field, std::vector<int64_t> shape, fa_dtype t) {
     Buffer b;
@@ -146,7 +152,8 @@ struct Call {
     field->data = b.data();
     field->ndim = int32_t(shape.size());
     field->dtype = t;
-    field->device = FA_DEVICE_CPU;
+    // CUDA calls: the buffers are mirrored in device memory for the call (invoke_on_device); the views say so
+    field->device = raw(options.backend) == FA_BACKEND_CUDA ? FA_DEVICE_CUDA : FA_DEVICE_CPU;
     int64_t stride = 1;
     for (int d = int(shape.size()) - 1; d >= 0; --d) {
       field->shape[d] = shape[size_t(d)];
@@ -174,6 +181,41 @@ fa_status invoke(Call& c, const fa_options& options, fa_error* error) {
     case Api::kBackward: return fa_backward(&c.bwd, &options, error);
   }
   return FA_ERROR_INTERNAL;
+}
+
+// A call drawn for the CUDA backend (Call::on_device): every buffer, guards and slack included, copied to device
+// memory; the views pointed there for the call (the same offsets, so the same alignment mod 64) and back to the
+// host after; the device bytes, all of them, copied back over the host buffers. The checks then read the host.
+fa_status invoke_on_device(Call& c, const fa_options& options, fa_error* error) {
+#if defined(FLASHATTN_WITH_CUDA)
+  // A CUDA error (a kernel that faulted, say) is fatal: the test stops at this call (run_many stops on it).
+  auto cuda_ok = [&](cudaError_t e, const char* what) {
+    if (e != cudaSuccess) [&] { FAIL() << c.log << ": " << what << ": " << cudaGetErrorString(e); }();
+  };
+  std::vector<uint8_t*> device(c.buffers.size(), nullptr);
+  std::vector<void*> host_data(c.buffers.size(), nullptr);
+  for (size_t i = 0; i < c.buffers.size(); ++i) {
+    Buffer& b = c.buffers[i];
+    cuda_ok(cudaMalloc(reinterpret_cast<void**>(&device[i]), b.bytes.size()), "cudaMalloc");
+    cuda_ok(cudaMemcpy(device[i], b.bytes.data(), b.bytes.size(), cudaMemcpyHostToDevice), "copy to the device");
+    host_data[i] = b.view->data;
+    // (a view's data is its buffer's storage, or null when absent)
+    if (b.view->data != nullptr) b.view->data = device[i] + (static_cast<uint8_t*>(b.view->data) - b.bytes.data());
+  }
+  const fa_status status = invoke(c, options, error);
+  cuda_ok(cudaDeviceSynchronize(), "after the call");
+  for (size_t i = 0; i < c.buffers.size(); ++i) {
+    Buffer& b = c.buffers[i];
+    b.view->data = host_data[i];
+    cuda_ok(cudaMemcpy(b.bytes.data(), device[i], b.bytes.size(), cudaMemcpyDeviceToHost), "copy back");
+    cudaFree(device[i]);
+  }
+  return status;
+#else
+  (void)c, (void)options;
+  error->message[0] = '\0';
+  return FA_ERROR_NOT_COMPILED;  // unreachable: run_one skips such calls without a CUDA device
+#endif
 }
 
 // Fills every storage byte of a floating buffer with values of its dtype (normal, times `scale`), so that
@@ -235,18 +277,24 @@ void start_call(Call& c, Api api, fa_backend backend, std::mt19937_64& rng) {
 
 void make_kvcache_call(Call& c, std::mt19937_64& rng, fa_backend backend) {
   start_call(c, Api::kKvcache, backend, rng);
+  // CUDA: what its decode kernels take (16-bit q, Dv = D, their head dims; cache_batch_idx with S_cache a power of
+  // two >= 16; cache_leftpad with a contiguous cache), the index tensors checked on the device (check_indices)
+  const bool cuda = backend == FA_BACKEND_CUDA;
+  c.on_device = cuda;
   const int B = uniform(rng, 1, 3), Sq = pick(rng, {1, 1, 2, 3, 5}), Hk = uniform(rng, 1, 2), Hq = Hk * pick(rng, {1, 2, 3});
-  const int D = pick(rng, {8, 16, 40, 64}), Dv = chance(rng, 0.8) ? D : pick(rng, {8, 24});
-  c.dtype = pick(rng, {FA_FLOAT32, FA_FLOAT16, FA_BFLOAT16});
+  const int D = cuda ? pick(rng, {32, 64, 80}) : pick(rng, {8, 16, 40, 64});
+  const int Dv = cuda || chance(rng, 0.8) ? D : pick(rng, {8, 24});
+  c.dtype = cuda ? pick(rng, {FA_FLOAT16, FA_BFLOAT16}) : pick(rng, {FA_FLOAT32, FA_FLOAT16, FA_BFLOAT16});
   c.fp8 = c.dtype != FA_FLOAT32 && chance(rng, 0.3);
   const fa_dtype cache_dtype = c.fp8 ? FA_FLOAT8_E4M3 : c.dtype;
   const int S_new = chance(rng, 0.5) ? uniform(rng, 1, 3) : 0;
   c.append = S_new > 0;
   const int layout = uniform(rng, 0, 2);  // 0 contiguous, 1 paged, 2 contiguous through cache_batch_idx
-  const int capacity = uniform(rng, S_new + 1, 40);
+  const int capacity = cuda && layout == 2 ? pick(rng, {16, 32}) : uniform(rng, S_new + 1, 40);
   std::vector<int> cached(static_cast<size_t>(B)), pad(static_cast<size_t>(B), 0);
   for (int b = 0; b < B; ++b) cached[size_t(b)] = uniform(rng, 0, capacity - S_new);
-  const bool leftpad = chance(rng, 0.25);
+  const bool leftpad = (!cuda || layout == 0) && chance(rng, 0.25);
+  c.args.check_indices = cuda ? 1 : 0;
   if (leftpad)
     for (int b = 0; b < B; ++b) pad[size_t(b)] = uniform(rng, 0, cached[size_t(b)]);
   c.log = "B=" + std::to_string(B) + " Sq=" + std::to_string(Sq) + " Hq=" + std::to_string(Hq) + " Hk=" + std::to_string(Hk) +
@@ -303,7 +351,9 @@ void make_kvcache_call(Call& c, std::mt19937_64& rng, fa_backend backend) {
     fill_float(c.add("v_new", &c.args.v_new, {B, S_new, Hk, Dv}, c.dtype), c.dtype, rng, 1.0);
   }
   if (Dv == D && chance(rng, 0.3)) {
-    const int half = uniform(rng, 1, D / 2), positions = capacity + Sq + uniform(rng, 0, 2);
+    // positions: past every row of the cache's table (paged: whole blocks; CUDA's rule, its lengths being in device
+    // memory, asks that much), and some spare
+    const int half = uniform(rng, 1, D / 2), positions = rows_per_entry * per_seq + Sq + uniform(rng, 0, 2);
     // cos and sin of angles, as a rotary table holds (any values would do; these keep |q|, |k| as they are)
     Buffer& cos = c.add("rotary_cos", &c.args.rotary_cos, {positions, half}, c.dtype);
     Buffer& sin = c.add("rotary_sin", &c.args.rotary_sin, {positions, half}, c.dtype);
@@ -319,7 +369,7 @@ void make_kvcache_call(Call& c, std::mt19937_64& rng, fa_backend backend) {
   if (chance(rng, 0.3)) c.args.num_splits = uniform(rng, 1, 4);
   c.log += std::string(" rotary=") + (c.args.rotary_cos.data ? std::to_string(c.args.rotary_cos.shape[1] * 2) : "-") +
            " leftpad=" + std::to_string(leftpad) + " splits=" + std::to_string(c.args.num_splits);
-  if (chance(rng, 0.25)) {  // a caller's workspace of the planned size
+  if (chance(rng, 0.25) && (!cuda || fa_cuda_device_count() > 0)) {  // a caller's workspace of the planned size
     fa_kvcache_plan plan{};
     fa_error error{};
     ASSERT_EQ(fa_plan_kvcache(&c.args, &c.options, &plan, &error), FA_OK) << c.log << ": " << error.message;
@@ -700,9 +750,10 @@ void run_one(std::mt19937_64& rng, Api api, fa_backend backend, int breaks, Coun
   }
   if (::testing::Test::HasFatalFailure()) return;
   for (int i = 0; i < breaks; ++i) mutate(c, rng);
-  if (raw(c.options.backend) == FA_BACKEND_CUDA) {
-    // The CUDA backend refuses host tensors, but on a machine without a GPU it fails before it looks: a
-    // different error each place. Not this test's subject (Validation.CudaTensorsWithoutUsableGpu is).
+  if ((c.on_device || raw(c.options.backend) == FA_BACKEND_CUDA) && fa_cuda_device_count() == 0) {
+    // Without a GPU the CUDA backend fails before it looks at the tensors: a different error each place. Not this
+    // test's subject (Validation.CudaTensorsWithoutUsableGpu is). (With one, a CPU call given the CUDA backend must
+    // refuse its host tensors, and a CUDA call given a CPU backend its device ones, before reading them.)
     ++counts->skipped;
     return;
   }
@@ -727,7 +778,8 @@ void run_one(std::mt19937_64& rng, Api api, fa_backend backend, int breaks, Coun
     forward_refused = forward_for_backward(c, &error) != FA_OK;
   }
   const Snapshot before = snapshot(c);
-  const fa_status status = invoke(c, c.options, &error);
+  const fa_status status = c.on_device ? invoke_on_device(c, c.options, &error) : invoke(c, c.options, &error);
+  if (::testing::Test::HasFatalFailure()) return;
   const std::string where = c.log + " [" + seed_note + "]";
   if (status != FA_OK) {
     ++counts->rejected;
@@ -769,6 +821,8 @@ void run_one(std::mt19937_64& rng, Api api, fa_backend backend, int breaks, Coun
       }
   if (raw(c.options.backend) == FA_BACKEND_CPU_REFERENCE) return;
   restore(c, before);
+  if (c.on_device)  // the same call on the host: every view of the accepted call was on the one GPU
+    for (Buffer& b : c.buffers) b.view->device = FA_DEVICE_CPU;
   fa_options reference = c.options;
   reference.backend = FA_BACKEND_CPU_REFERENCE;
   ASSERT_EQ(invoke(c, reference, &error), FA_OK) << where << ": the reference backend refuses what the backend under test ran: "
@@ -781,6 +835,14 @@ void run_one(std::mt19937_64& rng, Api api, fa_backend backend, int breaks, Coun
     if (name == "k_cache" || name == "v_cache") {
       // The appended rows: both backends round the same float32 value (after rotary) to the cache's dtype.
       ASSERT_TRUE(got[n] == ref) << where << ": the appended " << name << " rows differ from the reference backend's";
+    } else if (c.on_device) {
+      // CUDA against the float64 reference: finite, infinite or NaN alike, element by element. Its kernels round the
+      // rotated q and the probabilities to the 16-bit dtype for the tensor cores, so their error is bounded by the
+      // naive same-precision computation's, not by one rounding of the result: how close they come is the subject
+      // of test_cuda_kvcache.cpp (the test policy's rule against the float64 oracle); this test's is the contract.
+      for (size_t i = 0; i < ref.size(); ++i)
+        ASSERT_TRUE(same_class(got[n][i], ref[i])) << where << ": " << name << " element " << i << " = " << got[n][i]
+                                                   << ", reference " << ref[i];
     } else if (name == "lse") {
       for (size_t i = 0; i < ref.size(); ++i) {
         ASSERT_TRUE(same_class(got[n][i], ref[i])) << where << ": lse element " << i << " = " << got[n][i] << ", reference " << ref[i];
@@ -841,6 +903,24 @@ void run_many(const char* salt, Api api, fa_backend backend, int calls) {
 
 TEST(RandomCalls, KvcacheOnTheCpuFlashBackend) { run_many("random-kvcache-cpu-flash", Api::kKvcache, FA_BACKEND_CPU_FLASH, 3000); }
 TEST(RandomCalls, KvcacheThroughAuto) { run_many("random-kvcache-auto", Api::kKvcache, FA_BACKEND_AUTO, 1000); }
+// The generator's CUDA calls, before any break, pass the validation (no GPU needed: the views are labelled CUDA and
+// never dereferenced), so that the GPU test below starts from valid calls.
+TEST(RandomCalls, CudaCallsAreValidBeforeTheyAreBroken) {
+  auto rng = fa_test::make_rng("random-kvcache-cuda-valid");
+  for (int n = 0; n < 500 && !::testing::Test::HasFatalFailure(); ++n) {
+    Call c;
+    make_kvcache_call(c, rng, FA_BACKEND_CUDA);
+    KvcacheParams p;
+    const Status s = api::make_kvcache_params(c.args, c.options, &p);
+    ASSERT_TRUE(s.ok()) << c.log << ": " << s.to_string();
+  }
+}
+
+// The CUDA backend's calls with their buffers in device memory (invoke_on_device), the index tensors checked there.
+TEST(RandomCalls, KvcacheOnTheCudaBackend) {
+  SKIP_WITHOUT_GPU();
+  run_many("random-kvcache-cuda", Api::kKvcache, FA_BACKEND_CUDA, 1500);
+}
 TEST(RandomCalls, ForwardOnTheCpuFlashBackend) { run_many("random-forward-cpu-flash", Api::kForward, FA_BACKEND_CPU_FLASH, 3000); }
 TEST(RandomCalls, ForwardOnTheCpuStandardBackend) { run_many("random-forward-cpu-standard", Api::kForward, FA_BACKEND_CPU_STANDARD, 1000); }
 TEST(RandomCalls, BackwardOnTheCpuFlashBackend) { run_many("random-backward-cpu-flash", Api::kBackward, FA_BACKEND_CPU_FLASH, 2000); }
