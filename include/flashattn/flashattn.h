@@ -135,9 +135,14 @@ typedef struct fa_forward_args {
   fa_tensor q, k, v;     /* dense 4-D or varlen 3-D; k/v may be paged caches (see block_table) */
   fa_tensor out;         /* same layout as q, last dim Dv, dtype of q */
   fa_tensor lse;         /* optional float32 (B, Hq, Sq) or varlen (Hq, total_q) */
-  fa_tensor cu_seqlens_q, cu_seqlens_k; /* optional int32 (B+1): both for varlen, or neither */
+  fa_tensor cu_seqlens_q, cu_seqlens_k; /* optional int32 (B+1): both for varlen, or neither. Entries:
+                                           0 first, non-decreasing, each length <= max_seqlen, the last
+                                           within the tensor's rows. Checked when in host memory; in
+                                           device memory (CUDA) they are the caller's contract, as in
+                                           flash_attn: bad entries address rows outside the tensors. */
   int32_t max_seqlen_q, max_seqlen_k;   /* varlen: the longest sequence (upper bound) */
-  fa_tensor seqused_k;   /* optional int32 (B): only the first seqused_k[b] keys of sequence b */
+  fa_tensor seqused_k;   /* optional int32 (B): only the first seqused_k[b] keys of sequence b
+                            (in [0, its keys]; checked in host memory, the caller's on CUDA) */
   fa_tensor block_table; /* optional int32 (B, max_blocks): k/v are paged (num_blocks, block_size, Hk, D) */
 } fa_forward_args;
 
