@@ -56,6 +56,11 @@ Status check_basic(const Arg& a) {
                       (long long)a.t.strides[a.t.ndim - 1]);
   const int device = raw_enum(a.t.device), dtype = raw_enum(a.t.dtype);
   if (device != FA_DEVICE_CPU && device != FA_DEVICE_CUDA) return FA_INVALID("%s: unknown device kind %d", a.name, device);
+  // DLPack's convention: a host tensor has device_id 0; a CUDA one a device ordinal (>= 0).
+  if (device == FA_DEVICE_CPU && a.t.device_id != 0)
+    return FA_INVALID("%s: device_id of a cpu tensor must be 0, got %d", a.name, a.t.device_id);
+  if (device == FA_DEVICE_CUDA && a.t.device_id < 0)
+    return FA_INVALID("%s: device_id of a cuda tensor must be >= 0, got %d", a.name, a.t.device_id);
   if (dtype < FA_FLOAT32 || dtype > FA_FLOAT8_E4M3) return FA_INVALID("%s: unknown dtype %d", a.name, dtype);
   return Status();
 }

@@ -114,6 +114,12 @@ TEST(Validation, TensorBasics) {
   check_forward_rule("negative stride", [](DenseCall& c) { c.fwd.v.strides[0] = -5; }, {kInvalid, "v: stride of dimension 0 must be non-negative"});
   check_forward_rule("last dim strided", [](DenseCall& c) { c.fwd.q.strides[3] = 2; }, {kInvalid, "q: last dimension must be contiguous"});
   check_forward_rule("unknown device", [](DenseCall& c) { set_raw(c.fwd.k.device, 7); }, {kInvalid, "k: unknown device kind"});
+  check_forward_rule("cpu device_id", [](DenseCall& c) { c.fwd.lse.device_id = 3; }, {kInvalid, "lse: device_id of a cpu tensor must be 0, got 3"});
+  check_forward_rule("negative cuda device_id", [](DenseCall& c) {
+    for (fa_tensor* t : {&c.fwd.q, &c.fwd.k, &c.fwd.v, &c.fwd.out, &c.fwd.lse}) t->device = FA_DEVICE_CUDA;
+    c.fwd.k.device_id = -1;
+    c.options.backend = FA_BACKEND_CUDA;
+  }, {kInvalid, "k: device_id of a cuda tensor must be >= 0, got -1"});
   check_forward_rule("unknown dtype", [](DenseCall& c) { set_raw(c.fwd.k.dtype, 42); }, {kInvalid, "k: unknown dtype"});
   check_forward_rule("int q", [](DenseCall& c) { c.fwd.q.dtype = FA_INT32; }, {kInvalid, "q: dtype must be float32, float16 or bfloat16"});
   check_forward_rule("mixed dtypes", [](DenseCall& c) { c.fwd.v.dtype = FA_FLOAT16; }, {kInvalid, "v: dtype must match q"});
