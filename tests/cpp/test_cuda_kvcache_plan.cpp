@@ -748,6 +748,45 @@ TEST(CudaKvcachePlan, SupportRulesAndMessages) {
   f.kv_dtype = FA_FLOAT8_E4M3;
   f.head_dim = f.head_dim_v = 40;
   expect_rule(f, "k_cache: head dim 40 must be a multiple of 16 with a float8_e4m3 cache");
+
+  // cache_batch_idx runs as paged blocks of S_cache rows: only a power of two >= 16 is taken (the other sizes would
+  // take the slow per-row block ids), so validate.cpp's one-column table with S_cache = 1000 or 8 is refused here.
+  alignas(16) static int32_t table[2] = {1, 0};
+  KvcacheParams bi = ok;
+  bi.block_table = table;
+  bi.block_table_is_batch_idx = true;
+  bi.block_table_batch_stride = 1;
+  bi.num_blocks = 2;
+  bi.page_block_size = 512;  // the capacity of decode_params(2, 1, 8, 2, 128, 512)
+  EXPECT_TRUE(decode::check_kvcache_support(bi).ok()) << decode::check_kvcache_support(bi).message();
+  for (int size : {1000, 8, 24}) {
+    bi.page_block_size = size;
+    expect_rule(bi, "cache_batch_idx: on the cuda backend k_cache's dimension 1 (S_cache) must be a power of two >= 16, got " +
+                        std::to_string(size));
+  }
+  // A plain block table of any block size is taken (block size 3: the per-row block ids).
+  KvcacheParams paged = bi;
+  paged.block_table_is_batch_idx = false;
+  paged.page_block_size = 3;
+  EXPECT_TRUE(decode::check_kvcache_support(paged).ok()) << decode::check_kvcache_support(paged).message();
+  // cache_leftpad: contiguous caches only, the message naming what the cache is instead.
+  p = ok;
+  p.cache_leftpad = table;
+  EXPECT_TRUE(decode::check_kvcache_support(p).ok()) << decode::check_kvcache_support(p).message();
+  paged.cache_leftpad = table;
+  expect_rule(paged, "cache_leftpad: on the cuda backend with a contiguous cache only, not with block_table");
+  bi.page_block_size = 512;
+  bi.cache_leftpad = table;
+  expect_rule(bi, "cache_leftpad: on the cuda backend with a contiguous cache only, not with cache_batch_idx");
+  // Grid limits: K/V heads on gridDim.y and the batch on gridDim.z (65535 each), and the packed rows per K/V head.
+  p = decode_params(2, 1, 65536, 65536, 64, 512);
+  expect_rule(p, "k_cache: 65536 K/V heads exceed the cuda kvcache limit of 65535");
+  p = decode_params(65535, 1, 8, 2, 64, 512);
+  EXPECT_TRUE(decode::check_kvcache_support(p).ok()) << decode::check_kvcache_support(p).message();
+  p = decode_params(65536, 1, 8, 2, 64, 512);
+  expect_rule(p, "q: batch 65536 exceeds the cuda kvcache limit of 65535");
+  p = decode_params(1, 1 << 24, 256, 1, 64, 512);  // 2^24 new tokens x 256 query heads per K/V head = 2^32 rows
+  expect_rule(p, "q: Sq * Hq / Hk = 4294967296 rows per K/V head exceed the cuda kvcache limit");
 }
 
 // Every head dim of the issue has a decode kernel for both dtypes, chosen on an H200 and on an A100; a head

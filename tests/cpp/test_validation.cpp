@@ -333,6 +333,9 @@ TEST(Validation, Kvcache) {
   check_kvcache_rule("rotary too wide", [](KvcacheCall& c) { c.args.rotary_cos.shape[1] = 5; c.args.rotary_sin.shape[1] = 5; }, {kInvalid, "rotary_cos: rotary_dim = 2 * dimension 1 = 10 must be in [2, D = 8]"});
   check_kvcache_rule("rotary sin shape", [](KvcacheCall& c) { c.args.rotary_sin.shape[0] = 15; }, {kInvalid, "rotary_sin: dimension 0 (S_rotary) must be 16 like rotary_cos"});
   check_kvcache_rule("rotary too short", [](KvcacheCall& c) { c.args.rotary_cos.shape[0] = 9; c.args.rotary_sin.shape[0] = 9; }, {kInvalid, "rotary_cos: dimension 0 (S_rotary) = 9 must cover position 9"});
+  check_kvcache_rule("rotary with Dv != D", [](KvcacheCall& c) {
+    for (fa_tensor* t : {&c.args.v_cache, &c.args.v_new, &c.args.out}) t->shape[3] = 4;  // views of the first 4 columns
+  }, {kInvalid, "rotary_cos: rotary embedding needs Dv == D, got Dv = 4, D = 8"});
   check_kvcache_rule("splits", [](KvcacheCall& c) { c.args.num_splits = -2; }, {kInvalid, "num_splits: must be in [0, 1024]"});
   check_kvcache_rule("too many splits", [](KvcacheCall& c) { c.args.num_splits = 1025; }, {kInvalid, "num_splits: must be in [0, 1024] (0 = chosen by the backend), got 1025"});
   check_kvcache_rule("leftpad past the length", [](KvcacheCall& c) { c.args.cache_leftpad = c.leftpad.view(); c.leftpad.set_int(1, 4); }, {kInvalid, "cache_leftpad: entry 1 = 4 must be in [0, cache_seqlens[1] = 3]"});
