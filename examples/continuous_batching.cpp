@@ -7,8 +7,11 @@
 //
 //   continuous_batching [--device cpu|cuda] [--dtype float32|float16|bfloat16] [--requests 12]
 //                       [--num-blocks 48] [--block-size 16] [--prefill-chunk 0] [--seed 1]
-//                       [--heads-q 4] [--heads-k 2] [--head-dim 64] [--threads 0] [--kv-fp8] [--verify]
+//                       [--heads-q 4] [--heads-k 2] [--head-dim 64] [--threads 0] [--kv-fp8] [--mixed-step] [--verify]
 //
+// --mixed-step runs each step's prefill chunks and decode tokens as ONE fa_kvcache_append (every sequence's new rows)
+// and ONE causal varlen fa_forward over the paged pool (PagedKvCache::make_step), instead of a fa_kvcache call per
+// prompt and one for the decodes (not with --kv-fp8: fa_forward reads 16-bit and float32 pools).
 // --kv-fp8 keeps the pool in FP8 (e4m3, scales 1/16; with --dtype float16 or bfloat16, the dtype of q and out).
 // --verify checks every sequence's output of every call against the float64 reference
 // (FA_BACKEND_CPU_REFERENCE) on that sequence's dense key/value history, and prints the worst error.
@@ -36,10 +39,11 @@ int usage(const char* message) {
   std::fprintf(stream,
                "usage: continuous_batching [--device cpu|cuda] [--dtype float32|float16|bfloat16] [--requests N]\n"
                "       [--num-blocks N] [--block-size N] [--prefill-chunk N] [--seed N] [--heads-q N] [--heads-k N]\n"
-               "       [--head-dim N] [--threads N] [--kv-fp8] [--verify]\n"
+               "       [--head-dim N] [--threads N] [--kv-fp8] [--mixed-step] [--verify]\n"
                "A toy continuous-batching server over the paged KV cache (flashattn/kv_cache.hpp): requests arrive\n"
                "and finish at different steps; each step prefills new prompts and decodes one token for every\n"
-               "active sequence in one fa_kvcache call. --verify checks every call against the float64 reference.\n");
+               "active sequence in one fa_kvcache call. --mixed-step: the prefills and decodes of a step in one\n"
+               "fa_kvcache_append + one varlen fa_forward. --verify checks every call against the float64 reference.\n");
   return message ? 2 : 0;
 }
 
@@ -122,6 +126,7 @@ int main(int argc, char** argv) {
     if (a == "--help" || a == "-h") return usage(nullptr);
     if (a == "--verify") verify = true;
     else if (a == "--kv-fp8") config.fp8_cache = true;
+    else if (a == "--mixed-step") config.mixed_step = true;
     else if (!has_value) return usage(("missing value after " + a).c_str());
     else if (a == "--device") {
       const std::string d = value();
@@ -146,6 +151,7 @@ int main(int argc, char** argv) {
     else return usage(("unknown option " + a).c_str());
   }
   if (config.fp8_cache && config.dtype == FA_FLOAT32) return usage("--kv-fp8: needs --dtype float16 or bfloat16 (q and out)");
+  if (config.fp8_cache && config.mixed_step) return usage("--mixed-step: fa_forward does not read an FP8 pool (drop --kv-fp8)");
   if (config.device == FA_DEVICE_CUDA && fa_cuda_device_count() == 0)
     return usage("--device cuda: no CUDA device (or this build has no CUDA backend)");
 

@@ -15,6 +15,9 @@
 //      shared partially filled prompt block (copy-on-write) for all but one beam;
 //   5. sequences that produced their last token release their blocks; new arrivals reuse them.
 // Every attention call is the manager's three steps: reserve, make_batch + fa_kvcache, commit.
+// With ServerConfig::mixed_step, steps 3 and 4 are ONE call pair for all of them instead: every prefill chunk and
+// every decode token of the step appended by one fa_kvcache_append, attended by one causal varlen fa_forward over
+// the paged pool (reserve each, make_step, append + forward, commit); forks follow that call.
 #pragma once
 
 #include <algorithm>
@@ -46,6 +49,8 @@ struct ServerConfig {
   fa_dtype dtype = FA_FLOAT32;
   int num_blocks = 64, block_size = 16;
   int prefill_chunk = 0;          // 0: a whole prompt in one call; else at most this many tokens per call
+  bool mixed_step = false;        // prefills and decodes of a step in one fa_kvcache_append + one varlen fa_forward
+                                  // (16-bit or float32 pools: fa_forward does not read FP8 ones)
   fa_device_kind device = FA_DEVICE_CPU;
   int device_id = 0;
   fa_backend backend = FA_BACKEND_AUTO;
@@ -172,18 +177,35 @@ class ToyServer {
       std::vector<SeqId> decoding;
       for (const auto& entry : live_)
         if (entry.second.prompt_done == requests[size_t(entry.second.request)].prompt_tokens) decoding.push_back(entry.first);
-      // 3. prefill, one call per prompt (Sq differs between prompts); then fork the beams
+      // 3. prefill, one call per prompt (Sq differs between prompts); then fork the beams. Mixed steps: every
+      // chunk and every decode token in one call pair (the decode part of step 4 then has nothing left to do).
       std::vector<SeqId> prefilling;
-      for (const auto& entry : live_)
-        if (entry.second.prompt_done < requests[size_t(entry.second.request)].prompt_tokens) prefilling.push_back(entry.first);
-      for (SeqId id : prefilling) {
-        Sequence& s = live_.at(id);
-        const Request& r = requests[size_t(s.request)];
-        const int remaining = r.prompt_tokens - s.prompt_done;
-        const int chunk = config_.prefill_chunk > 0 ? std::min(config_.prefill_chunk, remaining) : remaining;
-        FA_RETURN_IF_ERROR(attend({id}, chunk, /*prefill=*/true));
+      std::vector<int> chunks;
+      for (const auto& entry : live_) {
+        const Sequence& s = entry.second;
+        const int remaining = requests[size_t(s.request)].prompt_tokens - s.prompt_done;
+        if (remaining == 0) continue;
+        prefilling.push_back(entry.first);
+        chunks.push_back(config_.prefill_chunk > 0 ? std::min(config_.prefill_chunk, remaining) : remaining);
+      }
+      if (config_.mixed_step && !(prefilling.empty() && decoding.empty())) {
+        std::vector<SeqId> seqs = prefilling;
+        std::vector<int> counts = chunks;
+        seqs.insert(seqs.end(), decoding.begin(), decoding.end());
+        counts.insert(counts.end(), decoding.size(), 1);
+        FA_RETURN_IF_ERROR(attend_mixed(seqs, counts, prefilling.size()));
+        log.prefill_calls += prefilling.empty() ? 0 : 1;
+        log.decode_batch = int(decoding.size());
+      }
+      for (size_t p = 0; p < prefilling.size(); ++p) {
+        const SeqId id = prefilling[p];
+        const int chunk = chunks[p];
+        const Request& r = requests[size_t(live_.at(id).request)];
+        if (!config_.mixed_step) {
+          FA_RETURN_IF_ERROR(attend({id}, chunk, /*prefill=*/true));
+          ++log.prefill_calls;
+        }
         live_.at(id).prompt_done += chunk;
-        ++log.prefill_calls;
         log.prefill_tokens += chunk;
         if (live_.at(id).prompt_done == r.prompt_tokens) {
           for (int beam = 1; beam < r.beams; ++beam) {
@@ -202,10 +224,12 @@ class ToyServer {
           }
         }
       }
-      // 4. decode: one token for every decoding sequence, one call
+      // 4. decode: one token for every decoding sequence, one call (mixed steps: done in step 3's call)
       if (!decoding.empty()) {
-        FA_RETURN_IF_ERROR(attend(decoding, 1, /*prefill=*/false));
-        log.decode_batch = int(decoding.size());
+        if (!config_.mixed_step) {
+          FA_RETURN_IF_ERROR(attend(decoding, 1, /*prefill=*/false));
+          log.decode_batch = int(decoding.size());
+        }
         // 5. finished sequences give their blocks back
         for (SeqId id : decoding) {
           Sequence& s = live_.at(id);
@@ -271,16 +295,7 @@ class ToyServer {
     }
     out_host_.resize(size_t(batch * n * out_row * es));
     lse_host_.resize(size_t(batch * c.heads_q * n));
-    // Stage them on the cache's device (plain copies on the CPU).
-    FA_RETURN_IF_ERROR(stage(&q_dev_, q_host_));
-    FA_RETURN_IF_ERROR(stage(&k_new_dev_, k_new_host_));
-    FA_RETURN_IF_ERROR(stage(&v_new_dev_, v_new_host_));
-    FA_RETURN_IF_ERROR(out_dev_.ensure(int64_t(out_host_.size()), c.device, c.device_id));
-    FA_RETURN_IF_ERROR(lse_dev_.ensure(int64_t(lse_host_.size() * sizeof(float)), c.device, c.device_id));
-    if (c.poison) {
-      FA_RETURN_IF_ERROR(out_dev_.fill_bytes(0xFF));  // NaN: a row the call forgets shows up
-      FA_RETURN_IF_ERROR(lse_dev_.fill_bytes(0xFF));
-    }
+    FA_RETURN_IF_ERROR(stage_call());
 
     // The cache side: block_table and cache_seqlens (= lengths before this call) on the device.
     FA_RETURN_IF_ERROR(cache_->make_batch(seqs, &batch_));
@@ -315,6 +330,102 @@ class ToyServer {
     return Status();
   }
 
+  // One mixed step over `seqs`, sequence b taking counts[b] new tokens (the first `prefills` are prompt chunks, the
+  // rest decode tokens): reserve each, make_step, fa_kvcache_append + one causal varlen fa_forward, commit.
+  Status attend_mixed(const std::vector<SeqId>& seqs, const std::vector<int>& counts, size_t prefills) {
+    for (size_t b = 0; b < seqs.size(); ++b) {
+      const Status reserved = cache_->reserve({seqs[b]}, counts[b]);
+      if (!reserved.ok()) {
+        cache_->cancel(std::vector<SeqId>(seqs.begin(), seqs.begin() + int64_t(b)));
+        return reserved;
+      }
+    }
+    const Status attended = attend_mixed_reserved(seqs, counts);
+    if (!attended.ok()) {
+      cache_->cancel(seqs);
+      return attended;
+    }
+    FA_RETURN_IF_ERROR(cache_->commit(seqs));
+    if (on_call_) {
+      const ServerConfig& c = config_;
+      const int64_t es = dtype_size(c.dtype);
+      const int64_t q_row = int64_t(c.heads_q) * c.head_dim, out_row = int64_t(c.heads_q) * c.dv();
+      const int total = mixed_.total_new;
+      for (size_t b = 0; b < seqs.size(); ++b) {
+        const Sequence& s = live_.at(seqs[b]);
+        const int first = mixed_.cu_seqlens_new_host[b], n = counts[b];
+        CallRecord r;
+        r.step = step_;
+        r.seq = s.id;
+        r.request = s.request;
+        r.beam = s.beam;
+        r.prefill = b < prefills;
+        r.cached = mixed_.cache_seqlens_host[b];
+        r.new_tokens = n;
+        r.causal = true;
+        r.q = q_host_.data() + int64_t(first) * q_row * es;
+        r.out = out_host_.data() + int64_t(first) * out_row * es;
+        lse_rows_.resize(size_t(c.heads_q) * n);  // (Hq, total_new) -> this sequence's (Hq, n)
+        for (int h = 0; h < c.heads_q; ++h)
+          std::copy_n(lse_host_.begin() + int64_t(h) * total + first, n, lse_rows_.begin() + int64_t(h) * n);
+        r.lse = lse_rows_.data();
+        r.k_history = &s.k_history;
+        r.v_history = &s.v_history;
+        on_call_(r);
+      }
+    }
+    return Status();
+  }
+
+  Status attend_mixed_reserved(const std::vector<SeqId>& seqs, const std::vector<int>& counts) {
+    const ServerConfig& c = config_;
+    if (c.fp8_cache)
+      return error(FA_ERROR_UNSUPPORTED, "mixed_step: fa_forward does not read an FP8 pool; run an FP8 pool without mixed_step");
+    FA_RETURN_IF_ERROR(cache_->make_step(seqs, &mixed_));
+    const int64_t total = mixed_.total_new, es = dtype_size(c.dtype);
+    const int64_t q_row = int64_t(c.heads_q) * c.head_dim, k_row = int64_t(c.heads_k) * c.head_dim;
+    const int64_t v_row = int64_t(c.heads_k) * c.dv(), out_row = int64_t(c.heads_q) * c.dv();
+    // Random q / k_new / v_new rows on the host, each sequence's from its own stream (as in attend_reserved).
+    q_host_.resize(size_t(total * q_row * es));
+    k_new_host_.resize(size_t(total * k_row * es));
+    v_new_host_.resize(size_t(total * v_row * es));
+    for (size_t b = 0; b < seqs.size(); ++b) {
+      std::mt19937_64& rng = live_.at(seqs[b]).rng;
+      const int64_t first = mixed_.cu_seqlens_new_host[b], n = counts[b];
+      fill_normal(rng, q_host_.data(), first * q_row, n * q_row);
+      fill_normal(rng, k_new_host_.data(), first * k_row, n * k_row);
+      fill_normal(rng, v_new_host_.data(), first * v_row, n * v_row);
+    }
+    out_host_.resize(size_t(total * out_row * es));
+    lse_host_.resize(size_t(total * c.heads_q));
+    FA_RETURN_IF_ERROR(stage_call());
+    Options options = default_options();
+    options.backend = c.backend;
+    options.num_threads = c.num_threads;
+    // The write half: every sequence's new rows into its blocks.
+    fa_kvcache_append_args append_args = mixed_.append_args();
+    append_args.k_new = tensor(k_new_dev_.data(), {total, c.heads_k, c.head_dim}, c.dtype, c.device, c.device_id);
+    append_args.v_new = tensor(v_new_dev_.data(), {total, c.heads_k, c.dv()}, c.dtype, c.device, c.device_id);
+    FA_RETURN_IF_ERROR(kvcache_append(append_args, options));
+    // The attention: one varlen forward over the paged pool, causal (bottom-right: new token i sees the cached keys
+    // and the new tokens 0 .. i; a decode token sees every key).
+    fa_forward_args forward_args = mixed_.forward_args();
+    forward_args.q = tensor(q_dev_.data(), {total, c.heads_q, c.head_dim}, c.dtype, c.device, c.device_id);
+    forward_args.out = tensor(out_dev_.data(), {total, c.heads_q, c.dv()}, c.dtype, c.device, c.device_id);
+    forward_args.lse = tensor(lse_dev_.data(), {c.heads_q, total}, FA_FLOAT32, c.device, c.device_id);
+    options.causal = 1;
+    FA_RETURN_IF_ERROR(forward(forward_args, options));
+    FA_RETURN_IF_ERROR(out_dev_.download(out_host_.data(), int64_t(out_host_.size())));
+    FA_RETURN_IF_ERROR(lse_dev_.download(lse_host_.data(), int64_t(lse_host_.size() * sizeof(float))));
+    for (size_t b = 0; b < seqs.size(); ++b) {
+      Sequence& s = live_.at(seqs[b]);
+      const int64_t first = mixed_.cu_seqlens_new_host[b], n = counts[b];
+      append(&s.k_history, k_new_host_.data(), first * k_row, n * k_row, c.k_scale);
+      append(&s.v_history, v_new_host_.data(), first * v_row, n * v_row, c.v_scale);
+    }
+    return Status();
+  }
+
   void report(const std::vector<SeqId>& seqs, int n, bool prefill) {
     const ServerConfig& c = config_;
     const int64_t es = dtype_size(c.dtype);
@@ -346,6 +457,22 @@ class ToyServer {
     for (int64_t e = first; e < first + count; ++e) store_from_float(base, e, config_.dtype, normal(rng));
   }
 
+  // q / k_new / v_new (host) staged on the cache's device (plain copies on the CPU), out / lse sized to their host
+  // copies (NaN first with poison: a row the call forgets shows up).
+  Status stage_call() {
+    const ServerConfig& c = config_;
+    FA_RETURN_IF_ERROR(stage(&q_dev_, q_host_));
+    FA_RETURN_IF_ERROR(stage(&k_new_dev_, k_new_host_));
+    FA_RETURN_IF_ERROR(stage(&v_new_dev_, v_new_host_));
+    FA_RETURN_IF_ERROR(out_dev_.ensure(int64_t(out_host_.size()), c.device, c.device_id));
+    FA_RETURN_IF_ERROR(lse_dev_.ensure(int64_t(lse_host_.size() * sizeof(float)), c.device, c.device_id));
+    if (c.poison) {
+      FA_RETURN_IF_ERROR(out_dev_.fill_bytes(0xFF));
+      FA_RETURN_IF_ERROR(lse_dev_.fill_bytes(0xFF));
+    }
+    return Status();
+  }
+
   Status stage(DeviceBuffer* dev, const std::vector<uint8_t>& host) {
     FA_RETURN_IF_ERROR(dev->ensure(int64_t(host.size()), config_.device, config_.device_id));
     return dev->upload(host.data(), int64_t(host.size()));
@@ -369,6 +496,7 @@ class ToyServer {
   int step_ = 0;
   bool causal_ = false;
   KvcacheBatch batch_;  // reused call after call: its index storage grows, then stays
+  KvcacheStep mixed_;   // the same, for mixed steps
   DeviceBuffer q_dev_, k_new_dev_, v_new_dev_, out_dev_, lse_dev_, workspace_dev_;
   std::vector<uint8_t> q_host_, k_new_host_, v_new_host_, out_host_;
   std::vector<float> lse_host_, lse_rows_;

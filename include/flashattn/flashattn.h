@@ -230,6 +230,31 @@ typedef struct fa_kvcache_args {
   fa_tensor cache_leftpad;
 } fa_kvcache_args;
 
+/* Writes new key/value rows into a KV cache without attending: the write half of fa_kvcache, with a number of new
+   rows of its own for every sequence. Sequence b's rows k_new[cu_seqlens_new[b] .. cu_seqlens_new[b + 1]) land at
+   cache rows cache_seqlens[b], cache_seqlens[b] + 1, ... (paged: through block_table), as fa_kvcache's append writes
+   them (the same bits; FP8 caches quantised the same way). cache_seqlens is read, not updated.
+   A continuous-batching step whose requests bring different numbers of tokens (prefill chunks beside decode tokens)
+   is then two calls: fa_kvcache_append of every request's new rows, and one fa_forward over the paged cache (q
+   varlen with cu_seqlens_q, k / v = k_cache / v_cache with block_table, cu_seqlens_k the running sum of
+   cache_seqlens[b] + new rows, causal); examples/continuous_batching.cpp, --mixed-step. */
+typedef struct fa_kvcache_append_args {
+  fa_tensor k_cache, v_cache; /* as in fa_kvcache_args: contiguous (B, S_cache, Hk, D / Dv) or paged
+                                 (num_blocks, block_size, Hk, D / Dv); float32, float16, bfloat16 or float8_e4m3 */
+  fa_tensor block_table;      /* optional int32 (B, max_blocks): present = paged cache. A block that rows are
+                                 written to must belong to that sequence alone (as in fa_kvcache) */
+  fa_tensor cache_seqlens;    /* required int32 (B): rows already in the cache of sequence b */
+  fa_tensor k_new, v_new;     /* (total_new, Hk, D / Dv), in the cache's dtype (float16 or bfloat16 with an FP8 cache) */
+  fa_tensor cu_seqlens_new;   /* required int32 (B + 1): 0 first, non-decreasing, the last <= total_new; sequence b
+                                 takes n_b = cu_seqlens_new[b + 1] - cu_seqlens_new[b] rows (0 allowed), and
+                                 cache_seqlens[b] + n_b must be at most the capacity (S_cache, or max_blocks x
+                                 block_size). Host tensors are checked; on CUDA, check_indices checks them on the
+                                 device, and without it a sequence whose entries are out of range writes nothing. */
+  int32_t max_seqlen_new;     /* the largest n_b (an upper bound; every n_b must be <= it) */
+  int32_t check_indices;      /* as in fa_kvcache_args (CUDA: cache_seqlens, cu_seqlens_new, block_table) */
+  float k_scale, v_scale;     /* FP8 cache: the dequantisation scales (finite, > 0); else 0 or 1 */
+} fa_kvcache_append_args;
+
 typedef struct fa_kvcache_plan {
   int32_t num_splits;       /* splits of the key range the backend will use */
   int64_t workspace_bytes;  /* workspace that fa_kvcache needs with this plan */
@@ -261,6 +286,8 @@ FA_API fa_status fa_backward_workspace_size(const fa_backward_args* args, const 
 FA_API fa_status fa_plan_kvcache(const fa_kvcache_args* args, const fa_options* options,
                                  fa_kvcache_plan* plan, fa_error* error);
 FA_API fa_status fa_kvcache(const fa_kvcache_args* args, const fa_options* options, fa_error* error);
+/* Only options.backend, options.num_threads and options.stream apply. */
+FA_API fa_status fa_kvcache_append(const fa_kvcache_append_args* args, const fa_options* options, fa_error* error);
 
 FA_API const char* fa_status_name(fa_status status);
 FA_API const char* fa_version(void);

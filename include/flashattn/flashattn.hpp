@@ -21,6 +21,7 @@ using ForwardArgs = fa_forward_args;
 using BackwardArgs = fa_backward_args;
 using KvcacheArgs = fa_kvcache_args;
 using KvcachePlan = fa_kvcache_plan;
+using KvcacheAppendArgs = fa_kvcache_append_args;
 using DType = fa_dtype;
 using Backend = fa_backend;
 
@@ -105,6 +106,12 @@ inline Status kvcache_plan(const KvcacheArgs& args, const Options& options, Kvca
 inline Status kvcache(const KvcacheArgs& args, const Options& options) {
   fa_error error{};
   fa_kvcache(&args, &options, &error);
+  return Status(error);
+}
+
+inline Status kvcache_append(const KvcacheAppendArgs& args, const Options& options) {
+  fa_error error{};
+  fa_kvcache_append(&args, &options, &error);
   return Status(error);
 }
 

@@ -21,6 +21,8 @@
 //                                    the library writes k_new/v_new at rows cache_seqlens[b] .. + n - 1
 //                                    and attends over cache_seqlens[b] + n keys.
 //   3. cache.commit(S)               lengths += n. (cache.cancel(S) instead, when step 2 failed.)
+// Sequences that take different numbers of tokens in one step (prefill chunks beside decode tokens): reserve each
+// with its own n, then make_step (KvcacheStep, below) for one fa_kvcache_append and one varlen fa_forward.
 // The manager never writes K/V rows itself except for copy-on-write copies (and poison()); it
 // accounts blocks and lengths. Between reserve and commit a sequence has "pending" tokens; it cannot
 // be forked then (the pending rows would land in blocks that the child shares).
@@ -119,6 +121,39 @@ struct KvcacheBatch {
   fa_kvcache_args args() const;
 };
 
+// The cache-side inputs of one mixed step: sequences that take different numbers of new rows (prefill chunks beside
+// decode tokens), appended by ONE fa_kvcache_append and attended by ONE varlen fa_forward over the paged pool:
+//   1. cache.reserve({s}, n_s) for each sequence (any counts, >= 0), as for fa_kvcache;
+//   2. cache.make_step(S, &step), then
+//      fa_kvcache_append(step.append_args() + k_new, v_new (total_new, Hk, D / Dv), rows in the order of S), and
+//      fa_forward(step.forward_args() + q, out (total_new, Hq, D / Dv), options.causal = 1);
+//   3. cache.commit(S).
+// Sequence b's rows are cu_seqlens_new[b] .. cu_seqlens_new[b + 1] - 1 of k_new, v_new, q and out; it attends its
+// cache_seqlens[b] + n_b keys (cu_seqlens_k), bottom-right aligned: new token i sees the cached keys and new tokens
+// 0 .. i. A decode token (n_b = 1) sees every key, as in fa_kvcache. fa_forward reads 16-bit and float32 pools (an FP8
+// pool: one fa_kvcache call per count instead). Keep one per call site: its index storage grows, then stays.
+struct KvcacheStep {
+  Tensor k_cache, v_cache;     // views of the whole pool
+  Tensor block_table;          // (B, max_blocks) int32 on the cache's device
+  Tensor cache_seqlens;        // (B) int32: lengths before the step
+  Tensor cu_seqlens_new;       // (B + 1) int32: running sum of the pending counts n_b (the rows of k_new / q / out)
+  Tensor cu_seqlens_k;         // (B + 1) int32: running sum of cache_seqlens[b] + n_b (the keys each attends)
+  int batch = 0;               // B
+  int total_new = 0;           // sum of n_b: rows of k_new, v_new, q, out
+  int max_new = 0, max_keys = 0;  // the largest n_b and cache_seqlens[b] + n_b
+  int max_blocks = 0;
+  float k_scale = 0.f, v_scale = 0.f;
+  std::vector<int32_t> block_table_host, cache_seqlens_host, cu_seqlens_new_host, cu_seqlens_k_host;
+  DeviceBuffer index_storage;  // the four index tensors, one after the other
+
+  // k_cache, v_cache, block_table, cache_seqlens, cu_seqlens_new, max_seqlen_new (and the scales) filled; the
+  // caller adds k_new and v_new.
+  fa_kvcache_append_args append_args() const;
+  // k, v (the pool), block_table, cu_seqlens_q (= cu_seqlens_new), cu_seqlens_k and the maxima filled; the caller
+  // adds q and out (and lse).
+  fa_forward_args forward_args() const;
+};
+
 class PagedKvCache {
  public:
   // Validates `config` (each field named in the message) and allocates the pool.
@@ -146,6 +181,8 @@ class PagedKvCache {
   Status reserve(const std::vector<SeqId>& seqs, int new_tokens);
   // Fills `batch` for one fa_kvcache call over `seqs` (distinct, all with the same pending count).
   Status make_batch(const std::vector<SeqId>& seqs, KvcacheBatch* batch) const;
+  // Fills `step` for one mixed step over `seqs` (distinct; each with its own pending count): see KvcacheStep.
+  Status make_step(const std::vector<SeqId>& seqs, KvcacheStep* step) const;
   // length += pending, pending = 0: the rows that fa_kvcache wrote become part of the sequences.
   Status commit(const std::vector<SeqId>& seqs);
   // pending = 0 and the blocks it needed go back (the call in between failed or was skipped).
@@ -186,6 +223,8 @@ class PagedKvCache {
 
   PagedKvCache() = default;
   int blocks_for(int64_t tokens) const;
+  // The block table of `seqs` (B, max_blocks), its padding block 0 (see KvcacheBatch), and their lengths.
+  void fill_table(const std::vector<SeqId>& seqs, std::vector<int32_t>* table, int* max_blocks, std::vector<int32_t>* lengths) const;
   int64_t k_row_bytes() const;    // one token of all key heads
   int64_t v_row_bytes() const;
   int32_t take_block();           // pops the free list (caller checked it is not empty)

@@ -293,6 +293,38 @@ std::string kvcache(const Array& q, const Array& k_cache, const Array& v_cache, 
   return stats.kernel;
 }
 
+// fa_kvcache_append: k_new / v_new (total_new, Hk, D) rows into the caches (in place), n_b = cu_seqlens_new[b + 1] -
+// cu_seqlens_new[b] of them for sequence b at rows cache_seqlens[b] ... Returns the kernel that ran.
+std::string kvcache_append(const Array& k_cache, const Array& v_cache, const Array& block_table, const Array& cache_seqlens,
+                           const Array& k_new, const Array& v_new, const Array& cu_seqlens_new, int max_seqlen_new,
+                           bool check_indices, int backend, int num_threads, uintptr_t stream, bool fp8_cache, float k_scale,
+                           float v_scale) {
+  fa_kvcache_append_args args;
+  std::memset(&args, 0, sizeof(args));
+  args.k_cache = fp8_cache ? fp8_cache_view(k_cache, "k_cache") : view(k_cache, "k_cache");
+  args.v_cache = fp8_cache ? fp8_cache_view(v_cache, "v_cache") : view(v_cache, "v_cache");
+  args.block_table = view(block_table, "block_table");
+  args.cache_seqlens = view(cache_seqlens, "cache_seqlens");
+  args.k_new = view(k_new, "k");
+  args.v_new = view(v_new, "v");
+  args.cu_seqlens_new = view(cu_seqlens_new, "cu_seqlens_new");
+  args.max_seqlen_new = max_seqlen_new;
+  args.check_indices = check_indices ? 1 : 0;
+  args.k_scale = k_scale;
+  args.v_scale = v_scale;
+  fa_stats stats{};
+  const CallOptions o = make_options(0.f, false, -1, -1, 0.f, 0.f, 0, 0, false, backend, num_threads, stream);
+  const fa_options options = to_fa_options(o, fa_tensor{}, &stats);
+  fa_error error{};
+  fa_status status;
+  {
+    nb::gil_scoped_release release;
+    status = fa_kvcache_append(&args, &options, &error);
+  }
+  check(status, error);
+  return stats.kernel;
+}
+
 // (num_splits, workspace_bytes) that fa_kvcache will use for this batch shape (host only).
 std::tuple<int, int64_t> plan_kvcache(const Array& q, const Array& k_cache, const Array& v_cache,
                                       const Array& block_table, const Array& cache_seqlens, const Array& k_new,
@@ -452,6 +484,12 @@ NB_MODULE(_ext, m) {
         "caches are uint8 views of float8 e4m3 codes, dequantised with k_scale / v_scale. cache_batch_idx: the "
         "cache's batch entry of each sequence (contiguous caches). cache_leftpad: the first cache row of each "
         "sequence (the rows before are padding).");
+  m.def("kvcache_append", &kvcache_append, nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("block_table").none(),
+        nb::arg("cache_seqlens"), nb::arg("k_new"), nb::arg("v_new"), nb::arg("cu_seqlens_new"), nb::arg("max_seqlen_new"),
+        nb::arg("check_indices"), nb::arg("backend"), nb::arg("num_threads"), nb::arg("stream"), nb::arg("fp8_cache") = false,
+        nb::arg("k_scale") = 0.f, nb::arg("v_scale") = 0.f,
+        "Write k_new/v_new rows (total_new, Hk, D) into the caches (in place): sequence b's rows cu_seqlens_new[b] .. "
+        "at cache rows cache_seqlens[b] ... Returns the kernel that ran.");
   m.def("plan_kvcache", &plan_kvcache, nb::arg("q"), nb::arg("k_cache"), nb::arg("v_cache"),
         nb::arg("block_table").none(), nb::arg("cache_seqlens"), nb::arg("k_new").none(), nb::arg("v_new").none(),
         nb::arg("rotary_cos").none(), nb::arg("rotary_sin").none(), nb::arg("rotary_interleaved"), nb::arg("out"),

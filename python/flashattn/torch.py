@@ -46,6 +46,7 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
+    "kvcache_append",
 ]
 
 #: Tests set this: every output is filled with NaN before the library writes it, so that an
@@ -564,6 +565,40 @@ def _(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_ta
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
+def _kvcache_append_impl(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_new: Tensor,
+    cache_seqlens: Tensor,
+    block_table: Optional[Tensor],
+    max_seqlen_new: int,
+    check_indices: bool,
+    backend: int,
+    k_scale: float,
+    v_scale: float,
+) -> None:
+    fp8 = _is_fp8(k_cache) or _is_fp8(v_cache)
+    if fp8:
+        if not (_is_fp8(k_cache) and _is_fp8(v_cache)):
+            raise InvalidArgumentError("v_cache: an FP8 cache needs k_cache and v_cache both torch.float8_e4m3fn")
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)  # the same storage
+    _ext.kvcache_append(_dl(k_cache), _dl(v_cache), _dl(block_table), _dl(cache_seqlens), _dl(k), _dl(v),
+                        _dl(cu_seqlens_new), max_seqlen_new, check_indices, backend, 0, _stream(k), fp8_cache=fp8,
+                        k_scale=float(k_scale), v_scale=float(v_scale))
+
+
+_kvcache_append = torch.library.custom_op("flashattn::kvcache_append", _kvcache_append_impl,
+                                          mutates_args=("k_cache", "v_cache"))
+
+
+@_kvcache_append.register_fake
+def _(k_cache, v_cache, k, v, cu_seqlens_new, cache_seqlens, block_table, max_seqlen_new, check_indices, backend,
+      k_scale, v_scale):
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # the flash_attn 2.x functions
 # ---------------------------------------------------------------------------------------------
@@ -807,3 +842,47 @@ def flash_attn_with_kvcache(
     else:
         out, lse = _kvcache(*args)
     return (out, lse) if return_softmax_lse else out
+
+
+def kvcache_append(
+    k_cache,
+    v_cache,
+    k,
+    v,
+    cu_seqlens_new,
+    cache_seqlens,
+    max_seqlen_new=None,
+    block_table=None,
+    *,
+    k_scale=None,
+    v_scale=None,
+    check_indices=False,
+    backend=None,
+):
+    """Writes new key/value rows into a KV cache (in place) without attending: fa_kvcache_append.
+
+    k, v (total_new, Hk, D) hold every sequence's new rows one after the other: sequence b's are rows
+    cu_seqlens_new[b] .. cu_seqlens_new[b + 1] - 1 ((B + 1,) int32, from 0), written at cache rows
+    cache_seqlens[b], cache_seqlens[b] + 1, ... ((B,) int32; read, not updated). k_cache / v_cache are
+    (B, S_cache, Hk, D) or, with block_table (B, max_blocks) int32, paged (num_blocks, block_size, Hk, D).
+    The rows land exactly as flash_attn_with_kvcache's append writes them (an FP8 float8_e4m3fn cache: quantised
+    as e4m3(x / scale) with k_scale, v_scale). max_seqlen_new: the largest count; None computes it from
+    cu_seqlens_new (a device-to-host copy for CUDA tensors: pass it in a serving loop).
+
+    With it a continuous-batching step whose requests bring different numbers of tokens is two calls:
+    kvcache_append of every request's rows, then flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_new,
+    cu_seqlens_k, max_seqlen_new, max_seqlen_k, causal=True, block_table=block_table), where cu_seqlens_k is the
+    running sum of cache_seqlens + new counts. check_indices (CUDA): check the index tensors on the device first and
+    raise on a bad entry (one synchronisation); without it a sequence whose entries are out of range writes nothing.
+    """
+    if max_seqlen_new is None:
+        counts = cu_seqlens_new[1:] - cu_seqlens_new[:-1]
+        max_seqlen_new = int(counts.max().item()) if counts.numel() > 0 else 0
+    check_fp8_scales(_is_fp8(k_cache), k_scale, v_scale)
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    args = (k_cache, v_cache, k, v, cu_seqlens_new, cache_seqlens, block_table, int(max_seqlen_new), bool(check_indices),
+            backend_id(backend), float(k_scale or 0.0), float(v_scale or 0.0))
+    if _eager():
+        _kvcache_append_impl(*args)
+    else:
+        _kvcache_append(*args)

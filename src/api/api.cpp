@@ -153,6 +153,22 @@ Status kvcache(const fa_kvcache_args& args, const fa_options& options) {
   }
 }
 
+// The CPU backends share one append (cpu/flash): the rows it writes are those of fa_kvcache's append on every
+// backend, the same bits (tests/cpp/test_cpu_kvcache.cpp, KvcacheAppend*).
+Status kvcache_append(const fa_kvcache_append_args& args, const fa_options& options) {
+  KvcacheAppendParams p;
+  FA_RETURN_IF_ERROR(make_kvcache_append_params(args, options, &p));
+  fa_backend backend;
+  FA_RETURN_IF_ERROR(resolve_backend(options, p.cache.device, p.cache.device_id, &backend));
+  switch (backend) {
+    case FA_BACKEND_CPU_REFERENCE:
+    case FA_BACKEND_CPU_FLASH:
+    case FA_BACKEND_CPU_STANDARD: return cpu::flash::kvcache_append(p);
+    case FA_BACKEND_CUDA: return cuda::kvcache_append(p);
+    default: return flashattn::error(FA_ERROR_INTERNAL, "unresolved backend");
+  }
+}
+
 Status null_argument(const char* name) {
   return flashattn::error(FA_ERROR_INVALID_ARGUMENT, "%s: must not be NULL", name);
 }
@@ -235,6 +251,13 @@ fa_status fa_kvcache(const fa_kvcache_args* args, const fa_options* options, fa_
   return api::guarded(error, [&] {
     FA_RETURN_IF_ERROR(api::check_abi(options));
     return args ? api::kvcache(*args, api::options_or_default(options)) : api::null_argument("args");
+  });
+}
+
+fa_status fa_kvcache_append(const fa_kvcache_append_args* args, const fa_options* options, fa_error* error) {
+  return api::guarded(error, [&] {
+    FA_RETURN_IF_ERROR(api::check_abi(options));
+    return args ? api::kvcache_append(*args, api::options_or_default(options)) : api::null_argument("args");
   });
 }
 

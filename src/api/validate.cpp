@@ -510,6 +510,37 @@ Status make_backward_params(const fa_backward_args& a, const fa_options& options
   return Status();
 }
 
+// A KV cache's kind: k_cache and v_cache both float8_e4m3 (an FP8 cache: `rows`, the 16-bit tensor that is read or
+// appended with it, float16 or bfloat16, and k_scale / v_scale finite and > 0), or neither (the scales 0 or 1, "no
+// scale"). The caches' own dtype and device rules follow at the caller.
+Status check_cache_kind(const fa_tensor& k_cache, const fa_tensor& v_cache, const Arg& rows, float k_scale, float v_scale,
+                        bool* fp8) {
+  *fp8 = k_cache.dtype == FA_FLOAT8_E4M3 || v_cache.dtype == FA_FLOAT8_E4M3;
+  const struct {
+    const char* name;
+    float value;
+  } scales[] = {{"k_scale", k_scale}, {"v_scale", v_scale}};
+  if (!*fp8) {
+    for (const auto& sc : scales)
+      if (sc.value != 0.f && sc.value != 1.f)
+        return FA_INVALID("%s: applies to a float8_e4m3 cache only; with a %s cache it must be 0 or 1 (no scale), got %g",
+                          sc.name, dtype_name(k_cache.dtype), double(sc.value));
+    return Status();
+  }
+  if (k_cache.dtype != v_cache.dtype) {
+    const bool k_is_fp8 = k_cache.dtype == FA_FLOAT8_E4M3;
+    return FA_INVALID("%s: an FP8 cache needs k_cache and v_cache both float8_e4m3, got %s", k_is_fp8 ? "v_cache" : "k_cache",
+                      dtype_name(k_is_fp8 ? v_cache.dtype : k_cache.dtype));
+  }
+  if (rows.t.dtype != FA_FLOAT16 && rows.t.dtype != FA_BFLOAT16)
+    return FA_INVALID("%s: dtype must be float16 or bfloat16 with a float8_e4m3 cache, got %s", rows.name, dtype_name(rows.t.dtype));
+  for (const auto& sc : scales)
+    if (!(sc.value > 0.f) || !std::isfinite(sc.value))
+      return FA_INVALID("%s: must be finite and > 0 with a float8_e4m3 cache (real value = fp8 value * scale), got %g", sc.name,
+                        double(sc.value));
+  return Status();
+}
+
 Status make_kvcache_params(const fa_kvcache_args& a, const fa_options& options, KvcacheParams* p) {
   *p = KvcacheParams{};
   const Arg q{"q", a.q}, kc{"k_cache", a.k_cache}, vc{"v_cache", a.v_cache};
@@ -520,32 +551,14 @@ Status make_kvcache_params(const fa_kvcache_args& a, const fa_options& options, 
   // An FP8 cache (k_cache and v_cache together) with 16-bit q, and its scales; a 16-bit cache leaves them 0 or 1.
   FA_RETURN_IF_ERROR(check_basic(kc));
   FA_RETURN_IF_ERROR(check_basic(vc));
-  const bool fp8_cache = a.k_cache.dtype == FA_FLOAT8_E4M3 || a.v_cache.dtype == FA_FLOAT8_E4M3;
-  const struct {
-    const char* name;
-    float value;
-  } scales[] = {{"k_scale", a.k_scale}, {"v_scale", a.v_scale}};
+  bool fp8_cache = false;
+  FA_RETURN_IF_ERROR(check_cache_kind(a.k_cache, a.v_cache, q, a.k_scale, a.v_scale, &fp8_cache));
   if (fp8_cache) {
-    if (a.k_cache.dtype != a.v_cache.dtype) {
-      const bool k_is_fp8 = a.k_cache.dtype == FA_FLOAT8_E4M3;
-      return FA_INVALID("%s: an FP8 cache needs k_cache and v_cache both float8_e4m3, got %s", k_is_fp8 ? "v_cache" : "k_cache",
-                        dtype_name(k_is_fp8 ? a.v_cache.dtype : a.k_cache.dtype));
-    }
-    if (a.q.dtype != FA_FLOAT16 && a.q.dtype != FA_BFLOAT16)
-      return FA_INVALID("q: dtype must be float16 or bfloat16 with a float8_e4m3 cache, got %s", dtype_name(a.q.dtype));
-    for (const auto& sc : scales)
-      if (!(sc.value > 0.f) || !std::isfinite(sc.value))
-        return FA_INVALID("%s: must be finite and > 0 with a float8_e4m3 cache (real value = fp8 value * scale), got %g",
-                          sc.name, double(sc.value));
     FA_RETURN_IF_ERROR(check_same_device(kc, q));
     FA_RETURN_IF_ERROR(check_same_device(vc, q));
   } else {
     FA_RETURN_IF_ERROR(check_float_input(kc, q));
     FA_RETURN_IF_ERROR(check_float_input(vc, q));
-    for (const auto& sc : scales)
-      if (sc.value != 0.f && sc.value != 1.f)
-        return FA_INVALID("%s: applies to a float8_e4m3 cache only; with a %s cache it must be 0 or 1 (no scale), got %g",
-                          sc.name, dtype_name(a.k_cache.dtype), double(sc.value));
   }
   FA_RETURN_IF_ERROR(check_ndim(kc, 4, cache_layout));
   FA_RETURN_IF_ERROR(check_ndim(vc, 4, cache_layout));
@@ -738,6 +751,141 @@ Status make_kvcache_params(const fa_kvcache_args& a, const fa_options& options, 
     p->workspace_bytes = a.workspace.shape[0];
   }
   return Status();
+}
+
+// `a` present, of ref's dtype and on ref's device (the messages name ref, not q).
+Status check_same_like(const Arg& a, const Arg& ref) {
+  FA_RETURN_IF_ERROR(check_basic(a));
+  if (a.t.dtype != ref.t.dtype)
+    return FA_INVALID("%s: dtype must match %s (%s), got %s", a.name, ref.name, dtype_name(ref.t.dtype), dtype_name(a.t.dtype));
+  return check_same_device(a, ref);
+}
+
+Status make_kvcache_append_params(const fa_kvcache_append_args& a, const fa_options& options, KvcacheAppendParams* out) {
+  *out = KvcacheAppendParams{};
+  KvcacheParams& p = out->cache;
+  const Arg kc{"k_cache", a.k_cache}, vc{"v_cache", a.v_cache}, kn{"k_new", a.k_new}, vn{"v_new", a.v_new};
+  const bool paged = a.block_table.data != nullptr;
+  const char* cache_layout = paged ? "(num_blocks, block_size, Hk, D)" : "(B, S_cache, Hk, D)";
+  FA_RETURN_IF_ERROR(check_basic(kc));
+  FA_RETURN_IF_ERROR(check_basic(vc));
+  // The cache's dtype, and that of the new rows: the same, or float16 / bfloat16 into an FP8 cache (both caches FP8).
+  FA_RETURN_IF_ERROR(check_basic(kn));
+  bool fp8_cache = false;
+  FA_RETURN_IF_ERROR(check_cache_kind(a.k_cache, a.v_cache, kn, a.k_scale, a.v_scale, &fp8_cache));
+  if (fp8_cache) {
+    FA_RETURN_IF_ERROR(check_same_device(kn, kc));
+    FA_RETURN_IF_ERROR(check_same_device(vc, kc));
+  } else {
+    FA_RETURN_IF_ERROR(check_float_input(kc, kc));
+    FA_RETURN_IF_ERROR(check_same_like(vc, kc));
+    FA_RETURN_IF_ERROR(check_same_like(kn, kc));
+  }
+  FA_RETURN_IF_ERROR(check_same_like(vn, kn));
+  FA_RETURN_IF_ERROR(check_ndim(kc, 4, cache_layout));
+  FA_RETURN_IF_ERROR(check_ndim(vc, 4, cache_layout));
+  FA_RETURN_IF_ERROR(check_ndim(kn, 3, "(total_new, Hk, D)"));
+  FA_RETURN_IF_ERROR(check_ndim(vn, 3, "(total_new, Hk, Dv)"));
+  for (int d = 0; d < 3; ++d) {
+    FA_RETURN_IF_ERROR(check_fits_int32(kc, d, "extent"));
+    FA_RETURN_IF_ERROR(check_extent(vc, d, d == 0 ? (paged ? "num_blocks" : "B") : (d == 1 ? (paged ? "block_size" : "S_cache") : "Hk"),
+                                    a.k_cache.shape[d], "k_cache"));
+  }
+  FA_RETURN_IF_ERROR(check_fits_int32(kn, 0, "total_new"));
+  p.heads_k = p.heads_q = int(a.k_cache.shape[2]);
+  if (p.heads_k < 1) return FA_INVALID("k_cache: dimension 2 (Hk) must be >= 1, got %d", p.heads_k);
+  p.head_dim = int(a.k_cache.shape[3]);
+  p.head_dim_v = int(a.v_cache.shape[3]);
+  if (p.head_dim < 1 || p.head_dim > kMaxHeadDim) return FA_INVALID("k_cache: head dim must be in [1, %d], got %d", kMaxHeadDim, p.head_dim);
+  if (p.head_dim_v < 1 || p.head_dim_v > kMaxHeadDim)
+    return FA_INVALID("v_cache: head dim must be in [1, %d], got %d", kMaxHeadDim, p.head_dim_v);
+  FA_RETURN_IF_ERROR(check_extent(kn, 1, "Hk", p.heads_k, "k_cache"));
+  FA_RETURN_IF_ERROR(check_extent(kn, 2, "D", p.head_dim, "k_cache"));
+  FA_RETURN_IF_ERROR(check_extent(vn, 0, "total_new", a.k_new.shape[0], "k_new"));
+  FA_RETURN_IF_ERROR(check_extent(vn, 1, "Hk", p.heads_k, "k_cache"));
+  FA_RETURN_IF_ERROR(check_extent(vn, 2, "Dv", p.head_dim_v, "v_cache"));
+
+  // The sequences: B from cu_seqlens_new (B + 1 entries), their rows checked against max_seqlen_new and total_new.
+  const Arg cu{"cu_seqlens_new", a.cu_seqlens_new}, cs{"cache_seqlens", a.cache_seqlens};
+  FA_RETURN_IF_ERROR(check_index(cu, kc, 1, "(B+1)"));
+  if (a.cu_seqlens_new.shape[0] < 1) return FA_INVALID("cu_seqlens_new: must have at least one entry (B+1 >= 1)");
+  if (a.cu_seqlens_new.shape[0] - 1 > kMaxExtent)
+    return FA_INVALID("cu_seqlens_new: B = %lld sequences exceed the largest extent", (long long)(a.cu_seqlens_new.shape[0] - 1));
+  p.batch = int(a.cu_seqlens_new.shape[0] - 1);
+  if (a.max_seqlen_new < 0) return FA_INVALID("max_seqlen_new: must be >= 0, got %d", a.max_seqlen_new);
+  FA_RETURN_IF_ERROR(check_cu_seqlens(cu, kc, p.batch, a.k_new.shape[0], a.max_seqlen_new, "max_seqlen_new"));
+  FA_RETURN_IF_ERROR(check_index(cs, kc, 1, "(B)"));
+  FA_RETURN_IF_ERROR(check_extent(cs, 0, "B", p.batch, "cu_seqlens_new"));
+
+  // The cache: contiguous, one entry per sequence; or paged through block_table.
+  int64_t capacity = 0;
+  if (paged) {
+    const Arg bt{"block_table", a.block_table};
+    FA_RETURN_IF_ERROR(check_index(bt, kc, 2, "(B, max_blocks)"));
+    FA_RETURN_IF_ERROR(check_extent(bt, 0, "B", p.batch, "cu_seqlens_new"));
+    p.page_block_size = int(a.k_cache.shape[1]);
+    p.num_blocks = int(a.k_cache.shape[0]);
+    if (p.page_block_size < 1) return FA_INVALID("k_cache: dimension 1 (block_size) must be >= 1, got %d", p.page_block_size);
+    capacity = a.block_table.shape[1] * int64_t(p.page_block_size);
+    if (capacity > kMaxExtent)
+      return FA_INVALID("block_table: max_blocks * block_size = %lld exceeds the largest extent, 2^31 - 2^20 = %lld",
+                        (long long)capacity, (long long)kMaxExtent);
+    p.block_table = static_cast<const int32_t*>(a.block_table.data);
+    p.block_table_batch_stride = a.block_table.strides[0];
+  } else {
+    FA_RETURN_IF_ERROR(check_extent(kc, 0, "B", p.batch, "cu_seqlens_new"));
+    capacity = a.k_cache.shape[1];
+  }
+  p.seqlen_k = int(capacity);
+  const int32_t* cached = host_index(a.cache_seqlens);
+  const int32_t* cu_host = host_index(a.cu_seqlens_new);
+  auto rows_of = [&](int b) {
+    return cu_host[(b + 1) * a.cu_seqlens_new.strides[0]] - cu_host[b * a.cu_seqlens_new.strides[0]];
+  };
+  if (cached != nullptr)  // (cu_seqlens_new is host memory too: the same device, checked above)
+    for (int b = 0; b < p.batch; ++b) {
+      const int64_t n = cached[b * a.cache_seqlens.strides[0]];
+      if (n < 0 || n + rows_of(b) > capacity)
+        return FA_INVALID("cache_seqlens: entry %d = %lld plus its %d new rows must be in [0, %lld] (the cache capacity)", b,
+                          (long long)n, rows_of(b), (long long)capacity);
+    }
+  if (paged && cached != nullptr)  // the blocks that the new rows [cached, cached + n_b) go to
+    FA_RETURN_IF_ERROR(check_block_ids(
+        a.block_table, p, [&](int b) { return rows_of(b) > 0 ? cached[b * a.cache_seqlens.strides[0]] + rows_of(b) : 0; },
+        [&](int b) { return rows_of(b) > 0 ? cached[b * a.cache_seqlens.strides[0]] : 0; }));
+
+  p.dtype = a.k_new.dtype;
+  p.kv_dtype = a.k_cache.dtype;
+  p.k_scale = fp8_cache ? a.k_scale : 1.f;
+  p.v_scale = fp8_cache ? a.v_scale : 1.f;
+  p.device = a.k_cache.device;
+  p.device_id = a.k_cache.device_id;
+  p.k = a.k_cache.data;
+  p.v = a.v_cache.data;
+  p.k_batch_stride = a.k_cache.strides[0];  // paged: the block stride
+  p.k_row_stride = a.k_cache.strides[1];
+  p.k_head_stride = a.k_cache.strides[2];
+  p.v_batch_stride = a.v_cache.strides[0];
+  p.v_row_stride = a.v_cache.strides[1];
+  p.v_head_stride = a.v_cache.strides[2];
+  p.cache_seqlens = static_cast<const int32_t*>(a.cache_seqlens.data);
+  p.k_new = a.k_new.data;
+  p.v_new = a.v_new.data;
+  strides_of(a.k_new, &p.k_new_batch_stride, &p.k_new_row_stride, &p.k_new_head_stride);
+  strides_of(a.v_new, &p.v_new_batch_stride, &p.v_new_row_stride, &p.v_new_head_stride);
+  p.seqlen_new = int(std::min<int64_t>(a.max_seqlen_new, a.k_new.shape[0]));
+  p.check_indices = a.check_indices != 0;
+  p.window_left = p.window_right = -1;
+  out->cu_seqlens_new = static_cast<const int32_t*>(a.cu_seqlens_new.data);
+  out->total_new = a.k_new.shape[0];
+  if (options.num_threads < 0)
+    return FA_INVALID("options.num_threads: must be >= 0 (0 = all hardware threads), got %d", options.num_threads);
+  static const unsigned hardware = std::thread::hardware_concurrency();
+  p.num_threads = options.num_threads > 0 ? options.num_threads : (hardware > 0 ? int(hardware) : 1);
+  p.stream = options.stream;
+  p.stats = options.stats;
+  fa_backend backend;
+  return resolve_backend(options, p.device, p.device_id, &backend);
 }
 
 }  // namespace flashattn::api

@@ -16,6 +16,8 @@ Status make_backward_params(const fa_backward_args& args, const fa_options& opti
                             BackwardParams* params);
 Status make_kvcache_params(const fa_kvcache_args& args, const fa_options& options,
                            KvcacheParams* params);
+Status make_kvcache_append_params(const fa_kvcache_append_args& args, const fa_options& options,
+                                  KvcacheAppendParams* params);
 
 // The backend that will run: options.backend, or the tensors' device when it is AUTO.
 // Fails when the explicit choice cannot read tensors on that device.

@@ -130,6 +130,23 @@ struct KvcacheParams : AttentionParams {
   const int32_t* cache_leftpad;
 };
 
+// fa_kvcache_append: the cache and the new rows as a KvcacheParams with no queries (q, out null, seqlen_q 0; k_new /
+// v_new rows addressed with batch stride 0, row cu_seqlens_new[b] + t; seqlen_new = max_seqlen_new, capped at
+// total_new), and the per-sequence row counts.
+struct KvcacheAppendParams {
+  KvcacheParams cache;
+  const int32_t* cu_seqlens_new;  // [B + 1], host or device memory as the cache
+  int64_t total_new;              // rows of k_new / v_new
+};
+
+// New rows of sequence b: n_b = cu[b + 1] - cu[b], or -1 when the entries are not a valid run of k_new's rows with at
+// most max_rows of them (device memory is not checked before the kernels: they write nothing for such a sequence).
+FA_HD int appended_rows(const int32_t* cu_seqlens_new, int64_t total_new, int max_rows, int b) {
+  const int32_t first = cu_seqlens_new[b], end = cu_seqlens_new[b + 1];
+  if (first < 0 || end < first || int64_t(end) > total_new || end - first > max_rows) return -1;
+  return end - first;
+}
+
 // Per-sequence extents, the one place that reads cu_seqlens / seqused_k (host or device memory,
 // whichever side calls it).
 struct SequenceExtent {

@@ -87,5 +87,6 @@ Status backward_workspace_size(const BackwardParams& p, int64_t* bytes) {
 // KV-cache (decode): split-KV kernels, paged caches, append + rotary; src/cuda/decode/kvcache.cpp.
 Status kvcache_plan(const KvcacheParams& p, fa_kvcache_plan* plan) { return decode::plan_kvcache(p, plan); }
 Status kvcache(const KvcacheParams& p) { return decode::run_kvcache(p); }
+Status kvcache_append(const KvcacheAppendParams& p) { return decode::run_kvcache_append(p); }
 
 }  // namespace flashattn::cuda

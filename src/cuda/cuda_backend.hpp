@@ -19,5 +19,6 @@ Status backward(const BackwardParams& params);
 Status backward_workspace_size(const BackwardParams& params, int64_t* bytes);
 Status kvcache_plan(const KvcacheParams& params, fa_kvcache_plan* plan);
 Status kvcache(const KvcacheParams& params);
+Status kvcache_append(const KvcacheAppendParams& params);
 
 }  // namespace flashattn::cuda

@@ -18,5 +18,6 @@ Status backward(const BackwardParams&) { return not_compiled(); }
 Status backward_workspace_size(const BackwardParams&, int64_t*) { return not_compiled(); }
 Status kvcache_plan(const KvcacheParams&, fa_kvcache_plan*) { return not_compiled(); }
 Status kvcache(const KvcacheParams&) { return not_compiled(); }
+Status kvcache_append(const KvcacheAppendParams&) { return not_compiled(); }
 
 }  // namespace flashattn::cuda

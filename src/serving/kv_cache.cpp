@@ -230,6 +230,31 @@ fa_kvcache_args KvcacheBatch::args() const {
   return a;
 }
 
+fa_kvcache_append_args KvcacheStep::append_args() const {
+  fa_kvcache_append_args a{};
+  a.k_cache = k_cache;
+  a.v_cache = v_cache;
+  a.block_table = block_table;
+  a.cache_seqlens = cache_seqlens;
+  a.cu_seqlens_new = cu_seqlens_new;
+  a.max_seqlen_new = max_new;
+  a.k_scale = k_scale;
+  a.v_scale = v_scale;
+  return a;
+}
+
+fa_forward_args KvcacheStep::forward_args() const {
+  fa_forward_args a{};
+  a.k = k_cache;
+  a.v = v_cache;
+  a.block_table = block_table;
+  a.cu_seqlens_q = cu_seqlens_new;
+  a.cu_seqlens_k = cu_seqlens_k;
+  a.max_seqlen_q = max_new;
+  a.max_seqlen_k = max_keys;
+  return a;
+}
+
 // ---------------------------------------------------------------------------------------------
 // PagedKvCache: creation and small helpers
 
@@ -470,26 +495,20 @@ Status PagedKvCache::make_batch(const std::vector<SeqId>& seqs, KvcacheBatch* ba
   if (seqs.empty()) return error(FA_ERROR_INVALID_ARGUMENT, "make_batch: seqs must name at least one sequence");
   FA_RETURN_IF_ERROR(check_sequence_list("make_batch", sequences_, seqs));
   const int new_tokens = sequences_.at(seqs[0]).pending;
-  size_t max_blocks = 1;  // at least one column, even when every sequence is still empty
   for (size_t n = 0; n < seqs.size(); ++n) {
     const Sequence& s = sequences_.at(seqs[n]);
     if (s.pending != new_tokens)
       return error(FA_ERROR_INVALID_ARGUMENT, "make_batch: seqs[%zu] = %" PRId64 " has %d pending tokens but seqs[0] = %" PRId64
                    " has %d; one fa_kvcache call appends the same number of rows (S_new) to every sequence, so reserve() "
-                   "them together", n, seqs[n], s.pending, seqs[0], new_tokens);
-    max_blocks = std::max(max_blocks, s.blocks.size());
+                   "them together (or make_step: fa_kvcache_append + a varlen fa_forward)", n, seqs[n], s.pending, seqs[0],
+                   new_tokens);
   }
   const int64_t b_count = int64_t(seqs.size());
+  int max_blocks = 0;
+  fill_table(seqs, &batch->block_table_host, &max_blocks, &batch->cache_seqlens_host);
   batch->batch = int(b_count);
   batch->new_tokens = new_tokens;
-  batch->max_blocks = int(max_blocks);
-  batch->block_table_host.assign(size_t(b_count) * max_blocks, 0);  // padding: block 0 (see the header)
-  batch->cache_seqlens_host.resize(size_t(b_count));
-  for (size_t n = 0; n < seqs.size(); ++n) {
-    const Sequence& s = sequences_.at(seqs[n]);
-    std::copy(s.blocks.begin(), s.blocks.end(), batch->block_table_host.begin() + int64_t(n * max_blocks));
-    batch->cache_seqlens_host[n] = s.length;  // BEFORE the step: fa_kvcache appends at this row
-  }
+  batch->max_blocks = max_blocks;
   const int64_t table_bytes = b_count * int64_t(max_blocks) * int64_t(sizeof(int32_t));
   const int64_t seqlens_bytes = b_count * int64_t(sizeof(int32_t));
   FA_RETURN_IF_ERROR(batch->block_table_storage.ensure(table_bytes, config_.device, config_.device_id));
@@ -505,6 +524,66 @@ Status PagedKvCache::make_batch(const std::vector<SeqId>& seqs, KvcacheBatch* ba
   batch->v_cache = v_cache();
   batch->k_scale = config_.k_scale;
   batch->v_scale = config_.v_scale;
+  return Status();
+}
+
+void PagedKvCache::fill_table(const std::vector<SeqId>& seqs, std::vector<int32_t>* table, int* max_blocks,
+                              std::vector<int32_t>* lengths) const {
+  size_t columns = 1;  // at least one column, even when every sequence is still empty
+  for (SeqId id : seqs) columns = std::max(columns, sequences_.at(id).blocks.size());
+  table->assign(seqs.size() * columns, 0);  // padding: block 0 (see the header)
+  lengths->resize(seqs.size());
+  for (size_t n = 0; n < seqs.size(); ++n) {
+    const Sequence& s = sequences_.at(seqs[n]);
+    std::copy(s.blocks.begin(), s.blocks.end(), table->begin() + int64_t(n * columns));
+    (*lengths)[n] = s.length;  // BEFORE the step: the new rows go at this row
+  }
+  *max_blocks = int(columns);
+}
+
+Status PagedKvCache::make_step(const std::vector<SeqId>& seqs, KvcacheStep* step) const {
+  if (step == nullptr) return error(FA_ERROR_INVALID_ARGUMENT, "make_step: step must not be NULL");
+  if (seqs.empty()) return error(FA_ERROR_INVALID_ARGUMENT, "make_step: seqs must name at least one sequence");
+  FA_RETURN_IF_ERROR(check_sequence_list("make_step", sequences_, seqs));
+  const size_t b_count = seqs.size();
+  fill_table(seqs, &step->block_table_host, &step->max_blocks, &step->cache_seqlens_host);
+  step->cu_seqlens_new_host.assign(b_count + 1, 0);
+  step->cu_seqlens_k_host.assign(b_count + 1, 0);
+  step->max_new = step->max_keys = 0;
+  for (size_t n = 0; n < b_count; ++n) {
+    const Sequence& s = sequences_.at(seqs[n]);
+    const int keys = s.length + s.pending;  // reserve() kept it within kMaxTokens: no int32 overflow
+    if (int64_t(step->cu_seqlens_new_host[n]) + s.pending > kMaxTokens || int64_t(step->cu_seqlens_k_host[n]) + keys > kMaxTokens)
+      return error(FA_ERROR_INVALID_ARGUMENT, "make_step: the %zu sequences hold more than %" PRId64 " rows together; "
+                   "cu_seqlens is int32 (split the step)", b_count, kMaxTokens);
+    step->cu_seqlens_new_host[n + 1] = step->cu_seqlens_new_host[n] + s.pending;
+    step->cu_seqlens_k_host[n + 1] = step->cu_seqlens_k_host[n] + keys;
+    step->max_new = std::max(step->max_new, s.pending);
+    step->max_keys = std::max(step->max_keys, keys);
+  }
+  step->batch = int(b_count);
+  step->total_new = step->cu_seqlens_new_host[b_count];
+  // One upload of the four index tensors (int32 each, so every part stays 4-byte aligned).
+  const int64_t b = int64_t(b_count), table_n = b * step->max_blocks;
+  const int64_t entries = table_n + b + 2 * (b + 1);
+  std::vector<int32_t> packed;
+  packed.reserve(size_t(entries));
+  for (const std::vector<int32_t>* part :
+       {&step->block_table_host, &step->cache_seqlens_host, &step->cu_seqlens_new_host, &step->cu_seqlens_k_host})
+    packed.insert(packed.end(), part->begin(), part->end());
+  const int64_t bytes = entries * int64_t(sizeof(int32_t));
+  FA_RETURN_IF_ERROR(step->index_storage.ensure(bytes, config_.device, config_.device_id));
+  FA_RETURN_IF_ERROR(step->index_storage.upload(packed.data(), bytes, 0, stream_));
+  int32_t* base = static_cast<int32_t*>(step->index_storage.data());
+  const int64_t table_shape[2] = {b, int64_t(step->max_blocks)}, cu_count = b + 1;
+  step->block_table = fa_tensor_contiguous(base, 2, table_shape, FA_INT32, config_.device, config_.device_id);
+  step->cache_seqlens = fa_tensor_contiguous(base + table_n, 1, &b, FA_INT32, config_.device, config_.device_id);
+  step->cu_seqlens_new = fa_tensor_contiguous(base + table_n + b, 1, &cu_count, FA_INT32, config_.device, config_.device_id);
+  step->cu_seqlens_k = fa_tensor_contiguous(base + table_n + 2 * b + 1, 1, &cu_count, FA_INT32, config_.device, config_.device_id);
+  step->k_cache = k_cache();
+  step->v_cache = v_cache();
+  step->k_scale = config_.k_scale;
+  step->v_scale = config_.v_scale;
   return Status();
 }
 

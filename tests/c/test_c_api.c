@@ -98,6 +98,41 @@ int main(void) {
   CHECK(status == FA_ERROR_INVALID_ARGUMENT && strstr(error.message, "fill options with fa_options_init()") != NULL,
         "zeroed options: %s", error.message);
 
+  /* fa_kvcache_append from C: two sequences of a contiguous float32 cache (B = 2, S_cache = 4, Hk = 1, D = 2) take 2
+     and 1 new rows at rows 1.. and 3; every other element keeps its value. */
+  {
+    float k_cache[2 * 4 * 2], v_cache[2 * 4 * 2], k_new[3 * 2], v_new[3 * 2];
+    int32_t seqlens[2] = {1, 3}, cu[3] = {0, 2, 3};
+    for (int n = 0; n < 16; ++n) k_cache[n] = v_cache[n] = -1.f;
+    for (int n = 0; n < 6; ++n) k_new[n] = (float)n, v_new[n] = 10.f + (float)n;
+    const int64_t cache_shape[4] = {2, 4, 1, 2}, rows_shape[3] = {3, 1, 2}, b_shape[1] = {2}, cu_shape[1] = {3};
+    fa_kvcache_append_args append;
+    memset(&append, 0, sizeof(append));
+    append.k_cache = fa_tensor_contiguous(k_cache, 4, cache_shape, FA_FLOAT32, FA_DEVICE_CPU, 0);
+    append.v_cache = fa_tensor_contiguous(v_cache, 4, cache_shape, FA_FLOAT32, FA_DEVICE_CPU, 0);
+    append.k_new = fa_tensor_contiguous(k_new, 3, rows_shape, FA_FLOAT32, FA_DEVICE_CPU, 0);
+    append.v_new = fa_tensor_contiguous(v_new, 3, rows_shape, FA_FLOAT32, FA_DEVICE_CPU, 0);
+    append.cache_seqlens = fa_tensor_contiguous(seqlens, 1, b_shape, FA_INT32, FA_DEVICE_CPU, 0);
+    append.cu_seqlens_new = fa_tensor_contiguous(cu, 1, cu_shape, FA_INT32, FA_DEVICE_CPU, 0);
+    append.max_seqlen_new = 2;
+    status = fa_kvcache_append(&append, &options, &error);
+    CHECK(status == FA_OK, "fa_kvcache_append: %s", error.message);
+    /* sequence 0: rows 1, 2 <- new rows 0, 1; sequence 1: row 3 <- new row 2 (element offsets 8 + 6 = 14) */
+    const int written[3] = {2, 4, 14};
+    for (int r = 0; r < 3; ++r)
+      for (int c = 0; c < 2; ++c) {
+        CHECK(k_cache[written[r] + c] == k_new[2 * r + c], "k_cache element %d", written[r] + c);
+        CHECK(v_cache[written[r] + c] == v_new[2 * r + c], "v_cache element %d", written[r] + c);
+      }
+    int others = 0;
+    for (int n = 0; n < 16; ++n) others += (n < 2 || (n >= 6 && n < 14)) && k_cache[n] != -1.f;
+    CHECK(others == 0, "fa_kvcache_append wrote %d elements outside the new rows", others);
+    append.max_seqlen_new = 1;
+    status = fa_kvcache_append(&append, &options, &error);
+    CHECK(status == FA_ERROR_INVALID_ARGUMENT && strstr(error.message, "cu_seqlens_new: sequence 0 has length 2 > max_seqlen_new = 1"),
+          "fa_kvcache_append over max_seqlen_new: %s", error.message);
+  }
+
   free(q), free(k), free(v), free(out), free(out_ref), free(lse);
   if (failures == 0) printf("test_c_api: all checks passed\n");
   return failures == 0 ? 0 : 1;

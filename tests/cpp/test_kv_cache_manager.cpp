@@ -473,6 +473,66 @@ TEST(KvCacheManager, BatchTensorsForKvcache) {
   EXPECT_EQ(batch.batch, 1);
 }
 
+// make_step: sequences with different pending counts (one of them none); the index tensors of the append and of the
+// varlen forward, and the call rules.
+TEST(KvCacheManager, StepTensorsForAppendAndVarlenForward) {
+  auto expect_invalid = [](const Status& s, const char* needle) {
+    EXPECT_EQ(s.code(), FA_ERROR_INVALID_ARGUMENT) << s.to_string();
+    EXPECT_NE(s.message().find(needle), std::string::npos) << "'" << needle << "' not in: " << s.message();
+  };
+  const int bs = 4;
+  auto cache = make_cache(16, bs);
+  const SeqId empty = cache->add_sequence(), five = cache->add_sequence(), nine = cache->add_sequence(), idle = cache->add_sequence();
+  ASSERT_TRUE(cache->reserve({five}, 5).ok());
+  ASSERT_TRUE(cache->reserve({nine, idle}, 9).ok());
+  ASSERT_TRUE(cache->commit({five, nine, idle}).ok());
+  ASSERT_TRUE(cache->reserve({nine}, 1).ok());    // a decode token
+  ASSERT_TRUE(cache->reserve({empty}, 6).ok());   // a prompt from nothing
+  ASSERT_TRUE(cache->reserve({five}, 3).ok());    // a prompt chunk into a partially filled block
+  KvcacheStep step;
+  KvcacheBatch batch;
+  expect_invalid(cache->make_batch({nine, empty}, &batch), "make_batch: seqs[1]");  // different counts: make_step's
+  const std::vector<SeqId> order = {nine, empty, idle, five};
+  ASSERT_TRUE(cache->make_step(order, &step).ok());
+  const std::vector<int> pending = {1, 6, 0, 3}, lengths = {9, 0, 9, 5};
+  EXPECT_EQ(step.batch, 4);
+  EXPECT_EQ(step.total_new, 10);
+  EXPECT_EQ(step.max_new, 6);
+  EXPECT_EQ(step.max_keys, 10);
+  EXPECT_EQ(step.max_blocks, 3);  // nine: 10 tokens -> 3 blocks
+  const int32_t* table = static_cast<const int32_t*>(step.block_table.data);
+  const int32_t* seqlens = static_cast<const int32_t*>(step.cache_seqlens.data);
+  const int32_t* cu_new = static_cast<const int32_t*>(step.cu_seqlens_new.data);
+  const int32_t* cu_k = static_cast<const int32_t*>(step.cu_seqlens_k.data);
+  EXPECT_EQ(step.block_table.shape[0], 4);
+  EXPECT_EQ(step.block_table.shape[1], 3);
+  EXPECT_EQ(step.cu_seqlens_new.shape[0], 5);
+  EXPECT_EQ(step.cu_seqlens_k.shape[0], 5);
+  EXPECT_EQ(cu_new[0], 0);
+  EXPECT_EQ(cu_k[0], 0);
+  for (int b = 0; b < 4; ++b) {
+    EXPECT_EQ(seqlens[b], lengths[size_t(b)]);
+    EXPECT_EQ(cu_new[b + 1] - cu_new[b], pending[size_t(b)]) << b;
+    EXPECT_EQ(cu_k[b + 1] - cu_k[b], lengths[size_t(b)] + pending[size_t(b)]) << b;
+    const std::vector<int32_t> blocks = cache->blocks(order[size_t(b)]);
+    for (int col = 0; col < 3; ++col)
+      EXPECT_EQ(table[b * 3 + col], col < int(blocks.size()) ? blocks[size_t(col)] : 0) << "row " << b << " col " << col;
+  }
+  const fa_kvcache_append_args a = step.append_args();
+  EXPECT_EQ(a.k_cache.data, cache->k_cache().data);
+  EXPECT_EQ(a.cu_seqlens_new.data, step.cu_seqlens_new.data);
+  EXPECT_EQ(a.max_seqlen_new, 6);
+  const fa_forward_args f = step.forward_args();
+  EXPECT_EQ(f.cu_seqlens_q.data, step.cu_seqlens_new.data);
+  EXPECT_EQ(f.cu_seqlens_k.data, step.cu_seqlens_k.data);
+  EXPECT_EQ(f.block_table.data, step.block_table.data);
+  EXPECT_EQ(f.max_seqlen_q, 6);
+  EXPECT_EQ(f.max_seqlen_k, 10);
+  expect_invalid(cache->make_step({}, &step), "make_step: seqs must name at least one sequence");
+  expect_invalid(cache->make_step({nine, nine}, &step), "make_step: seqs[1]");
+  expect_invalid(cache->make_step({nine}, nullptr), "make_step: step must not be NULL");
+}
+
 // An FP8 (e4m3) pool driven through the manager and fa_kvcache (CPU flash backend): each batch carries the pool's
 // scales; the append writes e4m3(x / scale) codes into the sequences' blocks (checked against a model of every
 // sequence's codes, so rows written before, and a forked sequence's copy-on-write block, are checked too); and
@@ -683,13 +743,14 @@ struct ServingCase {
   int block_size, num_blocks, prefill_chunk;
   double input_std;
   bool fp8_cache = false;  // an e4m3 pool with ServerConfig's scales (powers of two: the oracle's bf16 holds them exactly)
+  bool mixed_step = false;  // ServerConfig::mixed_step: a step's prefills and decodes in one append + one varlen forward
 };
 
 std::string case_name(const ServingCase& c) {
   return std::string(dtype_name(c.dtype)) + " Hq=" + std::to_string(c.heads_q) + " Hk=" + std::to_string(c.heads_k) +
          " D=" + std::to_string(c.head_dim) + " Dv=" + std::to_string(c.head_dim_v > 0 ? c.head_dim_v : c.head_dim) + " block=" + std::to_string(c.block_size) +
          " blocks=" + std::to_string(c.num_blocks) + " chunk=" + std::to_string(c.prefill_chunk) +
-         " std=" + std::to_string(c.input_std) + (c.fp8_cache ? " fp8 pool" : "");
+         " std=" + std::to_string(c.input_std) + (c.fp8_cache ? " fp8 pool" : "") + (c.mixed_step ? " mixed steps" : "");
 }
 
 class ContinuousBatching : public ::testing::TestWithParam<ServingCase> {};
@@ -710,6 +771,7 @@ TEST_P(ContinuousBatching, EveryCallMatchesTheReferenceOnTheDenseHistory) {
   config.input_std = sc.input_std;
   config.poison = true;  // NaN pool and outputs: a row read before it was written, or never written, fails
   config.fp8_cache = sc.fp8_cache;
+  config.mixed_step = sc.mixed_step;
   std::mt19937_64 rng = fa_test::make_rng("continuous_batching " + case_name(sc));
   config.seed = rng();
   // Odd prompt lengths (1, 17, block edges), arrivals that overlap, beams, and more demand than the
@@ -760,7 +822,8 @@ TEST_P(ContinuousBatching, EveryCallMatchesTheReferenceOnTheDenseHistory) {
     }
     fa_options options = fa_test::options_for(FA_BACKEND_CPU_REFERENCE);
     options.causal = r.causal ? 1 : 0;
-    EXPECT_EQ(r.causal, r.prefill) << what;
+    // (Mixed steps attend every new token causally: a decode token, the last row of its sequence, sees every key.)
+    EXPECT_EQ(r.causal, sc.mixed_step || r.prefill) << what;
     const fa_test::Oracle oracle = fa_test::run_oracle(t, options, /*with_backward=*/false);
     std::memcpy(t.out.data(), r.out, size_t(r.new_tokens) * hq * dv * es);
     std::memcpy(t.lse.data(), r.lse, size_t(hq) * r.new_tokens * sizeof(float));
@@ -797,7 +860,10 @@ INSTANTIATE_TEST_SUITE_P(
                       ServingCase{FA_FLOAT16, 4, 1, 64, 0, 1, 160, 0, 1.0},    // MQA, one token per block
                       ServingCase{FA_BFLOAT16, 2, 2, 128, 0, 16, 12, 9, 3.0},   // chunks, peaky
                       ServingCase{FA_BFLOAT16, 4, 2, 64, 0, 16, 12, 7, 1.0, true},  // an FP8 pool, chunks
-                      ServingCase{FA_FLOAT16, 3, 1, 128, 0, 3, 60, 0, 2.0, true}),  // FP8, MQA, odd blocks
+                      ServingCase{FA_FLOAT16, 3, 1, 128, 0, 3, 60, 0, 2.0, true},   // FP8, MQA, odd blocks
+                      ServingCase{FA_FLOAT32, 6, 2, 32, 0, 5, 30, 7, 4.0, false, true},   // mixed steps, chunks, peaky
+                      ServingCase{FA_BFLOAT16, 4, 2, 64, 0, 16, 12, 0, 1.0, false, true}, // mixed steps, whole prompts
+                      ServingCase{FA_FLOAT16, 4, 1, 64, 0, 1, 160, 9, 1.0, false, true}), // mixed steps, MQA, block 1
     [](const ::testing::TestParamInfo<ServingCase>& info) { return "case" + std::to_string(info.index); });
 
 }  // namespace

@@ -1,4 +1,4 @@
-// Random calls of the three entry points through the C ABI (fa_kvcache, fa_forward, fa_backward), valid
+// Random calls of the four entry points through the C ABI (fa_kvcache, fa_kvcache_append, fa_forward, fa_backward), valid
 // ones and ones broken in one or two places (a shape, a stride, a dtype, a device, a missing tensor, an index
 // entry, an option). Whatever the caller passes, a call must either
 //   - fail with a clear error (a status of the argument kind, a message that names what it rejects) and
@@ -121,7 +121,7 @@ std::vector<int64_t> element_offsets(const fa_tensor& t) {
 }
 
 // A random call: its tensors, its arguments and options, and a record of what was drawn and broken.
-enum class Api { kKvcache, kForward, kBackward };
+enum class Api { kKvcache, kAppend, kForward, kBackward };
 
 struct Call {
   Call() = default;
@@ -129,6 +129,7 @@ struct Call {
   Call& operator=(const Call&) = delete;
   Api api = Api::kKvcache;
   fa_kvcache_args args{};  // api kKvcache
+  fa_kvcache_append_args app{};  // api kAppend
   fa_forward_args fwd{};   // api kForward
   fa_backward_args bwd{};  // api kBackward
   fa_options options{};
@@ -167,6 +168,7 @@ struct Call {
   bool is_output(const std::string& name) const {
     switch (api) {
       case Api::kKvcache: return name == "out" || name == "lse" || name == "workspace" || name == "k_cache" || name == "v_cache";
+      case Api::kAppend: return name == "k_cache" || name == "v_cache";
       case Api::kForward: return name == "out" || name == "lse";
       case Api::kBackward: return name == "dq" || name == "dk" || name == "dv" || name == "workspace";
     }
@@ -177,6 +179,7 @@ struct Call {
 fa_status invoke(Call& c, const fa_options& options, fa_error* error) {
   switch (c.api) {
     case Api::kKvcache: return fa_kvcache(&c.args, &options, error);
+    case Api::kAppend: return fa_kvcache_append(&c.app, &options, error);
     case Api::kForward: return fa_forward(&c.fwd, &options, error);
     case Api::kBackward: return fa_backward(&c.bwd, &options, error);
   }
@@ -381,6 +384,67 @@ void make_kvcache_call(Call& c, std::mt19937_64& rng, fa_backend backend) {
   }
 }
 
+// A valid fa_kvcache_append call: n_b new rows (0 to 3) per sequence into a contiguous or paged cache (block sizes 1
+// to 16, shuffled ids, spare blocks), float32 / float16 / bfloat16, FP8 caches; max_seqlen_new the largest count or
+// more. CUDA: 16-bit rows, Dv = D, D % 16 == 0, the index tensors checked on the device (check_indices).
+void make_append_call(Call& c, std::mt19937_64& rng, fa_backend backend) {
+  start_call(c, Api::kAppend, backend, rng);
+  const bool cuda = backend == FA_BACKEND_CUDA;
+  c.on_device = cuda;
+  c.append = true;
+  const int B = uniform(rng, 1, 3), Hk = uniform(rng, 1, 2);
+  const int D = cuda ? pick(rng, {32, 64, 80}) : pick(rng, {8, 16, 40, 64});
+  const int Dv = cuda || chance(rng, 0.8) ? D : pick(rng, {8, 24});
+  c.dtype = cuda ? pick(rng, {FA_FLOAT16, FA_BFLOAT16}) : pick(rng, {FA_FLOAT32, FA_FLOAT16, FA_BFLOAT16});
+  c.fp8 = c.dtype != FA_FLOAT32 && chance(rng, 0.3);
+  const fa_dtype cache_dtype = c.fp8 ? FA_FLOAT8_E4M3 : c.dtype;
+  const bool paged = chance(rng, 0.5);
+  const int capacity = uniform(rng, 3, 40);
+  std::vector<int> counts(static_cast<size_t>(B)), cached(static_cast<size_t>(B));
+  int total = 0, longest = 0;
+  for (int b = 0; b < B; ++b) {
+    counts[size_t(b)] = uniform(rng, 0, 3);
+    cached[size_t(b)] = uniform(rng, 0, capacity - counts[size_t(b)]);
+    total += counts[size_t(b)];
+    longest = std::max(longest, counts[size_t(b)]);
+  }
+  c.app.max_seqlen_new = longest + (chance(rng, 0.2) ? uniform(rng, 1, 5) : 0);  // an upper bound
+  c.app.check_indices = cuda ? 1 : 0;
+  if (c.fp8) {
+    c.app.k_scale = pick(rng, {0.05f, 0.25f, 1.f});
+    c.app.v_scale = pick(rng, {0.03f, 0.5f});
+  } else if (chance(rng, 0.2)) {
+    c.app.k_scale = c.app.v_scale = 1.f;
+  }
+  c.log = "append B=" + std::to_string(B) + " Hk=" + std::to_string(Hk) + " D=" + std::to_string(D) + " Dv=" + std::to_string(Dv) +
+          " " + dtype_name(c.dtype) + (c.fp8 ? " fp8-cache" : "") + " capacity=" + std::to_string(capacity) +
+          " paged=" + std::to_string(paged) + " total_new=" + std::to_string(total);
+  int rows_per_entry = capacity, entries = B, per_seq = 1;
+  std::vector<int32_t> table_ids;
+  if (paged) {
+    rows_per_entry = pick(rng, {1, 3, 4, 16});
+    per_seq = (capacity + rows_per_entry - 1) / rows_per_entry;
+    entries = B * per_seq + uniform(rng, 0, 3);
+    std::vector<int32_t> ids(static_cast<size_t>(entries));
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    table_ids.assign(ids.begin(), ids.begin() + B * per_seq);
+  }
+  const double k_std = c.fp8 ? 1.0 / c.app.k_scale : 1.0, v_std = c.fp8 ? 1.0 / c.app.v_scale : 1.0;
+  fill_float(c.add("k_cache", &c.app.k_cache, {entries, rows_per_entry, Hk, D}, cache_dtype), cache_dtype, rng, k_std);
+  fill_float(c.add("v_cache", &c.app.v_cache, {entries, rows_per_entry, Hk, Dv}, cache_dtype), cache_dtype, rng, v_std);
+  if (paged) {
+    Buffer& t = c.add("block_table", &c.app.block_table, {B, per_seq}, FA_INT32);
+    for (int i = 0; i < B * per_seq; ++i) set_int(t, i, table_ids[size_t(i)]);
+  }
+  Buffer& lengths = c.add("cache_seqlens", &c.app.cache_seqlens, {B}, FA_INT32);
+  for (int b = 0; b < B; ++b) set_int(lengths, b, cached[size_t(b)]);
+  Buffer& cu = c.add("cu_seqlens_new", &c.app.cu_seqlens_new, {B + 1}, FA_INT32);
+  for (int b = 0, sum = 0; b <= B; sum += b < B ? counts[size_t(b)] : 0, ++b) set_int(cu, b, sum);
+  fill_float(c.add("k_new", &c.app.k_new, {total, Hk, D}, c.dtype), c.dtype, rng, 1.0);
+  fill_float(c.add("v_new", &c.app.v_new, {total, Hk, Dv}, c.dtype), c.dtype, rng, 1.0);
+}
+
 // Cumulative offsets of `lengths` as an int32 (B+1) tensor; returns the total.
 int add_cu_seqlens(Call& c, const std::string& name, fa_tensor* field, const std::vector<int>& lengths) {
   Buffer& cu = c.add(name, field, {int64_t(lengths.size()) + 1}, FA_INT32);
@@ -575,7 +639,7 @@ void mutate(Call& c, std::mt19937_64& rng) {
       const int64_t i = uniform(rng, 0, int(n) - 1);
       // With an append, a block id may only turn invalid: a valid id of another sequence's block would make two
       // sequences write one row (a race the caller made; see flashattn.h).
-      const int32_t v = c.api == Api::kKvcache && c.append && b.name == "block_table"
+      const int32_t v = (c.api == Api::kKvcache || c.api == Api::kAppend) && c.append && b.name == "block_table"
                             ? pick(rng, {-1, std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max(), 1 << 20})
                             : pick(rng, {-1, 0, 1, 2, 5, 39, 40, 41, 1 << 20, std::numeric_limits<int32_t>::min(),
                                          std::numeric_limits<int32_t>::max()});
@@ -599,6 +663,14 @@ void mutate(Call& c, std::mt19937_64& rng) {
       break;
     }
     default: {  // a scalar argument
+      if (c.api == Api::kAppend) {
+        switch (uniform(rng, 0, 2)) {
+          case 0: c.app.max_seqlen_new = pick(rng, {-1, 0, 1, 2, 1 << 20, std::numeric_limits<int32_t>::max()}); what = "max_seqlen_new=" + std::to_string(c.app.max_seqlen_new); break;
+          case 1: c.app.k_scale = pick(rng, {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(), -1.f, 0.f, 1.f, 2.f}); what = "k_scale=" + std::to_string(c.app.k_scale); break;
+          default: c.app.v_scale = pick(rng, {std::numeric_limits<float>::quiet_NaN(), -0.f, 1.f, 1e-3f}); what = "v_scale=" + std::to_string(c.app.v_scale); break;
+        }
+        break;
+      }
       if (c.api != Api::kKvcache) {
         int32_t& max_q = c.api == Api::kForward ? c.fwd.max_seqlen_q : c.bwd.max_seqlen_q;
         int32_t& max_k = c.api == Api::kForward ? c.fwd.max_seqlen_k : c.bwd.max_seqlen_k;
@@ -631,6 +703,27 @@ void restore(Call& c, const Snapshot& s) {  // in place: the views' data pointer
   for (size_t i = 0; i < s.size(); ++i) std::copy(s[i].begin(), s[i].end(), c.buffers[i].bytes.begin());
 }
 
+// The rows an accepted fa_kvcache_append call writes, as (cache entry, row in it), sequence by sequence: rows
+// cache_seqlens[b] .. + n_b - 1 (n_b from cu_seqlens_new), through block_table when paged.
+std::vector<std::pair<int64_t, int64_t>> appended_rows(const Call& c) {
+  const fa_kvcache_append_args& a = c.app;
+  std::vector<std::pair<int64_t, int64_t>> rows;
+  const int64_t B = a.cu_seqlens_new.shape[0] - 1, rows_per_entry = a.k_cache.shape[1];
+  for (int64_t s = 0; s < B; ++s) {
+    const int64_t n = get_int(a.cu_seqlens_new, (s + 1) * a.cu_seqlens_new.strides[0]) - get_int(a.cu_seqlens_new, s * a.cu_seqlens_new.strides[0]);
+    const int64_t first = get_int(a.cache_seqlens, s * a.cache_seqlens.strides[0]);
+    for (int64_t row = first; row < first + n; ++row) {
+      if (a.block_table.data == nullptr) {
+        rows.emplace_back(s, row);
+      } else {
+        const int64_t id = get_int(a.block_table, s * a.block_table.strides[0] + (row / rows_per_entry) * a.block_table.strides[1]);
+        rows.emplace_back(id, row % rows_per_entry);
+      }
+    }
+  }
+  return rows;
+}
+
 // The bytes a successful call may write, per buffer: its outputs wholly (every element of their views;
 // Call::is_output), the caches only at the appended rows [cache_seqlens[b], + S_new) of each sequence.
 std::vector<std::vector<bool>> writable(Call& c) {
@@ -643,11 +736,16 @@ std::vector<std::vector<bool>> writable(Call& c) {
     std::vector<bool> m(b.bytes.size(), false);
     const fa_tensor& t = *b.view;
     const int64_t elem = size_of(raw(t.dtype));
-    const bool cache = c.api == Api::kKvcache && (b.name == "k_cache" || b.name == "v_cache");
+    const bool cache = (c.api == Api::kKvcache || c.api == Api::kAppend) && (b.name == "k_cache" || b.name == "v_cache");
     if (t.data == nullptr || !b.written) {
       // absent, or an input: nothing may be written
     } else if (!cache) {
       for (int64_t o : element_offsets(t)) mark(m, o * elem, elem);
+    } else if (c.api == Api::kAppend) {
+      for (const auto& [entry, in_entry] : appended_rows(c))
+        for (int64_t h = 0; h < t.shape[2]; ++h)
+          for (int64_t d = 0; d < t.shape[3]; ++d)
+            mark(m, (entry * t.strides[0] + in_entry * t.strides[1] + h * t.strides[2] + d * t.strides[3]) * elem, elem);
     } else if (a.k_new.data != nullptr) {
       const int64_t B = a.q.shape[0], S_new = a.k_new.shape[1];
       for (int64_t s = 0; s < B; ++s)
@@ -674,6 +772,11 @@ std::vector<std::vector<bool>> writable(Call& c) {
 // whose rows a broken stride or slack entries make share blocks): a race the caller made (flashattn.h,
 // block_table), in which the backends may order the writes and reads differently.
 bool appends_race(const Call& c) {
+  if (c.api == Api::kAppend) {  // two sequences writing one row (an append has no reads)
+    std::vector<std::pair<int64_t, int64_t>> rows = appended_rows(c);
+    std::sort(rows.begin(), rows.end());
+    return std::adjacent_find(rows.begin(), rows.end()) != rows.end();
+  }
   const fa_kvcache_args& a = c.args;
   if (c.api != Api::kKvcache || a.k_new.data == nullptr) return false;
   const int64_t rows_per_entry = a.k_cache.shape[1];
@@ -734,6 +837,7 @@ double rel_l2_bound(fa_dtype t) { return t == FA_BFLOAT16 ? 1e-2 : t == FA_FLOAT
 std::vector<std::string> compared_outputs(const Call& c) {
   switch (c.api) {
     case Api::kKvcache: return {"out", "lse", "k_cache", "v_cache"};
+    case Api::kAppend: return {"k_cache", "v_cache"};
     case Api::kForward: return {"out", "lse"};
     case Api::kBackward: return {"dq", "dk", "dv"};
   }
@@ -748,6 +852,7 @@ void run_one(std::mt19937_64& rng, Api api, fa_backend backend, int breaks, Coun
   Call c;
   switch (api) {
     case Api::kKvcache: make_kvcache_call(c, rng, backend); break;
+    case Api::kAppend: make_append_call(c, rng, backend); break;
     case Api::kForward: make_forward_call(c, rng, backend); break;
     case Api::kBackward: make_backward_call(c, rng, backend); break;
   }
@@ -923,6 +1028,22 @@ TEST(RandomCalls, CudaCallsAreValidBeforeTheyAreBroken) {
 TEST(RandomCalls, KvcacheOnTheCudaBackend) {
   SKIP_WITHOUT_GPU();
   run_many("random-kvcache-cuda", Api::kKvcache, FA_BACKEND_CUDA, 1500);
+}
+TEST(RandomCalls, AppendOnTheCpuFlashBackend) { run_many("random-append-cpu-flash", Api::kAppend, FA_BACKEND_CPU_FLASH, 2000); }
+TEST(RandomCalls, AppendThroughAuto) { run_many("random-append-auto", Api::kAppend, FA_BACKEND_AUTO, 500); }
+TEST(RandomCalls, CudaAppendCallsAreValidBeforeTheyAreBroken) {
+  auto rng = fa_test::make_rng("random-append-cuda-valid");
+  for (int n = 0; n < 500 && !::testing::Test::HasFatalFailure(); ++n) {
+    Call c;
+    make_append_call(c, rng, FA_BACKEND_CUDA);
+    KvcacheAppendParams p;
+    const Status s = api::make_kvcache_append_params(c.app, c.options, &p);
+    ASSERT_TRUE(s.ok()) << c.log << ": " << s.to_string();
+  }
+}
+TEST(RandomCalls, AppendOnTheCudaBackend) {
+  SKIP_WITHOUT_GPU();
+  run_many("random-append-cuda", Api::kAppend, FA_BACKEND_CUDA, 1000);
 }
 TEST(RandomCalls, ForwardOnTheCpuFlashBackend) { run_many("random-forward-cpu-flash", Api::kForward, FA_BACKEND_CPU_FLASH, 3000); }
 TEST(RandomCalls, ForwardOnTheCpuStandardBackend) { run_many("random-forward-cpu-standard", Api::kForward, FA_BACKEND_CPU_STANDARD, 1000); }

@@ -479,3 +479,42 @@ def test_kvcache_fp8_cache_on_gpu(dtype, paged):
         exact = sdpa(q[s:s + 1].double(), keys, values, causal=True)
         naive = sdpa(q[s:s + 1], keys.to(dtype), values.to(dtype), causal=True)
         check(out[s:s + 1], exact, naive, f"fp8 cache out of sequence {s}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_append_on_gpu(dtype, paged):
+    """kvcache_append on the GPU writes the CPU backend's bytes (16-bit and FP8 caches), and its checked mode names a
+    bad device entry."""
+    b, capacity, hk, d, block = 4, 256, 2, 128, 16
+    counts, cached = [3, 0, 100, 1], [0, 5, 17, 200]
+    cu = torch.tensor([0] + list(np.cumsum(counts)), dtype=torch.int32)
+    seqlens = torch.tensor(cached, dtype=torch.int32)
+    k, v = torch.randn(sum(counts), hk, d).to(dtype), torch.randn(sum(counts), hk, d).to(dtype)
+    if paged:
+        blocks = b * (capacity // block) + 3
+        k_cache, v_cache = torch.randn(blocks, block, hk, d).to(dtype), torch.randn(blocks, block, hk, d).to(dtype)
+        table = torch.randperm(blocks)[: b * (capacity // block)].reshape(b, -1).to(torch.int32)
+    else:
+        k_cache, v_cache = torch.randn(b, capacity, hk, d).to(dtype), torch.randn(b, capacity, hk, d).to(dtype)
+        table = None
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    caches = [(k_cache, v_cache, {})]
+    if fp8 is not None:
+        caches.append(((k_cache.float() * 16).to(fp8), (v_cache.float() * 32).to(fp8), dict(k_scale=2.0 ** -4, v_scale=2.0 ** -5)))
+    for kc0, vc0, scales in caches:
+        kc_cpu, vc_cpu = kc0.clone(), vc0.clone()
+        fat.kvcache_append(kc_cpu, vc_cpu, k, v, cu, seqlens, max(counts), table, **scales)
+        for checked in (False, True):
+            kc, vc = kc0.cuda(), vc0.cuda()
+            fat.kvcache_append(kc, vc, k.cuda(), v.cuda(), cu.cuda(), seqlens.cuda(), max(counts),
+                               None if table is None else table.cuda(), check_indices=checked, **scales)
+            torch.cuda.synchronize()
+            view = torch.uint8 if scales else kc.dtype
+            assert torch.equal(kc.cpu().view(view), kc_cpu.view(view)), f"k_cache {scales} checked={checked}"
+            assert torch.equal(vc.cpu().view(view), vc_cpu.view(view)), f"v_cache {scales} checked={checked}"
+    bad = seqlens.clone()
+    bad[3] = capacity  # 256 + 1 new row > the capacity
+    with pytest.raises(flashattn.InvalidArgumentError, match="cache_seqlens: entry 3 = 256 plus its 1 new rows"):
+        fat.kvcache_append(k_cache.cuda(), v_cache.cuda(), k.cuda(), v.cuda(), cu.cuda(), bad.cuda(), max(counts),
+                           None if table is None else table.cuda(), check_indices=True)

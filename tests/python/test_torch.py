@@ -740,3 +740,86 @@ def test_plan_memo_keys_and_bound(monkeypatch):
     assert fat._memoised(memo, ("k2",), make) == 2
     assert fat._memoised(memo, ("k3",), make) == 3
     assert memo == {("k3",): 3}
+
+
+def _append_inputs(rng, dtype, paged, counts, cached, hk=2, d=32, capacity=48, block=16):
+    """A cache (contiguous, or paged with shuffled block ids and spare blocks) and varlen new rows."""
+    b = len(counts)
+    total = sum(counts)
+    cu = torch.tensor([0] + list(np.cumsum(counts)), dtype=torch.int32)
+    seqlens = torch.tensor(cached, dtype=torch.int32)
+    k, v = randn(rng, (total, hk, d), dtype), randn(rng, (total, hk, d), dtype)
+    table = None
+    if paged:
+        per_seq = capacity // block
+        blocks = b * per_seq + 2
+        k_cache, v_cache = randn(rng, (blocks, block, hk, d), dtype), randn(rng, (blocks, block, hk, d), dtype)
+        table = torch.from_numpy(rng.permutation(blocks)[: b * per_seq].reshape(b, per_seq).astype(np.int32))
+    else:
+        k_cache, v_cache = randn(rng, (b, capacity, hk, d), dtype), randn(rng, (b, capacity, hk, d), dtype)
+    return k_cache, v_cache, k, v, cu, seqlens, table
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_append_equals_per_sequence_kvcache(rng, dtype, paged):
+    """kvcache_append writes every sequence's rows (different counts, one of them none) exactly where and as
+    flash_attn_with_kvcache's append writes them, one call per sequence; every other row stays as it was."""
+    counts, cached = [3, 0, 16, 1], [0, 5, 17, 40]
+    k_cache, v_cache, k, v, cu, seqlens, table = _append_inputs(rng, DTYPES[dtype], paged, counts, cached)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    fat.kvcache_append(kc, vc, k, v, cu, seqlens, block_table=table, backend="auto")
+    for b, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        q = torch.zeros((1, 1, 2, 32), dtype=DTYPES[dtype])
+        if paged:
+            fat.flash_attn_with_kvcache(q, k_cache, v_cache, k[rows][None], v[rows][None], cache_seqlens=seqlens[b:b + 1],
+                                        block_table=table[b:b + 1], backend="reference")
+        else:
+            fat.flash_attn_with_kvcache(q, k_cache[b:b + 1], v_cache[b:b + 1], k[rows][None], v[rows][None],
+                                        cache_seqlens=seqlens[b:b + 1], backend="reference")
+    assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)
+
+
+def test_kvcache_append_mixed_step_with_varlen_forward(rng):
+    """The serving step: one kvcache_append of two prompt chunks and two decode tokens, then one causal
+    flash_attn_varlen_func over the paged cache, equals flash_attn_with_kvcache per sequence."""
+    counts, cached = [9, 1, 20, 1], [4, 30, 0, 7]
+    k_cache, v_cache, k, v, cu, seqlens, table = _append_inputs(rng, torch.float32, True, counts, cached)
+    hq = 4
+    q = randn(rng, (sum(counts), hq, 32), torch.float32)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    fat.kvcache_append(kc, vc, k, v, cu, seqlens, max(counts), table)
+    keys = [c + n for c, n in zip(cached, counts)]
+    cu_k = torch.tensor([0] + list(np.cumsum(keys)), dtype=torch.int32)
+    out = fat.flash_attn_varlen_func(q, kc, vc, cu, cu_k, max(counts), max(keys), causal=True, block_table=table,
+                                     backend="auto")
+    for b, n in enumerate(counts):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        want = fat.flash_attn_with_kvcache(q[rows][None], k_cache, v_cache, k[rows][None], v[rows][None],
+                                           cache_seqlens=seqlens[b:b + 1], block_table=table[b:b + 1], causal=True,
+                                           backend="reference")
+        assert rel_l2(out[rows][None].double().numpy(), want.double().numpy()) <= FP32_TOLERANCE, f"sequence {b}"
+    assert torch.equal(kc, k_cache) and torch.equal(vc, v_cache)
+
+
+def test_kvcache_append_errors(rng):
+    k_cache, v_cache, k, v, cu, seqlens, table = _append_inputs(rng, torch.float32, True, [3, 2], [0, 47])
+    with pytest.raises(flashattn.InvalidArgumentError, match="cache_seqlens: entry 1 = 47 plus its 2 new rows"):
+        fat.kvcache_append(k_cache, v_cache, k, v, cu, seqlens, block_table=table)
+    with pytest.raises(flashattn.InvalidArgumentError, match="k_new: dtype must match k_cache"):
+        fat.kvcache_append(k_cache, v_cache, k.half(), v.half(), cu, seqlens.clamp(max=40), block_table=table)
+    with pytest.raises(flashattn.InvalidArgumentError, match="cu_seqlens_new: sequence 0 has length 3 > max_seqlen_new = 2"):
+        fat.kvcache_append(k_cache, v_cache, k, v, cu, seqlens.clamp(max=40), 2, table)
+
+
+def test_torch_compile_kvcache_append_mutation(rng):
+    k_cache, v_cache, k, v, cu, seqlens, table = _append_inputs(rng, torch.float32, True, [2, 1], [5, 9])
+    k_eager, v_eager = k_cache.clone(), v_cache.clone()
+    fat.kvcache_append(k_eager, v_eager, k, v, cu, seqlens, 2, table)
+    step = torch.compile(lambda kc, vc, kn, vn, c, s, t: fat.kvcache_append(kc, vc, kn, vn, c, s, 2, t),
+                         fullgraph=True, backend="aot_eager")
+    step(k_cache, v_cache, k, v, cu, seqlens, table)
+    assert torch.equal(k_cache, k_eager) and torch.equal(v_cache, v_eager), "the caches were written in place"

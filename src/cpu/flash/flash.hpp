@@ -15,5 +15,7 @@ Status backward(const BackwardParams& params);
 int64_t backward_workspace_bytes(const BackwardParams& params);
 Status kvcache_plan(const KvcacheParams& params, fa_kvcache_plan* plan);
 Status kvcache(const KvcacheParams& params);
+// fa_kvcache_append on every CPU backend: kvcache()'s append (the same rows, the same bits) with n_b rows per sequence.
+Status kvcache_append(const KvcacheAppendParams& params);
 
 }  // namespace flashattn::cpu::flash

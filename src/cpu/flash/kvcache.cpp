@@ -14,6 +14,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 
 #include "cpu/flash/attend_tile.hpp"
@@ -94,15 +95,17 @@ SequenceExtent extent_after_append(const KvcacheParams& p, int b) {
   return SequenceExtent{0, 0, p.seqlen_q, p.cache_seqlens[b] + p.seqlen_new};
 }
 
-// Step 1 for one (b, t, hk): the new key (rotated) and value at row cache_seqlens[b] + t.
-void append_row(const KvcacheParams& p, int b, int t, int hk, double* row) {
+// Step 1 for one (b, t, hk): the new key (rotated) and value at row cache_seqlens[b] + t. Its source is row t of
+// sequence b of k_new / v_new: (B, S_new, Hk, D), or fa_kvcache_append's (total_new, Hk, D) at row first_row + t
+// (batch strides 0 there). Only the block table is read of `e` (paged), or nothing (contiguous).
+void append_row(const KvcacheParams& p, int b, int t, int hk, double* row, int64_t first_row = 0) {
   const int position = p.cache_seqlens[b] + t;
   const SequenceExtent e = extent_after_append(p, b);
-  const int64_t k_src = b * p.k_new_batch_stride + t * p.k_new_row_stride + hk * p.k_new_head_stride;
+  const int64_t k_src = b * p.k_new_batch_stride + (first_row + t) * p.k_new_row_stride + hk * p.k_new_head_stride;
   for (int c = 0; c < p.head_dim; ++c) row[c] = load_as_float(p.k_new, k_src + c, p.dtype);
   if (p.rotary_dim > 0) rotate(p, position, row);
   const int64_t k_dst = kv_offset(p, p.k_batch_stride, p.k_row_stride, p.k_head_stride, b, e, position, hk);
-  const int64_t v_src = b * p.v_new_batch_stride + t * p.v_new_row_stride + hk * p.v_new_head_stride;
+  const int64_t v_src = b * p.v_new_batch_stride + (first_row + t) * p.v_new_row_stride + hk * p.v_new_head_stride;
   const int64_t v_dst = kv_offset(p, p.v_batch_stride, p.v_row_stride, p.v_head_stride, b, e, position, hk);
   if (p.kv_dtype == FA_FLOAT8_E4M3) {
     // FP8 cache: e4m3(float(x) / scale), the division in float32 (core/fp8.hpp rounds and saturates), as the
@@ -272,6 +275,31 @@ Status kvcache(const KvcacheParams& p) {
 
   report_stats(p, ledger, plan.splits, "cpu_flash kvcache Br=%d Bc=%d splits=%d threads=%d %s", cfg.block_q, cfg.block_k,
                plan.splits, plan.threads, few_rows::applies(plan.grid.rows(), p.kv_dtype) ? "few-rows" : "blas");
+  return Status();
+}
+
+Status kvcache_append(const KvcacheAppendParams& params) {
+  const KvcacheParams& p = params.cache;
+  // (b, t, hk) items over the longest sequence's rows; those past a sequence's own n_b are skipped. The host checked
+  // every entry (validate.cpp): cu_seqlens_new and cache_seqlens are host memory on the CPU backends.
+  const int64_t items = int64_t(p.batch) * p.seqlen_new * p.heads_k;
+  const int threads = team_size(p.num_threads, items);
+  constexpr int kMaxRotaryRow = 1024;  // append_row's double row (D <= 1024, validate.cpp's bound)
+#pragma omp parallel num_threads(threads)
+  {
+    double row[kMaxRotaryRow];
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < items; ++item) {
+      const int hk = int(item % p.heads_k), t = int(item / p.heads_k % p.seqlen_new), b = int(item / p.heads_k / p.seqlen_new);
+      const int32_t first = params.cu_seqlens_new[b];
+      if (t < params.cu_seqlens_new[b + 1] - first) append_row(p, b, t, hk, row, first);
+    }
+  }
+  if (p.stats != nullptr) {
+    p.stats->scratch_bytes_peak = 0;
+    p.stats->num_splits = 1;
+    std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cpu kvcache_append threads=%d", threads);
+  }
   return Status();
 }
 

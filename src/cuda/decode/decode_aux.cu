@@ -23,12 +23,27 @@ constexpr int kAppendThreads = 256;
 constexpr int64_t kMaxAppendBlocks = 1 << 16;  // grid-stride beyond this (affects speed only)
 constexpr int kGuardThreads = 128;
 
+// The new rows of sequence b: fa_kvcache's S_new rows of its batch entry of k_new, or fa_kvcache_append's n_b rows
+// from row cu_seqlens_new[b] of its (total_new, Hk, D) k_new (count -1 when those entries are out of range: nothing
+// is written for the sequence, and the checked mode's guard reports it).
+struct NewRows {
+  int count;
+  int64_t first;
+};
+__device__ __forceinline__ NewRows new_rows_of(const KvcacheParams& p, const int32_t* cu_seqlens_new, int64_t total_new, int b) {
+  if (cu_seqlens_new == nullptr) return NewRows{p.seqlen_new, 0};
+  return NewRows{appended_rows(cu_seqlens_new, total_new, p.seqlen_new, b), cu_seqlens_new[b]};
+}
+
 // ---- append: one thread per (sequence, new token, K/V head, pair of elements) ----
+// cu_seqlens_new (fa_kvcache_append) or null (fa_kvcache: S_new rows per sequence); t runs to p.seqlen_new, the
+// longest sequence's count, and stops at each sequence's own.
 // kFp8: the cache is float8 e4m3: each value x (k after rotary) is stored as e4m3(x / scale), the division in
 // float32 (__fdiv_rn: IEEE, as the CPU backends divide) and the rounding of core/fp8.hpp (nearest even,
 // saturating), so the bytes are the CPU backends' bytes.
 template <typename Element, bool kFp8>
-__global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_constant__ DecodeArgs args) {
+__global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_constant__ DecodeArgs args,
+                                                                 const int32_t* cu_seqlens_new, int64_t total_new) {
   const KvcacheParams& p = args.p;
   wait_for_previous_grids();  // programmatic dependent launch (sm_90): the caller's writes are visible from here
   allow_next_grid_launch();
@@ -45,18 +60,21 @@ __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_con
     rest /= p.heads_k;
     const int t = int(rest % p.seqlen_new);
     const int b = int(rest / p.seqlen_new);
+    const NewRows rows = new_rows_of(p, cu_seqlens_new, total_new, b);
+    if (t >= rows.count) continue;  // past this sequence's rows (or all of them: bad cu_seqlens_new entries)
     const int cached = p.cache_seqlens[b];
-    if (!cache_keys_ok(cached, key_floor_of(p, b), p.seqlen_new, p.seqlen_k)) continue;  // the attention kernel reports it (NaN)
+    if (!cache_keys_ok(cached, key_floor_of(p, b), rows.count, p.seqlen_k)) continue;  // the attention kernel reports it (NaN)
     const int j = cached + t;  // the new row's position, also its rotary position
     const int32_t id = p.block_table != nullptr ? page_id_of(args, b, j) : 0;
     int64_t k_row = 0, v_row = 0;
     if (!cache_row_offsets(args, b, hk, j, id, &k_row, &v_row)) continue;  // never write through a bad block id
     // K: the pair rotated (or copied: a 16-bit value survives the round trip through float exactly).
-    const Element* k_src = k_new + b * p.k_new_batch_stride + int64_t(t) * p.k_new_row_stride + hk * p.k_new_head_stride;
+    const int64_t src_row = rows.first + t;  // (fa_kvcache_append: batch strides 0)
+    const Element* k_src = k_new + b * p.k_new_batch_stride + src_row * p.k_new_row_stride + hk * p.k_new_head_stride;
     const RotaryPair pair = rotary_pair(p, q);
     float x0 = float(k_src[pair.first]), x1 = float(k_src[pair.second]);
     if (pair.rotated) rotate_pair<Element>(p, j, q, &x0, &x1);
-    const Element* v_src = v_new + b * p.v_new_batch_stride + int64_t(t) * p.v_new_row_stride + hk * p.v_new_head_stride;
+    const Element* v_src = v_new + b * p.v_new_batch_stride + src_row * p.v_new_row_stride + hk * p.v_new_head_stride;
     if constexpr (kFp8) {
       uint8_t* k_codes = static_cast<uint8_t*>(const_cast<void*>(p.k));
       uint8_t* v_codes = static_cast<uint8_t*>(const_cast<void*>(p.v));
@@ -206,30 +224,40 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
 }
 
 // ---- guard: one CTA per sequence ----
-__global__ void __launch_bounds__(kGuardThreads) guard_kernel(const __grid_constant__ DecodeArgs args, unsigned long long* status) {
+// fa_kvcache: the blocks of keys [key_floor, cached + S_new); fa_kvcache_append (cu_seqlens_new): those of the rows
+// written, [cached, cached + n_b), and column -2 for bad cu_seqlens_new entries.
+__global__ void __launch_bounds__(kGuardThreads) guard_kernel(const __grid_constant__ DecodeArgs args, unsigned long long* status,
+                                                              const int32_t* cu_seqlens_new, int64_t total_new) {
   const KvcacheParams& p = args.p;
   const int b = blockIdx.x;
+  const NewRows rows = new_rows_of(p, cu_seqlens_new, total_new, b);
+  if (rows.count < 0) {
+    if (threadIdx.x == 0) atomicMin(status, guard_key(b, -2));
+    return;
+  }
   const int cached = p.cache_seqlens[b];
   const int key_floor = key_floor_of(p, b);
-  if (!cache_keys_ok(cached, key_floor, p.seqlen_new, p.seqlen_k)) {
+  if (!cache_keys_ok(cached, key_floor, rows.count, p.seqlen_k)) {
     if (threadIdx.x == 0) atomicMin(status, guard_key(b, -1));
     return;
   }
   if (p.block_table == nullptr) return;
-  const int used_blocks = (cached + p.seqlen_new + p.page_block_size - 1) / p.page_block_size;
-  for (int n = key_floor / p.page_block_size + threadIdx.x; n < used_blocks; n += blockDim.x) {
+  const int used_blocks = (cached + rows.count + p.page_block_size - 1) / p.page_block_size;
+  const int first_block = cu_seqlens_new == nullptr ? key_floor / p.page_block_size
+                                                   : (rows.count > 0 ? cached / p.page_block_size : used_blocks);
+  for (int n = first_block + threadIdx.x; n < used_blocks; n += blockDim.x) {
     const int32_t id = p.block_table[b * p.block_table_batch_stride + n];
     if (uint32_t(id) >= uint32_t(p.num_blocks)) atomicMin(status, guard_key(b, n));
   }
 }
 
 template <typename Element, bool kFp8>
-Status launch_append_typed(const DecodeArgs& args, cudaStream_t stream) {
+Status launch_append_typed(const DecodeArgs& args, cudaStream_t stream, const int32_t* cu_seqlens_new, int64_t total_new) {
   const KvcacheParams& p = args.p;
   const int64_t total = int64_t(p.batch) * p.seqlen_new * p.heads_k * (p.head_dim / 2);
   const int64_t blocks = std::min<int64_t>((total + kAppendThreads - 1) / kAppendThreads, kMaxAppendBlocks);
   FA_CUDA_RETURN_IF_ERROR(launch_decode_kernel(&append_kernel<Element, kFp8>, dim3(unsigned(blocks)), dim3(kAppendThreads), 0, stream,
-                                               args.programmatic_launch != 0, 0u, 0, args));
+                                               args.programmatic_launch != 0, 0u, 0, args, cu_seqlens_new, total_new));
   return Status();
 }
 
@@ -256,13 +284,16 @@ Status launch_combine_typed(const DecodeArgs& args, cudaStream_t stream) {
 
 }  // namespace
 
-Status launch_append(const DecodeArgs& args, void* stream) {
+Status launch_append(const DecodeArgs& args, void* stream, const int32_t* cu_seqlens_new, int64_t total_new) {
   const KvcacheParams& p = args.p;
   if (p.k_new == nullptr || p.seqlen_new == 0 || p.batch == 0) return Status();
   const auto s = static_cast<cudaStream_t>(stream);
+  const int32_t* cu = cu_seqlens_new;
   if (p.kv_dtype == FA_FLOAT8_E4M3)
-    return p.dtype == FA_BFLOAT16 ? launch_append_typed<__nv_bfloat16, true>(args, s) : launch_append_typed<__half, true>(args, s);
-  return p.dtype == FA_BFLOAT16 ? launch_append_typed<__nv_bfloat16, false>(args, s) : launch_append_typed<__half, false>(args, s);
+    return p.dtype == FA_BFLOAT16 ? launch_append_typed<__nv_bfloat16, true>(args, s, cu, total_new)
+                                  : launch_append_typed<__half, true>(args, s, cu, total_new);
+  return p.dtype == FA_BFLOAT16 ? launch_append_typed<__nv_bfloat16, false>(args, s, cu, total_new)
+                                : launch_append_typed<__half, false>(args, s, cu, total_new);
 }
 
 Status launch_combine(const DecodeArgs& args, void* stream) {
@@ -271,9 +302,10 @@ Status launch_combine(const DecodeArgs& args, void* stream) {
   return args.p.dtype == FA_BFLOAT16 ? launch_combine_typed<__nv_bfloat16>(args, s) : launch_combine_typed<__half>(args, s);
 }
 
-Status launch_guard(const DecodeArgs& args, unsigned long long* status, void* stream) {
+Status launch_guard(const DecodeArgs& args, unsigned long long* status, void* stream, const int32_t* cu_seqlens_new,
+                    int64_t total_new) {
   if (args.p.batch == 0) return Status();
-  guard_kernel<<<args.p.batch, kGuardThreads, 0, static_cast<cudaStream_t>(stream)>>>(args, status);
+  guard_kernel<<<args.p.batch, kGuardThreads, 0, static_cast<cudaStream_t>(stream)>>>(args, status, cu_seqlens_new, total_new);
   FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status();
 }

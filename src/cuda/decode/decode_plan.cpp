@@ -105,6 +105,30 @@ Status check_kvcache_support(const KvcacheParams& p) {
   return Status();
 }
 
+Status check_kvcache_append_support(const KvcacheParams& p, int64_t total_new) {
+  if (p.dtype != FA_FLOAT16 && p.dtype != FA_BFLOAT16)
+    return FA_UNSUPPORTED("k_new: dtype %s is not supported by the cuda append kernel (float16 and bfloat16, into a cache "
+                          "of that dtype or a float8_e4m3 one; the cpu backends take float32)",
+                          dtype_name(p.dtype));
+  if (p.head_dim_v != p.head_dim)
+    return FA_UNSUPPORTED("v_cache: head dim Dv = %d must equal k_cache's D = %d on the cuda backend", p.head_dim_v, p.head_dim);
+  const bool fp8_cache = p.kv_dtype == FA_FLOAT8_E4M3;
+  if (p.head_dim % (fp8_cache ? 16 : 8) != 0)
+    return FA_UNSUPPORTED("k_cache: head dim %d must be a multiple of %d on the cuda backend (rows move in 16-byte chunks)",
+                          p.head_dim, fp8_cache ? 16 : 8);
+  const int64_t cache_element_bytes = fp8_cache ? 1 : 2;
+  const bool paged = p.block_table != nullptr;
+  const int64_t cache_batches = paged ? p.num_blocks : p.batch;
+  const int64_t cache_rows = paged ? p.page_block_size : p.seqlen_k;
+  FA_RETURN_IF_ERROR(check_alignment(
+      {"k_cache", p.k, {p.k_batch_stride, p.k_row_stride, p.k_head_stride}, {cache_batches, cache_rows, p.heads_k}, cache_element_bytes}));
+  FA_RETURN_IF_ERROR(check_alignment(
+      {"v_cache", p.v, {p.v_batch_stride, p.v_row_stride, p.v_head_stride}, {cache_batches, cache_rows, p.heads_k}, cache_element_bytes}));
+  FA_RETURN_IF_ERROR(check_alignment({"k_new", p.k_new, {0, p.k_new_row_stride, p.k_new_head_stride}, {1, total_new, p.heads_k}}));
+  FA_RETURN_IF_ERROR(check_alignment({"v_new", p.v_new, {0, p.v_new_row_stride, p.v_new_head_stride}, {1, total_new, p.heads_k}}));
+  return Status();
+}
+
 int ctas_per_sm(int64_t smem_bytes, int threads, const DecodeDevice& device) {
   constexpr int64_t kReservedSmemPerCta = 1024;  // the runtime reserves 1 KiB of shared memory per CTA
   constexpr int kMaxThreadsPerSm = 2048;

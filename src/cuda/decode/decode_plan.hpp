@@ -333,6 +333,9 @@ inline bool wants_many_waves_tile(const KvcacheParams& p, int block_m, const Dec
 // CUDA rules of a kvcache call: fp16 / bf16, Dv == D, D % 8 == 0, no dropout, 16-byte aligned base pointers
 // and strides of q, out, the caches and k_new / v_new (cp.async and the 16-byte stores), grid limits.
 Status check_kvcache_support(const KvcacheParams& p);
+// CUDA rules of a kvcache_append call (the append kernel's): fp16 / bf16 rows into a cache of their dtype or an FP8
+// one, Dv == D, D % 8 == 0 (FP8: % 16), the alignment of the caches and of k_new / v_new (total_new rows).
+Status check_kvcache_append_support(const KvcacheParams& p, int64_t total_new);
 
 // CTAs of `smem_bytes` shared memory and `threads` threads that fit one SM at a time (an estimate that
 // ignores registers beyond kMaxCtasPerSm).

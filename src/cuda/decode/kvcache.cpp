@@ -64,8 +64,8 @@ Status select(const KvcacheParams& p, Selection* s) {
 }
 
 // The checked mode: the guard kernel finds the first bad (sequence, column), the host waits for it and
-// names the entry. Runs before any other kernel of the call.
-Status check_indices(const DecodeArgs& args, cudaStream_t stream) {
+// names the entry. Runs before any other kernel of the call. cu_seqlens_new: fa_kvcache_append's (else null).
+Status check_indices(const DecodeArgs& args, cudaStream_t stream, const int32_t* cu_seqlens_new = nullptr, int64_t total_new = 0) {
   const KvcacheParams& p = args.p;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   FA_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
@@ -78,7 +78,7 @@ Status check_indices(const DecodeArgs& args, cudaStream_t stream) {
   unsigned long long status = kGuardAllValid;
   Status launched = [&]() -> Status {
     FA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(status_device, 0xFF, sizeof(status), stream));  // kGuardAllValid
-    FA_RETURN_IF_ERROR(launch_guard(args, status_device, stream));
+    FA_RETURN_IF_ERROR(launch_guard(args, status_device, stream, cu_seqlens_new, total_new));
     FA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&status, status_device, sizeof(status), cudaMemcpyDeviceToHost, stream));
     FA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     return Status();
@@ -88,17 +88,32 @@ Status check_indices(const DecodeArgs& args, cudaStream_t stream) {
   if (status == kGuardAllValid) return Status();
   int b = 0, column = 0;
   guard_entry(status, &b, &column);
+  int32_t new_entries[2] = {0, p.seqlen_new};  // fa_kvcache: S_new rows per sequence
+  if (cu_seqlens_new != nullptr) {
+    FA_CUDA_RETURN_IF_ERROR(cudaMemcpy(new_entries, cu_seqlens_new + b, sizeof(new_entries), cudaMemcpyDeviceToHost));
+    if (column == -2)
+      return error(FA_ERROR_INVALID_ARGUMENT,
+                   "cu_seqlens_new: entries %d and %d = %d, %d must be non-decreasing, from 0 to at most the %lld rows of "
+                   "k_new, at most max_seqlen_new = %d apart; checked on the device (check_indices), nothing was written",
+                   b, b + 1, new_entries[0], new_entries[1], (long long)total_new, p.seqlen_new);
+  }
+  const int new_rows = new_entries[1] - new_entries[0];
   if (column < 0) {
     int32_t cached = 0;
     FA_CUDA_RETURN_IF_ERROR(cudaMemcpy(&cached, p.cache_seqlens + b, sizeof(cached), cudaMemcpyDeviceToHost));
     int32_t key_floor = 0;
     if (p.cache_leftpad != nullptr)
       FA_CUDA_RETURN_IF_ERROR(cudaMemcpy(&key_floor, p.cache_leftpad + b, sizeof(key_floor), cudaMemcpyDeviceToHost));
-    if (cache_length_ok(cached, p.seqlen_new, p.seqlen_k))  // then the padding is what is wrong
+    if (cache_length_ok(cached, new_rows, p.seqlen_k))  // then the padding is what is wrong
       return error(FA_ERROR_INVALID_ARGUMENT,
                    "cache_leftpad: entry %d = %d must be in [0, cache_seqlens[%d] = %d]; checked on the device "
                    "(check_indices), nothing was written",
                    b, key_floor, b, cached);
+    if (cu_seqlens_new != nullptr)
+      return error(FA_ERROR_INVALID_ARGUMENT,
+                   "cache_seqlens: entry %d = %d plus its %d new rows must be in [0, %d] (the cache capacity); checked on "
+                   "the device (check_indices), nothing was written",
+                   b, cached, new_rows, p.seqlen_k);
     return error(FA_ERROR_INVALID_ARGUMENT,
                  "cache_seqlens: entry %d = %d plus S_new = %d must be in [0, %d] (the cache capacity); checked on the "
                  "device (check_indices), nothing was written",
@@ -164,6 +179,25 @@ Status run_kvcache(const KvcacheParams& p) {
     p.stats->scratch_bytes_peak = owned != nullptr ? s.plan.workspace_bytes : 0;
     p.stats->num_splits = s.plan.num_splits;
     std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s splits=%d", entry.name, s.plan.num_splits);
+  }
+  return Status();
+}
+
+Status run_kvcache_append(const KvcacheAppendParams& a) {
+  const KvcacheParams& p = a.cache;
+  FA_RETURN_IF_ERROR(check_kvcache_append_support(p, a.total_new));
+  DeviceGuard guard(p.device_id);
+  FA_CUDA_RETURN_IF_ERROR(guard.status());
+  const auto stream = static_cast<cudaStream_t>(p.stream);
+  DecodePlan plan{};
+  plan.num_splits = 1;  // no attention: the args carry the cache addressing (page_shift) only
+  const DecodeArgs args = make_decode_args(p, plan, nullptr);
+  if (p.check_indices) FA_RETURN_IF_ERROR(check_indices(args, stream, a.cu_seqlens_new, a.total_new));
+  FA_RETURN_IF_ERROR(launch_append(args, stream, a.cu_seqlens_new, a.total_new));
+  if (p.stats != nullptr) {
+    p.stats->scratch_bytes_peak = 0;
+    p.stats->num_splits = 1;
+    std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda kvcache_append");
   }
   return Status();
 }

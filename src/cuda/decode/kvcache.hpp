@@ -29,5 +29,8 @@ namespace flashattn::cuda::decode {
 
 Status plan_kvcache(const KvcacheParams& params, fa_kvcache_plan* plan);
 Status run_kvcache(const KvcacheParams& params);
+// fa_kvcache_append: the append kernel alone, with n_b rows per sequence (the checked mode as above, with
+// cu_seqlens_new among the entries it checks).
+Status run_kvcache_append(const KvcacheAppendParams& params);
 
 }  // namespace flashattn::cuda::decode
