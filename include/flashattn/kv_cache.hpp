@@ -144,7 +144,8 @@ struct KvcacheStep {
   int max_blocks = 0;
   float k_scale = 0.f, v_scale = 0.f;
   std::vector<int32_t> block_table_host, cache_seqlens_host, cu_seqlens_new_host, cu_seqlens_k_host;
-  DeviceBuffer index_storage;  // the four index tensors, one after the other
+  std::vector<int32_t> index_host;  // the four, one after the other: what index_storage holds
+  DeviceBuffer index_storage;       // the four index tensors, one after the other
 
   // k_cache, v_cache, block_table, cache_seqlens, cu_seqlens_new, max_seqlen_new (and the scales) filled; the
   // caller adds k_new and v_new.

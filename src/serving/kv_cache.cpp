@@ -566,7 +566,9 @@ Status PagedKvCache::make_step(const std::vector<SeqId>& seqs, KvcacheStep* step
   // One upload of the four index tensors (int32 each, so every part stays 4-byte aligned).
   const int64_t b = int64_t(b_count), table_n = b * step->max_blocks;
   const int64_t entries = table_n + b + 2 * (b + 1);
-  std::vector<int32_t> packed;
+  // (The packed copy lives in the step, as make_batch's host tables do: an asynchronous upload may read it later.)
+  std::vector<int32_t>& packed = step->index_host;
+  packed.clear();
   packed.reserve(size_t(entries));
   for (const std::vector<int32_t>* part :
        {&step->block_table_host, &step->cache_seqlens_host, &step->cu_seqlens_new_host, &step->cu_seqlens_k_host})
