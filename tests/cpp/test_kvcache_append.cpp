@@ -471,7 +471,7 @@ TEST(CudaKvcacheAppend, BadDeviceIndices) {
     int bad_sequence;
   };
   const std::vector<Breakage> breakages = {
-      {"cu_seqlens_new past k_new", "cu_seqlens_new: entries 3 and 4 = 19, 21 must be non-decreasing",
+      {"cu_seqlens_new past k_new", "cu_seqlens_new: entries 3 and 4 = 19, 21 must be a run of k_new's 20 rows",
        [](AppendTensors& t) { t.cu_seqlens_new.set_int(4, 21); }, 3},
       {"too many rows for max_seqlen_new", "cu_seqlens_new: entries 2 and 3 = 3, 19",
        [](AppendTensors& t) { t.max_rows = 15; }, 2},

@@ -93,9 +93,9 @@ Status check_indices(const DecodeArgs& args, cudaStream_t stream, const int32_t*
     FA_CUDA_RETURN_IF_ERROR(cudaMemcpy(new_entries, cu_seqlens_new + b, sizeof(new_entries), cudaMemcpyDeviceToHost));
     if (column == -2)
       return error(FA_ERROR_INVALID_ARGUMENT,
-                   "cu_seqlens_new: entries %d and %d = %d, %d must be non-decreasing, from 0 to at most the %lld rows of "
-                   "k_new, at most max_seqlen_new = %d apart; checked on the device (check_indices), nothing was written",
-                   b, b + 1, new_entries[0], new_entries[1], (long long)total_new, p.seqlen_new);
+                   "cu_seqlens_new: entries %d and %d = %d, %d must be a run of k_new's %lld rows (0 <= first <= end <= "
+                   "%lld) of at most max_seqlen_new = %d rows; checked on the device (check_indices), nothing was written",
+                   b, b + 1, new_entries[0], new_entries[1], (long long)total_new, (long long)total_new, p.seqlen_new);
   }
   const int new_rows = new_entries[1] - new_entries[0];
   if (column < 0) {
