@@ -395,7 +395,9 @@ class DeviceCopies {
   }
   fa_tensor upload(HostTensor& t) {
     void*& device = buffers_[&t];
-    if (device == nullptr) EXPECT_EQ(cudaMalloc(&device, size_t(std::max<int64_t>(t.storage_bytes(), 16))), cudaSuccess);
+    if (device == nullptr) {
+      EXPECT_EQ(cudaMalloc(&device, size_t(std::max<int64_t>(t.storage_bytes(), 16))), cudaSuccess);
+    }
     EXPECT_EQ(cudaMemcpy(device, t.data(), size_t(t.storage_bytes()), cudaMemcpyHostToDevice), cudaSuccess);
     return t.view_on(device, FA_DEVICE_CUDA, 0);
   }
