@@ -1011,18 +1011,26 @@ void run_many(const char* salt, Api api, fa_backend backend, int calls) {
 
 TEST(RandomCalls, KvcacheOnTheCpuFlashBackend) { run_many("random-kvcache-cpu-flash", Api::kKvcache, FA_BACKEND_CPU_FLASH, 3000); }
 TEST(RandomCalls, KvcacheThroughAuto) { run_many("random-kvcache-auto", Api::kKvcache, FA_BACKEND_AUTO, 1000); }
-// The generator's CUDA calls, before any break, pass the validation (no GPU needed: the views are labelled CUDA and
-// never dereferenced), so that the GPU test below starts from valid calls.
-TEST(RandomCalls, CudaCallsAreValidBeforeTheyAreBroken) {
-  auto rng = fa_test::make_rng("random-kvcache-cuda-valid");
+// The generator's CUDA calls of `api`, before any break, pass the validation (no GPU needed: the views are labelled
+// CUDA and never dereferenced), so that the GPU tests below start from valid calls.
+void expect_cuda_calls_valid(const char* salt, Api api) {
+  auto rng = fa_test::make_rng(salt);
   for (int n = 0; n < 500 && !::testing::Test::HasFatalFailure(); ++n) {
     Call c;
-    make_kvcache_call(c, rng, FA_BACKEND_CUDA);
-    KvcacheParams p;
-    const Status s = api::make_kvcache_params(c.args, c.options, &p);
+    Status s;
+    if (api == Api::kKvcache) {
+      make_kvcache_call(c, rng, FA_BACKEND_CUDA);
+      KvcacheParams p;
+      s = api::make_kvcache_params(c.args, c.options, &p);
+    } else {
+      make_append_call(c, rng, FA_BACKEND_CUDA);
+      KvcacheAppendParams p;
+      s = api::make_kvcache_append_params(c.app, c.options, &p);
+    }
     ASSERT_TRUE(s.ok()) << c.log << ": " << s.to_string();
   }
 }
+TEST(RandomCalls, CudaCallsAreValidBeforeTheyAreBroken) { expect_cuda_calls_valid("random-kvcache-cuda-valid", Api::kKvcache); }
 
 // The CUDA backend's calls with their buffers in device memory (invoke_on_device), the index tensors checked there.
 TEST(RandomCalls, KvcacheOnTheCudaBackend) {
@@ -1031,16 +1039,7 @@ TEST(RandomCalls, KvcacheOnTheCudaBackend) {
 }
 TEST(RandomCalls, AppendOnTheCpuFlashBackend) { run_many("random-append-cpu-flash", Api::kAppend, FA_BACKEND_CPU_FLASH, 2000); }
 TEST(RandomCalls, AppendThroughAuto) { run_many("random-append-auto", Api::kAppend, FA_BACKEND_AUTO, 500); }
-TEST(RandomCalls, CudaAppendCallsAreValidBeforeTheyAreBroken) {
-  auto rng = fa_test::make_rng("random-append-cuda-valid");
-  for (int n = 0; n < 500 && !::testing::Test::HasFatalFailure(); ++n) {
-    Call c;
-    make_append_call(c, rng, FA_BACKEND_CUDA);
-    KvcacheAppendParams p;
-    const Status s = api::make_kvcache_append_params(c.app, c.options, &p);
-    ASSERT_TRUE(s.ok()) << c.log << ": " << s.to_string();
-  }
-}
+TEST(RandomCalls, CudaAppendCallsAreValidBeforeTheyAreBroken) { expect_cuda_calls_valid("random-append-cuda-valid", Api::kAppend); }
 TEST(RandomCalls, AppendOnTheCudaBackend) {
   SKIP_WITHOUT_GPU();
   run_many("random-append-cuda", Api::kAppend, FA_BACKEND_CUDA, 1000);
