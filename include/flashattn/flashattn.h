@@ -250,7 +250,8 @@ typedef struct fa_kvcache_append_args {
                                  cache_seqlens[b] + n_b must be at most the capacity (S_cache, or max_blocks x
                                  block_size). Host tensors are checked; on CUDA, check_indices checks them on the
                                  device, and without it a sequence whose entries are out of range writes nothing. */
-  int32_t max_seqlen_new;     /* the largest n_b (an upper bound; every n_b must be <= it) */
+  int32_t max_seqlen_new;     /* the largest n_b (an upper bound; every n_b must be <= it). Affects speed only: the
+                                 CUDA append's grid covers B x max_seqlen_new rows, so pass the true maximum */
   int32_t check_indices;      /* as in fa_kvcache_args (CUDA: cache_seqlens, cu_seqlens_new, block_table) */
   float k_scale, v_scale;     /* FP8 cache: the dequantisation scales (finite, > 0); else 0 or 1 */
 } fa_kvcache_append_args;

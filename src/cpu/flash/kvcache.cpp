@@ -13,6 +13,7 @@
 // caller passes a workspace of plan.workspace_bytes.
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -280,9 +281,11 @@ Status kvcache(const KvcacheParams& p) {
 
 Status kvcache_append(const KvcacheAppendParams& params) {
   const KvcacheParams& p = params.cache;
-  // (b, t, hk) items over the longest sequence's rows; those past a sequence's own n_b are skipped. The host checked
-  // every entry (validate.cpp): cu_seqlens_new and cache_seqlens are host memory on the CPU backends.
-  const int64_t items = int64_t(p.batch) * p.seqlen_new * p.heads_k;
+  // One item per (new row, K/V head): the work is the rows there are, whatever max_seqlen_new says. The host checked
+  // every entry (validate.cpp: cu_seqlens_new and cache_seqlens are host memory on the CPU backends), so
+  // cu_seqlens_new is sorted and a row's sequence is the last b with cu_seqlens_new[b] <= row.
+  const int32_t* cu = params.cu_seqlens_new;
+  const int64_t items = params.total_new * p.heads_k;
   const int threads = team_size(p.num_threads, items);
   constexpr int kMaxRotaryRow = 1024;  // append_row's double row (D <= 1024, validate.cpp's bound)
 #pragma omp parallel num_threads(threads)
@@ -290,9 +293,11 @@ Status kvcache_append(const KvcacheAppendParams& params) {
     double row[kMaxRotaryRow];
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < items; ++item) {
-      const int hk = int(item % p.heads_k), t = int(item / p.heads_k % p.seqlen_new), b = int(item / p.heads_k / p.seqlen_new);
-      const int32_t first = params.cu_seqlens_new[b];
-      if (t < params.cu_seqlens_new[b + 1] - first) append_row(p, b, t, hk, row, first);
+      const int hk = int(item % p.heads_k);
+      const int64_t r = item / p.heads_k;
+      const int b = int(std::upper_bound(cu, cu + p.batch + 1, r) - cu) - 1;
+      if (b >= p.batch) continue;  // rows past cu_seqlens_new[B] belong to no sequence
+      append_row(p, b, int(r - cu[b]), hk, row, cu[b]);
     }
   }
   if (p.stats != nullptr) {
