@@ -278,6 +278,24 @@ void start_call(Call& c, Api api, fa_backend backend, std::mt19937_64& rng) {
   c.options.num_threads = uniform(rng, 1, 2);
 }
 
+// A paged cache of B sequences of `capacity` rows: the block size (1 to 16), blocks per sequence, blocks in the pool
+// (spare ones too), and the sequences' blocks, distinct and shuffled (B x per_seq ids, row-major).
+struct PagedLayout {
+  int rows_per_entry, per_seq, entries;
+  std::vector<int32_t> table_ids;
+};
+PagedLayout draw_paged_layout(std::mt19937_64& rng, int B, int capacity) {
+  PagedLayout l;
+  l.rows_per_entry = pick(rng, {1, 3, 4, 16});
+  l.per_seq = (capacity + l.rows_per_entry - 1) / l.rows_per_entry;
+  l.entries = B * l.per_seq + uniform(rng, 0, 3);
+  std::vector<int32_t> ids(static_cast<size_t>(l.entries));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  l.table_ids.assign(ids.begin(), ids.begin() + B * l.per_seq);
+  return l;
+}
+
 void make_kvcache_call(Call& c, std::mt19937_64& rng, fa_backend backend) {
   start_call(c, Api::kKvcache, backend, rng);
   // CUDA: what its decode kernels take (16-bit q, Dv = D, their head dims; cache_batch_idx with S_cache a power of
@@ -319,13 +337,9 @@ void make_kvcache_call(Call& c, std::mt19937_64& rng, fa_backend backend) {
   std::vector<int32_t> table_ids;
   int per_seq = 1;
   if (layout == 1) {
-    rows_per_entry = pick(rng, {1, 3, 4, 16});
-    per_seq = (capacity + rows_per_entry - 1) / rows_per_entry;
-    entries = B * per_seq + uniform(rng, 0, 3);
-    std::vector<int32_t> ids(static_cast<size_t>(entries));
-    std::iota(ids.begin(), ids.end(), 0);
-    std::shuffle(ids.begin(), ids.end(), rng);
-    table_ids.assign(ids.begin(), ids.begin() + B * per_seq);
+    PagedLayout l = draw_paged_layout(rng, B, capacity);
+    rows_per_entry = l.rows_per_entry, per_seq = l.per_seq, entries = l.entries;
+    table_ids = std::move(l.table_ids);
     // Without an append, blocks may repeat (shared prefixes); with one, the blocks a sequence writes must be its own.
     if (!c.append && chance(rng, 0.3)) table_ids[size_t(uniform(rng, 0, B * per_seq - 1))] = table_ids[0];
   } else if (layout == 2) {
@@ -422,13 +436,9 @@ void make_append_call(Call& c, std::mt19937_64& rng, fa_backend backend) {
   int rows_per_entry = capacity, entries = B, per_seq = 1;
   std::vector<int32_t> table_ids;
   if (paged) {
-    rows_per_entry = pick(rng, {1, 3, 4, 16});
-    per_seq = (capacity + rows_per_entry - 1) / rows_per_entry;
-    entries = B * per_seq + uniform(rng, 0, 3);
-    std::vector<int32_t> ids(static_cast<size_t>(entries));
-    std::iota(ids.begin(), ids.end(), 0);
-    std::shuffle(ids.begin(), ids.end(), rng);
-    table_ids.assign(ids.begin(), ids.begin() + B * per_seq);
+    PagedLayout l = draw_paged_layout(rng, B, capacity);
+    rows_per_entry = l.rows_per_entry, per_seq = l.per_seq, entries = l.entries;
+    table_ids = std::move(l.table_ids);
   }
   const double k_std = c.fp8 ? 1.0 / c.app.k_scale : 1.0, v_std = c.fp8 ? 1.0 / c.app.v_scale : 1.0;
   fill_float(c.add("k_cache", &c.app.k_cache, {entries, rows_per_entry, Hk, D}, cache_dtype), cache_dtype, rng, k_std);
