@@ -15,8 +15,10 @@ mkdir -p .gpucarry
 # The static binaries share most of their bytes (every kernel, BLAS): xz -9's 64 MiB dictionary
 # stores them about once (4 binaries of ~54 MB: 5-6 MB), where -6 stored each (15 MB).
 bins=(tests/cpp/flashattn_tests bench/flashattn_cuda_bench bench/flashattn_decode_bench tools/flashattn)
-for tuning in bench/flashattn_forward_tiles bench/flashattn_backward_tiles bench/flashattn_decode_tiles; do  # -DFLASHATTN_BUILD_TUNING=ON
-  [[ -x "$build/$tuning" ]] && bins+=("$tuning")
+# Optional: the tuning harnesses (-DFLASHATTN_BUILD_TUNING=ON) and the serving example (run_gpu.sh's FA_EXAMPLES=1).
+for extra in bench/flashattn_forward_tiles bench/flashattn_backward_tiles bench/flashattn_decode_tiles \
+             examples/continuous_batching; do
+  [[ -x "$build/$extra" ]] && bins+=("$extra")
 done
 tar -C "$build" -cf - "${bins[@]}" | xz -T1 -9 > .gpucarry/bins.tar.xz
 if [[ -n "$ptx_build" ]]; then

@@ -38,6 +38,9 @@
 #                      alike (default 0: the 3 calls; see flashattn_cuda_bench --warmup-ms)
 #   FA_TUNING=1        the tile-tuning harnesses when BUILD_DIR has them (-DFLASHATTN_BUILD_TUNING=ON):
 #                      bench/flashattn_forward_tiles, bench/flashattn_backward_tiles (FA_TUNING_ARGS)
+#   FA_EXAMPLES=1      the continuous-batching example on the GPU (examples/continuous_batching --device cuda, in
+#                      bf16: decode steps, chunked prefill, and the mixed step of fa_kvcache_append + fa_forward);
+#                      each run checks itself against the float64 reference and exits non-zero on a mismatch
 #   FA_PYTHON=1        build the Python package here (pip, no network: CUDA for sm_90a, OpenBLAS from
 #                      .gpucarry/blas.tar.xz) and run tests/python and python/bench_overhead.py
 #   FA_PTX_TESTS       gtest filter run from .gpucarry/ptx80.tar.xz (pack.sh's PTX_BUILD_DIR: a build with
@@ -82,6 +85,16 @@ if [[ "${FA_SKIP_TESTS:-0}" != "1" ]]; then
   note "== GPU tests (exit $status)"
   grep -E "^\[  FAILED|FA_TEST_SEED|Failure|S=128k" "$work/gpu_tests.log" | head -40 | tee -a "$summary"
   tail -3 "$work/gpu_tests.log" | tee -a "$summary"
+fi
+if [[ "${FA_EXAMPLES:-0}" == "1" && -x "$build/examples/continuous_batching" ]]; then
+  note "== examples/continuous_batching --device cuda"
+  for flags in "" "--prefill-chunk 5" "--mixed-step" "--mixed-step --prefill-chunk 5"; do
+    # shellcheck disable=SC2086  # flags: options, split on spaces
+    timeout 120 "$build/examples/continuous_batching" --device cuda --dtype bfloat16 $flags > "$work/example.log" 2>&1
+    example_status=$?
+    note "  [${flags:-decode}] exit $example_status: $(tail -1 "$work/example.log")"
+    [[ $example_status -ne 0 ]] && status=$example_status && tail -5 "$work/example.log" | tee -a "$summary"
+  done
 fi
 if [[ -n "${FA_PTX_TESTS:-}" && -f "$here/.gpucarry/ptx80.tar.xz" ]]; then
   # The sm_80 code paths, run here through the compute_80 PTX (the first launch of each kernel JIT-compiles it).
