@@ -17,6 +17,9 @@
 //            flashattn.jax aliases to the k_cache and v_cache operands (input_output_aliases): the new rows are
 //            written into the caches in place, and XLA copies them first only where the caller did not donate them.
 //            Optional operands are (0,) placeholders unless their has_* attribute is set. No vmap.
+//   kvcache_append_only  k_cache, v_cache, k_new, v_new (total_new, Hk, D), cache_seqlens (B) s32, block_table
+//            (B, max_blocks) s32 or a (0,) placeholder, cu_seqlens_new (B + 1) s32 -> k_cache, v_cache (aliased as
+//            above): fa_kvcache_append, the rows written without attending. No vmap.
 //
 // jax.vmap: flashattn.jax calls these with vmap_method="expand_dims", so under vmap every operand
 // gains leading "vmap" dimensions, each either the full vmapped extent or 1 (not mapped: read by
@@ -380,15 +383,11 @@ ffi::Error kvcache_read(fa_device_kind device, void* stream, int device_id, ffi:
                  nullptr, cache_seqlens, block_table, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, alibi, out, lse, a);
 }
 
-// Append (k / v written into the caches first): 4 results, the last two the caches (aliased to k_cache, v_cache).
-ffi::Error kvcache_append(fa_device_kind device, void* stream, int device_id, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
-                          ffi::AnyBuffer v_cache, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::AnyBuffer cache_seqlens,
-                          ffi::AnyBuffer block_table, ffi::AnyBuffer rotary_cos, ffi::AnyBuffer rotary_sin,
-                          ffi::AnyBuffer cache_batch_idx, ffi::AnyBuffer cache_leftpad, ffi::AnyBuffer alibi, ffi::Result<ffi::AnyBuffer> out,
-                          ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> k_cache_out,
-                          ffi::Result<ffi::AnyBuffer> v_cache_out, const KvcacheAttrs& a) {
-  // The aliasing makes each result the operand's buffer; if XLA ever handed out another one, copy the cache there
-  // first (the call must see the cache's old rows).
+// The aliasing makes each cache result the cache operand's buffer; if XLA ever handed out another one, copy the cache
+// there first (the call must see the cache's old rows). False where the sizes differ or the copy failed.
+bool caches_aliased(fa_device_kind device, void* stream, const ffi::AnyBuffer& k_cache,
+                    ffi::Result<ffi::AnyBuffer>& k_cache_out, const ffi::AnyBuffer& v_cache,
+                    ffi::Result<ffi::AnyBuffer>& v_cache_out) {
   auto same_or_copied = [&](const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& res) -> bool {
     if (res->untyped_data() == in.untyped_data()) return true;
     if (res->size_bytes() != in.size_bytes()) return false;
@@ -400,14 +399,89 @@ ffi::Error kvcache_append(fa_device_kind device, void* stream, int device_id, ff
     return cudaMemcpyAsync(res->untyped_data(), in.untyped_data(), in.size_bytes(), cudaMemcpyDeviceToDevice,
                            static_cast<cudaStream_t>(stream)) == cudaSuccess;
 #else
+    (void)stream;
     return false;
 #endif
   };
-  if (!same_or_copied(k_cache, k_cache_out) || !same_or_copied(v_cache, v_cache_out))
+  return same_or_copied(k_cache, k_cache_out) && same_or_copied(v_cache, v_cache_out);
+}
+
+// Append (k / v written into the caches first): 4 results, the last two the caches (aliased to k_cache, v_cache).
+ffi::Error kvcache_append(fa_device_kind device, void* stream, int device_id, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                          ffi::AnyBuffer v_cache, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::AnyBuffer cache_seqlens,
+                          ffi::AnyBuffer block_table, ffi::AnyBuffer rotary_cos, ffi::AnyBuffer rotary_sin,
+                          ffi::AnyBuffer cache_batch_idx, ffi::AnyBuffer cache_leftpad, ffi::AnyBuffer alibi, ffi::Result<ffi::AnyBuffer> out,
+                          ffi::Result<ffi::AnyBuffer> lse, ffi::Result<ffi::AnyBuffer> k_cache_out,
+                          ffi::Result<ffi::AnyBuffer> v_cache_out, const KvcacheAttrs& a) {
+  if (!caches_aliased(device, stream, k_cache, k_cache_out, v_cache, v_cache_out))
     return ffi::Error(ffi::ErrorCode::kInternal, "flashattn: the updated caches must have the caches' shapes");
   return kvcache(device, stream, device_id, q, k_cache_out->untyped_data(), k_cache, v_cache_out->untyped_data(), v_cache,
                  &k_new, &v_new, cache_seqlens, block_table, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad, alibi, out, lse, a);
 }
+
+// Append only (fa_kvcache_append): k_new / v_new's rows into the caches, no attention; 2 results, the caches (aliased).
+ffi::Error kvcache_append_only(fa_device_kind device, void* stream, int device_id, ffi::AnyBuffer k_cache,
+                               ffi::AnyBuffer v_cache, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
+                               ffi::AnyBuffer cache_seqlens, ffi::AnyBuffer block_table, ffi::AnyBuffer cu_seqlens_new,
+                               ffi::Result<ffi::AnyBuffer> k_cache_out, ffi::Result<ffi::AnyBuffer> v_cache_out,
+                               int32_t max_seqlen_new, int32_t check_indices, float k_scale, float v_scale,
+                               int32_t has_block_table, int32_t backend) {
+  if (!caches_aliased(device, stream, k_cache, k_cache_out, v_cache, v_cache_out))
+    return ffi::Error(ffi::ErrorCode::kInternal, "flashattn: the updated caches must have the caches' shapes");
+  try {
+    auto whole = [&](const char* name, void* data, const ffi::AnyBuffer& b) {
+      const Operand o = operand(name, data, b.element_type(), b.dimensions(), int(b.dimensions().size()));
+      return view_at(o, {}, device, device_id);
+    };
+    fa_kvcache_append_args args;
+    std::memset(&args, 0, sizeof(args));
+    args.k_cache = whole("k_cache", k_cache_out->untyped_data(), k_cache);
+    args.v_cache = whole("v_cache", v_cache_out->untyped_data(), v_cache);
+    if (has_block_table) args.block_table = whole("block_table", block_table.untyped_data(), block_table);
+    args.cache_seqlens = whole("cache_seqlens", cache_seqlens.untyped_data(), cache_seqlens);
+    args.k_new = whole("k", k_new.untyped_data(), k_new);
+    args.v_new = whole("v", v_new.untyped_data(), v_new);
+    args.cu_seqlens_new = whole("cu_seqlens_new", cu_seqlens_new.untyped_data(), cu_seqlens_new);
+    args.max_seqlen_new = max_seqlen_new;
+    args.check_indices = check_indices;
+    args.k_scale = k_scale;
+    args.v_scale = v_scale;
+    CallOptions o;
+    o.backend = backend;
+    o.stream = stream;
+    const fa_options options = to_fa_options(o, fa_tensor{}, nullptr);
+    fa_error error{};
+    check(fa_kvcache_append(&args, &options, &error), error);
+  } catch (const CallError& e) {
+    return to_ffi_error(e);
+  }
+  return ffi::Error::Success();
+}
+
+// The append-only handlers' attribute parameters, in FA_FFI_APPEND_ONLY_ATTRS' order.
+#define FA_APPEND_ONLY_ATTR_PARAMS                                                                                  \
+  int32_t max_seqlen_new, int32_t check_indices, float k_scale, float v_scale, int32_t has_block_table,            \
+      int32_t backend
+#define FA_APPEND_ONLY_ATTR_VALUES max_seqlen_new, check_indices, k_scale, v_scale, has_block_table, backend
+
+ffi::Error kvcache_append_only_cpu(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer k_new,
+                                   ffi::AnyBuffer v_new, ffi::AnyBuffer cache_seqlens, ffi::AnyBuffer block_table,
+                                   ffi::AnyBuffer cu_seqlens_new, ffi::Result<ffi::AnyBuffer> k_cache_out,
+                                   ffi::Result<ffi::AnyBuffer> v_cache_out, FA_APPEND_ONLY_ATTR_PARAMS) {
+  return kvcache_append_only(FA_DEVICE_CPU, nullptr, 0, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table,
+                             cu_seqlens_new, k_cache_out, v_cache_out, FA_APPEND_ONLY_ATTR_VALUES);
+}
+
+#if defined(FLASHATTN_WITH_CUDA)
+ffi::Error kvcache_append_only_cuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                                    ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::AnyBuffer cache_seqlens,
+                                    ffi::AnyBuffer block_table, ffi::AnyBuffer cu_seqlens_new,
+                                    ffi::Result<ffi::AnyBuffer> k_cache_out, ffi::Result<ffi::AnyBuffer> v_cache_out,
+                                    FA_APPEND_ONLY_ATTR_PARAMS) {
+  return kvcache_append_only(FA_DEVICE_CUDA, stream, device_ordinal, k_cache, v_cache, k_new, v_new, cache_seqlens,
+                             block_table, cu_seqlens_new, k_cache_out, v_cache_out, FA_APPEND_ONLY_ATTR_VALUES);
+}
+#endif
 
 ffi::Error kvcache_read_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer cache_seqlens,
                             ffi::AnyBuffer block_table, ffi::AnyBuffer rotary_cos, ffi::AnyBuffer rotary_sin,
@@ -528,6 +602,14 @@ ffi::Error backward_cuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer q,
       .Attr<int32_t>("num_splits").Attr<float>("k_scale").Attr<float>("v_scale")                       \
       .Attr<int32_t>("has_block_table").Attr<int32_t>("has_rotary").Attr<int32_t>("has_batch_idx")     \
       .Attr<int32_t>("has_leftpad").Attr<int32_t>("has_alibi").Attr<int32_t>("backend")
+#define FA_FFI_APPEND_ONLY_OPERANDS                                                                    \
+  .Arg<ffi::AnyBuffer>() /* k_cache */.Arg<ffi::AnyBuffer>() /* v_cache */.Arg<ffi::AnyBuffer>() /* k */ \
+      .Arg<ffi::AnyBuffer>() /* v */.Arg<ffi::AnyBuffer>() /* cache_seqlens */                         \
+      .Arg<ffi::AnyBuffer>() /* block_table */.Arg<ffi::AnyBuffer>() /* cu_seqlens_new */              \
+      .Ret<ffi::AnyBuffer>() /* k_cache */.Ret<ffi::AnyBuffer>() /* v_cache */
+#define FA_FFI_APPEND_ONLY_ATTRS                                                                       \
+  .Attr<int32_t>("max_seqlen_new").Attr<int32_t>("check_indices").Attr<float>("k_scale")               \
+      .Attr<float>("v_scale").Attr<int32_t>("has_block_table").Attr<int32_t>("backend")
 #define FA_FFI_COMMON_ATTRS                                                                            \
   .Attr<float>("softmax_scale").Attr<int32_t>("causal").Attr<int32_t>("window_left")                   \
       .Attr<int32_t>("window_right").Attr<float>("softcap").Attr<float>("dropout_p")                   \
@@ -543,7 +625,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnKvcacheCpu, flashattn::python::kvcache_re
                               ffi::Ffi::Bind() FA_FFI_KVCACHE_READ_OPERANDS FA_FFI_KVCACHE_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnKvcacheAppendCpu, flashattn::python::kvcache_append_cpu,
                               ffi::Ffi::Bind() FA_FFI_KVCACHE_APPEND_OPERANDS FA_FFI_KVCACHE_ATTRS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnKvcacheAppendOnlyCpu, flashattn::python::kvcache_append_only_cpu,
+                              ffi::Ffi::Bind() FA_FFI_APPEND_ONLY_OPERANDS FA_FFI_APPEND_ONLY_ATTRS);
 #if defined(FLASHATTN_WITH_CUDA)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnKvcacheAppendOnlyCuda, flashattn::python::kvcache_append_only_cuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Ctx<ffi::DeviceOrdinal>() FA_FFI_APPEND_ONLY_OPERANDS FA_FFI_APPEND_ONLY_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnKvcacheCuda, flashattn::python::kvcache_read_cuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
@@ -574,21 +662,24 @@ nb::object handler_capsule(XLA_FFI_Handler* handler) {
 
 void add_xla_ffi_targets(nb::module_& m) {
   nb::dict targets;
-  nb::dict forward, backward, kvcache, kvcache_append;
+  nb::dict forward, backward, kvcache, kvcache_append, kvcache_append_only;
   forward["cpu"] = handler_capsule(FlashattnForwardCpu);
   backward["cpu"] = handler_capsule(FlashattnBackwardCpu);
   kvcache["cpu"] = handler_capsule(FlashattnKvcacheCpu);
   kvcache_append["cpu"] = handler_capsule(FlashattnKvcacheAppendCpu);
+  kvcache_append_only["cpu"] = handler_capsule(FlashattnKvcacheAppendOnlyCpu);
 #if defined(FLASHATTN_WITH_CUDA)
   forward["CUDA"] = handler_capsule(FlashattnForwardCuda);
   backward["CUDA"] = handler_capsule(FlashattnBackwardCuda);
   kvcache["CUDA"] = handler_capsule(FlashattnKvcacheCuda);
   kvcache_append["CUDA"] = handler_capsule(FlashattnKvcacheAppendCuda);
+  kvcache_append_only["CUDA"] = handler_capsule(FlashattnKvcacheAppendOnlyCuda);
 #endif
   targets["flashattn_forward"] = forward;
   targets["flashattn_backward"] = backward;
   targets["flashattn_kvcache"] = kvcache;
   targets["flashattn_kvcache_append"] = kvcache_append;
+  targets["flashattn_kvcache_append_only"] = kvcache_append_only;
   m.attr("xla_ffi_targets") = targets;
   m.attr("has_xla_ffi") = true;
 }

@@ -31,6 +31,9 @@ the mapped entries; unmapped operands are read in place, not copied).
 flash_attn_with_kvcache: attention against a KV cache for decoding (contiguous or paged, with an append of new
 rows, rotary, an FP8 cache), flash_attn's arguments; JAX arrays are immutable, so the updated caches are returned
 (see its docstring). Forward only, no vmap.
+
+kvcache_append: every sequence's new K/V rows (different counts per sequence) written into a KV cache without
+attending (fa_kvcache_append); returns the updated caches, aliased to the operands as above.
 """
 
 import functools
@@ -42,7 +45,7 @@ import numpy as np
 
 from flashattn import InvalidArgumentError, UnsupportedError, _ext, backend_id, check_fp8_scales, window_pair
 
-__all__ = ["dot_product_attention", "flash_attn_with_kvcache"]
+__all__ = ["dot_product_attention", "flash_attn_with_kvcache", "kvcache_append"]
 
 if not _ext.has_xla_ffi:
     raise ImportError(
@@ -359,3 +362,62 @@ def flash_attn_with_kvcache(
         return (out, lse, k_cache, v_cache) if return_softmax_lse else (out, k_cache, v_cache)
     out, lse = jax.ffi.ffi_call("flashattn_kvcache", results)(q, k_cache, v_cache, *tail, **attributes)
     return (out, lse) if return_softmax_lse else out
+
+
+def kvcache_append(
+    k_cache,
+    v_cache,
+    k,
+    v,
+    cu_seqlens_new,
+    cache_seqlens,
+    max_seqlen_new=None,
+    block_table=None,
+    *,
+    k_scale=None,
+    v_scale=None,
+    check_indices=False,
+    backend=None,
+):
+    """Writes new key/value rows into a KV cache without attending (fa_kvcache_append); returns (k_cache, v_cache).
+
+    flashattn.torch.kvcache_append's arguments: k, v (total_new, Hk, D) hold every sequence's new rows one after the
+    other, sequence b's being rows cu_seqlens_new[b] .. cu_seqlens_new[b + 1] - 1 ((B + 1,) int32, from 0), written at
+    cache rows cache_seqlens[b], cache_seqlens[b] + 1, ... ((B,) int32; not updated). k_cache / v_cache are (B,
+    S_cache, Hk, D) or, with block_table (B, max_blocks) int32, paged (num_blocks, block_size, Hk, D); an FP8 cache
+    (float8_e4m3fn) takes k_scale, v_scale (rows stored as e4m3(x / scale)). max_seqlen_new is the largest count: an
+    attribute of the custom call, so under jax.jit pass it as a Python int (None reads it from a concrete
+    cu_seqlens_new; a traced one raises). check_indices (CUDA): the device checks the index arrays first and the call
+    fails on a bad entry; without it a sequence whose entries are out of range writes nothing.
+
+    JAX arrays are immutable: the updated caches are returned. They alias the cache operands, so a jitted step that
+    donates its caches (jax.jit(step, donate_argnums=...)) writes in place; without donation XLA copies the caches
+    first. With flash_attn_with_kvcache (no k, v) or dot_product_attention this serves a step whose requests bring
+    different numbers of tokens. No jax.vmap.
+    """
+    k_cache, v_cache, k, v = jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray(k), jnp.asarray(v)
+    cu_seqlens_new = _int32_array("cu_seqlens_new", cu_seqlens_new, 1)
+    cache_seqlens = _int32_array("cache_seqlens", cache_seqlens, 1)
+    if block_table is not None:
+        block_table = _int32_array("block_table", block_table, 2)
+    if max_seqlen_new is None:
+        if isinstance(cu_seqlens_new, jax.core.Tracer):
+            raise InvalidArgumentError(
+                "max_seqlen_new: required under jax.jit (it is an attribute of the custom call: pass a Python int, "
+                "the largest cu_seqlens_new[b + 1] - cu_seqlens_new[b])")
+        counts = np.diff(np.asarray(cu_seqlens_new))
+        max_seqlen_new = int(counts.max()) if counts.size > 0 else 0
+    check_fp8_scales(k_cache.dtype == jnp.float8_e4m3fn, k_scale, v_scale)
+    attributes = dict(
+        max_seqlen_new=np.int32(max_seqlen_new),
+        check_indices=np.int32(bool(check_indices)),
+        k_scale=np.float32(k_scale or 0.0),
+        v_scale=np.float32(v_scale or 0.0),
+        has_block_table=np.int32(block_table is not None),
+        backend=np.int32(backend_id(backend)),
+    )
+    table = block_table if block_table is not None else jnp.zeros((0,), jnp.int32)  # a placeholder, never read
+    results = [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+    call = jax.ffi.ffi_call("flashattn_kvcache_append_only", results, input_output_aliases={0: 0, 1: 1})
+    k_cache, v_cache = call(k_cache, v_cache, k, v, cache_seqlens, table, cu_seqlens_new, **attributes)
+    return k_cache, v_cache

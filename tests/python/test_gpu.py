@@ -518,3 +518,49 @@ def test_kvcache_append_on_gpu(dtype, paged):
     with pytest.raises(flashattn.InvalidArgumentError, match="cache_seqlens: entry 3 = 256 plus its 1 new rows"):
         fat.kvcache_append(k_cache.cuda(), v_cache.cuda(), k.cuda(), v.cuda(), cu.cuda(), bad.cuda(), max(counts),
                            None if table is None else table.cuda(), check_indices=True)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_jax_kvcache_append_on_gpu(paged):
+    """flashattn.jax.kvcache_append on the GPU, jitted with the caches donated: the CPU backend's bytes (bf16 and FP8
+    caches), and the checked mode's error for a device entry past the capacity."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        pytest.skip("jax has no GPU backend here")
+    fj = pytest.importorskip("flashattn.jax")
+    rng = np.random.default_rng(11)
+    b, capacity, hk, d, block = 4, 256, 2, 128, 16
+    counts, cached = [3, 0, 100, 1], [0, 5, 17, 200]
+    cu = np.array([0] + list(np.cumsum(counts)), dtype=np.int32)
+    seqlens = np.array(cached, dtype=np.int32)
+    k = np.asarray(jnp.asarray(rng.standard_normal((sum(counts), hk, d)), jnp.bfloat16))
+    v = np.asarray(jnp.asarray(rng.standard_normal((sum(counts), hk, d)), jnp.bfloat16))
+    shape, table = (b, capacity, hk, d), None
+    if paged:
+        blocks = b * (capacity // block) + 3
+        shape = (blocks, block, hk, d)
+        table = rng.permutation(blocks)[: b * (capacity // block)].reshape(b, -1).astype(np.int32)
+    for cache_dtype, scales in ((jnp.bfloat16, (None, None)), (jnp.float8_e4m3fn, (2.0 ** -4, 2.0 ** -5))):
+        k_cache = np.asarray(jnp.asarray(rng.standard_normal(shape) / (scales[0] or 1.0), cache_dtype))
+        v_cache = np.asarray(jnp.asarray(rng.standard_normal(shape) / (scales[1] or 1.0), cache_dtype))
+
+        def run_on(device, lengths=seqlens, checked=False):
+            put = lambda x: None if x is None else jax.device_put(x, device)  # noqa: E731
+            step = jax.jit(lambda kc, vc, kn, vn, c, s, t: fj.kvcache_append(
+                kc, vc, kn, vn, c, s, max(counts), t, k_scale=scales[0], v_scale=scales[1], check_indices=checked),
+                donate_argnums=(0, 1))
+            kc, vc = step(put(k_cache), put(v_cache), put(k), put(v), put(cu), put(lengths), put(table))
+            return np.asarray(kc), np.asarray(vc)
+
+        kc_cpu, vc_cpu = run_on(jax.devices("cpu")[0])
+        for checked in (False, True):
+            kc, vc = run_on(gpus[0], checked=checked)
+            assert np.array_equal(kc.view(np.uint8), kc_cpu.view(np.uint8)), f"k_cache {cache_dtype} checked={checked}"
+            assert np.array_equal(vc.view(np.uint8), vc_cpu.view(np.uint8)), f"v_cache {cache_dtype} checked={checked}"
+        bad = seqlens.copy()
+        bad[3] = capacity  # 256 + 1 new row > the capacity
+        with pytest.raises(Exception, match="cache_seqlens: entry 3 = 256 plus its 1 new rows"):
+            run_on(gpus[0], bad, checked=True)

@@ -6,6 +6,8 @@ errors raised while tracing; and flash_attn_with_kvcache (contiguous and paged c
 returned as updated caches, in place under donation).
 """
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -340,3 +342,108 @@ def test_kvcache_errors(rng):
                                                          cache_leftpad=jnp.asarray([4], jnp.int32)))
     with pytest.raises(Exception, match="k_cache"):
         jax.block_until_ready(fj.flash_attn_with_kvcache(q, normal(rng, (1, 16, 2, 64)), cache, cache_seqlens=3))
+
+
+# ---- kvcache_append (fa_kvcache_append: the rows written without attending) ----
+
+
+def append_inputs(rng, dtype, paged, counts, cached, s_cache=48, block=16, hk=2, d=32):
+    """Caches of B sequences, every sequence's new rows packed (total_new, Hk, D) with cu_seqlens_new."""
+    b = len(counts)
+    table = None
+    k_cache = np.asarray(normal(rng, (b, s_cache, hk, d), dtype))
+    v_cache = np.asarray(normal(rng, (b, s_cache, hk, d), dtype))
+    if paged:  # shuffled blocks, two spare ones that no sequence owns
+        table = rng.permutation(b * s_cache // block + 2)[:b * s_cache // block].reshape(b, -1).astype(np.int32)
+        pool_k = np.asarray(normal(rng, (b * s_cache // block + 2, block, hk, d), dtype))
+        pool_v = np.asarray(normal(rng, (b * s_cache // block + 2, block, hk, d), dtype))
+        k_cache, v_cache = pool_k, pool_v
+    k = np.asarray(normal(rng, (sum(counts), hk, d), dtype))
+    v = np.asarray(normal(rng, (sum(counts), hk, d), dtype))
+    cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    return k_cache, v_cache, k, v, cu, np.asarray(cached, np.int32), table
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_kvcache_append_equals_per_sequence_kvcache(rng, dtype, paged):
+    """kvcache_append writes every sequence's rows (different counts, one of them none) exactly where and as
+    flash_attn_with_kvcache's append writes them, one call per sequence; every other row stays as it was. Under
+    jax.jit with the caches donated (in place) and without (the operands unchanged)."""
+    counts, cached = [3, 0, 16, 1], [0, 5, 17, 40]
+    k_cache, v_cache, k, v, cu, seqlens, table = append_inputs(rng, DTYPES[dtype], paged, counts, cached)
+    want_k, want_v = jnp.asarray(k_cache), jnp.asarray(v_cache)
+    for b, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = slice(cu[b], cu[b + 1])
+        q = jnp.zeros((1, 1, 2, 32), DTYPES[dtype])
+        if paged:
+            _, want_k, want_v = fj.flash_attn_with_kvcache(q, want_k, want_v, k[rows][None], v[rows][None],
+                                                           cache_seqlens=seqlens[b:b + 1], block_table=table[b:b + 1],
+                                                           backend="reference")
+        else:
+            _, kb, vb = fj.flash_attn_with_kvcache(q, want_k[b:b + 1], want_v[b:b + 1], k[rows][None], v[rows][None],
+                                                   cache_seqlens=seqlens[b:b + 1], backend="reference")
+            want_k, want_v = want_k.at[b].set(kb[0]), want_v.at[b].set(vb[0])
+
+    def step(kc, vc, kn, vn, c, s, t):
+        return fj.kvcache_append(kc, vc, kn, vn, c, s, max(counts), t, backend="auto")
+
+    table_arg = None if table is None else jnp.asarray(table)
+    k_keep, v_keep = jnp.asarray(k_cache), jnp.asarray(v_cache)
+    kc, vc = jax.jit(step)(k_keep, v_keep, k, v, jnp.asarray(cu), jnp.asarray(seqlens), table_arg)
+    np.testing.assert_array_equal(np.asarray(kc), np.asarray(want_k))
+    np.testing.assert_array_equal(np.asarray(vc), np.asarray(want_v))
+    np.testing.assert_array_equal(np.asarray(k_keep), k_cache)  # not donated: XLA copied the caches first
+    kd, vd = jax.jit(step, donate_argnums=(0, 1))(jnp.asarray(k_cache), jnp.asarray(v_cache), k, v, jnp.asarray(cu),
+                                                  jnp.asarray(seqlens), table_arg)
+    np.testing.assert_array_equal(np.asarray(kd), np.asarray(want_k))
+    np.testing.assert_array_equal(np.asarray(vd), np.asarray(want_v))
+    # Eager, max_seqlen_new read from the concrete cu_seqlens_new.
+    ke, _ = fj.kvcache_append(k_cache, v_cache, k, v, cu, seqlens, block_table=table, backend="auto")
+    np.testing.assert_array_equal(np.asarray(ke), np.asarray(want_k))
+
+
+def test_kvcache_append_mixed_step_then_kvcache_read(rng):
+    """A serving step in JAX: one kvcache_append of two prompt chunks and two decode tokens, then one causal
+    flash_attn_with_kvcache (no k, v) whose q holds each sequence's new queries in its last rows (bottom-right
+    aligned), equals flash_attn_with_kvcache's own append per sequence."""
+    counts, cached = [9, 1, 20, 1], [4, 30, 0, 7]
+    k_cache, v_cache, k, v, cu, seqlens, table = append_inputs(rng, jnp.float32, True, counts, cached)
+    hq, sq = 4, max(counts)
+    q_packed = np.asarray(normal(rng, (sum(counts), hq, 32)))
+    q = np.zeros((len(counts), sq, hq, 32), np.float32)
+    for b, n in enumerate(counts):
+        q[b, sq - n:] = q_packed[cu[b]:cu[b + 1]]
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def mixed_step(kc, vc, kn, vn, c, s, t, q):
+        kc, vc = fj.kvcache_append(kc, vc, kn, vn, c, s, sq, t)
+        out = fj.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=s + (c[1:] - c[:-1]), block_table=t, causal=True)
+        return out, kc, vc
+
+    out, _, _ = mixed_step(jnp.asarray(k_cache), jnp.asarray(v_cache), k, v, jnp.asarray(cu), jnp.asarray(seqlens),
+                           jnp.asarray(table), jnp.asarray(q))
+    for b, n in enumerate(counts):
+        rows = slice(cu[b], cu[b + 1])
+        want = fj.flash_attn_with_kvcache(q_packed[rows][None], k_cache, v_cache, k[rows][None], v[rows][None],
+                                          cache_seqlens=seqlens[b:b + 1], block_table=table[b:b + 1], causal=True,
+                                          backend="reference")[0]
+        assert rel_l2(f64(out[b, sq - n:][None]), f64(want)) <= FP32_TOLERANCE, f"sequence {b}"
+
+
+def test_kvcache_append_errors(rng):
+    k_cache, v_cache, k, v, cu, seqlens, table = append_inputs(rng, jnp.float32, True, [3, 2], [0, 47])
+    with pytest.raises(flashattn.InvalidArgumentError, match="max_seqlen_new: required under jax.jit"):
+        jax.jit(lambda c: fj.kvcache_append(k_cache, v_cache, k, v, c, seqlens, block_table=table))(jnp.asarray(cu))
+    with pytest.raises(flashattn.InvalidArgumentError, match="cu_seqlens_new: dtype must be int32"):
+        fj.kvcache_append(k_cache, v_cache, k, v, cu.astype(np.float32), seqlens, 3, table)
+    # The library's own rules, raised when the call runs: the message names the argument and the rule.
+    with pytest.raises(Exception, match="cache_seqlens: entry 1 = 47 plus its 2 new rows"):
+        jax.block_until_ready(fj.kvcache_append(k_cache, v_cache, k, v, cu, seqlens, block_table=table))
+    with pytest.raises(Exception, match="cu_seqlens_new: sequence 0 has length 3 > max_seqlen_new = 2"):
+        jax.block_until_ready(fj.kvcache_append(k_cache, v_cache, k, v, cu, np.minimum(seqlens, 40), 2, table))
+    with pytest.raises(Exception, match="k_new: dtype must match k_cache"):
+        jax.block_until_ready(fj.kvcache_append(k_cache, v_cache, k.astype(jnp.float16), v.astype(jnp.float16), cu,
+                                                np.minimum(seqlens, 40), 3, table))
