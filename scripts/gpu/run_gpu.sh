@@ -43,6 +43,7 @@
 #                      each run checks itself against the float64 reference and exits non-zero on a mismatch
 #   FA_PYTHON=1        build the Python package here (pip, no network: CUDA for sm_90a, OpenBLAS from
 #                      .gpucarry/blas.tar.xz) and run tests/python and python/bench_overhead.py
+#                      (FA_PYTEST_ARGS: pytest's arguments instead of tests/python, e.g. tests/python/test_gpu.py)
 #   FA_PTX_TESTS       gtest filter run from .gpucarry/ptx80.tar.xz (pack.sh's PTX_BUILD_DIR: a build with
 #                      -DFLASHATTN_CUDA_ARCHS=80-virtual), whose kernels the driver compiles from compute_80 PTX:
 #                      the sm_80 code paths (e.g. the FP8 bit-move conversion) on this Hopper GPU
@@ -199,7 +200,8 @@ if [[ "${FA_PYTHON:-0}" == "1" ]]; then
   note "pip install (exit $?, $(( $(date +%s) - start )) s)"
   tail -5 "$work/pip.log" | tee -a "$summary"
   export PYTHONPATH="$work/site"
-  (cd "$here" && PYTHONUNBUFFERED=1 timeout 300 python3 -m pytest tests/python -q -p no:cacheprovider \
+  # shellcheck disable=SC2086  # FA_PYTEST_ARGS: test paths and options, split on spaces
+  (cd "$here" && PYTHONUNBUFFERED=1 timeout 300 python3 -m pytest ${FA_PYTEST_ARGS:-tests/python} -q -p no:cacheprovider \
       > "$work/pytest.log" 2>&1)
   note "pytest (exit $?)"
   grep -E "passed|failed|error" "$work/pytest.log" | tail -5 | tee -a "$summary"
