@@ -175,13 +175,19 @@ def test_torch_compile_fullgraph_on_gpu():
     assert torch.equal(out, eager)
 
 
-def test_jax_jit_grad_on_gpu():
+def jax_on_gpu():
+    """(jax, jax.numpy, flashattn.jax, jax's GPU devices), or the test skips where jax or its GPU backend is absent."""
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
-    if not any(d.platform == "gpu" for d in jax.devices()):
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
         pytest.skip("jax has no GPU backend here")
-    fj = pytest.importorskip("flashattn.jax")
+    return jax, jnp, pytest.importorskip("flashattn.jax"), gpus
+
+
+def test_jax_jit_grad_on_gpu():
+    jax, jnp, fj, _ = jax_on_gpu()
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((2, 128, 4, 64)), jnp.bfloat16) for _ in range(3))
 
@@ -209,13 +215,7 @@ def test_jax_kvcache_on_gpu(cache, leftpad):
     bit for bit (the appended rows, quantised for FP8; every other row untouched), and out matches float64 SDPA over
     the (dequantised) cache after the append within 3x the error of SDPA in bf16. With cache_leftpad (a paged cache):
     the CPU backend's result over the rows from the padding on, and CUDA's refusal by name."""
-    jax = pytest.importorskip("jax")
-    import jax.numpy as jnp
-
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    if not gpus:
-        pytest.skip("jax has no GPU backend here")
-    fj = pytest.importorskip("flashattn.jax")
+    jax, jnp, fj, gpus = jax_on_gpu()
     rng = np.random.default_rng(5)
     b, s_cache, hq, hk, d, block = 3, 2048, 32, 8, 128, 16
     scales = (2.0 ** -4, 2.0 ** -5) if cache == "fp8" else (None, None)
@@ -524,13 +524,7 @@ def test_kvcache_append_on_gpu(dtype, paged):
 def test_jax_kvcache_append_on_gpu(paged):
     """flashattn.jax.kvcache_append on the GPU, jitted with the caches donated: the CPU backend's bytes (bf16 and FP8
     caches), and the checked mode's error for a device entry past the capacity."""
-    jax = pytest.importorskip("jax")
-    import jax.numpy as jnp
-
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    if not gpus:
-        pytest.skip("jax has no GPU backend here")
-    fj = pytest.importorskip("flashattn.jax")
+    jax, jnp, fj, gpus = jax_on_gpu()
     rng = np.random.default_rng(11)
     b, capacity, hk, d, block = 4, 256, 2, 128, 16
     counts, cached = [3, 0, 100, 1], [0, 5, 17, 200]
