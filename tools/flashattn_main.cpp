@@ -6,6 +6,8 @@
 //                                       peak memory per length (table + JSON); shows O(S) vs O(S^2)
 //   flashattn decode [options]          one KV-cache (decode) call: contiguous or paged cache, append,
 //                                       FP8 cache; time and K/V GB/s; --check vs float64 (exit 1 past tolerance)
+//   flashattn step [options]            one continuous-batching step (decodes beside prefill chunks, paged): one
+//                                       fa_kvcache_append + one varlen fa_forward, against fa_kvcache per group
 // `flashattn <command> --help` lists each command's options.
 #include <sys/resource.h>
 
@@ -963,6 +965,266 @@ int command_decode(int argc, char** argv) {
   return status;
 }
 
+// ---------------------------------------------------------------------------------------------
+// flashattn step: one continuous-batching step with requests of mixed lengths over a paged pool.
+
+int command_step(int argc, char** argv) {
+  Args a(argc, argv, 2);
+  if (a.flag("help")) {
+    std::string h =
+        "flashattn step: one continuous-batching step over a paged KV cache on random inputs: --decode sequences\n"
+        "that each add 1 token to --cache keys, beside --prefill sequences that each add a --chunk of prompt tokens\n"
+        "to --prefill-cache keys. Every new token attends causally (bottom-right). Timed three ways:\n"
+        "  append    fa_kvcache_append of every sequence's new K/V rows (the write half alone)\n"
+        "  mixed     that append + ONE causal varlen fa_forward over the pool: the step as a server with requests\n"
+        "            of mixed lengths runs it (2 calls, whatever the mix)\n"
+        "  grouped   fa_kvcache (append + attend) once per group of equal counts: the decodes in one call (Sq = 1,\n"
+        "            split-KV), the prefills in another (Sq = chunk)\n"
+        "  --decode N           sequences adding 1 token (default 64)\n"
+        "  --cache S            keys already cached in each decoding sequence (default 4096)\n"
+        "  --prefill M          sequences adding --chunk tokens (default 2)\n"
+        "  --chunk C            tokens per prefill chunk (default 512)\n"
+        "  --prefill-cache P    keys already cached in each prefilling sequence (default 0: a first chunk)\n"
+        "  --page P             rows per block of the pool, block ids shuffled (default 16)\n"
+        "  --heads H            query heads (default 32); --heads-k HK key/value heads (default 8)\n"
+        "  --head-dim D         (default 128); --head-dim-v DV (default D)\n"
+        "  --dtype T            f32 | f16 | bf16 (default bf16)\n"
+        "  --backend NAME       auto | cpu | standard | reference | cuda (default: auto)\n"
+        "  --threads N          CPU threads (default: all)\n"
+        "  --seed N             input seed (default: time-based; printed)\n"
+        "  --iters N            timed calls (default 20); --warmup N (default 2)\n"
+        "  --check              out of mixed and of grouped against the float64 reference backend (the mixed step on\n"
+        "                       host copies); exit status 1 when a relative L2 error exceeds 1e-4 (float32) or 2e-2\n"
+        "  --json FILE          also write the result as JSON\n"
+        "Reported: time per step (eager calls, launch included; no allocation in the timed calls).\n";
+    std::fputs(h.c_str(), stdout);
+    return 0;
+  }
+  const int decodes = int(a.integer("decode", 64)), cached_decode = int(a.integer("cache", 4096));
+  const int prefills = int(a.integer("prefill", 2)), chunk = int(a.integer("chunk", 512));
+  const int cached_prefill = int(a.integer("prefill-cache", 0)), page = int(a.integer("page", 16));
+  const int hq = int(a.integer("heads", 32)), hk = int(a.integer("heads-k", 8));
+  const int d = int(a.integer("head-dim", 128)), dv = int(a.integer("head-dim-v", d));
+  const fa_dtype dtype = parse_dtype(a.str("dtype", "bf16"));
+  const fa_backend backend = parse_backend(a.str("backend", "auto"));
+  const int threads = int(a.integer("threads", 0));
+  const uint64_t seed = uint64_t(a.integer("seed", (long long)(std::chrono::steady_clock::now().time_since_epoch().count() & 0xffffffff)));
+  const int iters = int(a.integer("iters", 20)), warmup = int(a.integer("warmup", 2));
+  const bool check = a.flag("check");
+  const std::string json = a.str("json", "");
+  a.finish();
+  if (decodes < 0 || prefills < 0 || decodes + prefills < 1) Args::fail("--decode and --prefill: >= 0, one of them >= 1");
+  if (cached_decode < 0 || cached_prefill < 0 || chunk < 1 || page < 1)
+    Args::fail("--cache >= 0, --prefill-cache >= 0, --chunk >= 1 and --page >= 1 are required");
+  if (backend == FA_BACKEND_CUDA && fa_cuda_device_count() == 0)
+    Args::fail("--backend cuda: no CUDA device found (or this build has no CUDA)");
+  const bool device = backend == FA_BACKEND_CUDA;
+  const fa_device_kind where = device ? FA_DEVICE_CUDA : FA_DEVICE_CPU;
+  const int64_t es = flashattn::dtype_size(dtype);
+
+  // Sequences 0 .. decodes - 1 decode, the rest prefill: every packed tensor (q, k_new, v_new, out) holds the
+  // decodes' rows first, so each group's rows are one contiguous slice of it (the grouped calls' dense views).
+  const int batch = decodes + prefills;
+  std::vector<int32_t> cached(static_cast<size_t>(batch)), counts(static_cast<size_t>(batch));
+  for (int b = 0; b < batch; ++b) {
+    cached[size_t(b)] = b < decodes ? cached_decode : cached_prefill;
+    counts[size_t(b)] = b < decodes ? 1 : chunk;
+  }
+  std::vector<int32_t> cu_new(size_t(batch) + 1, 0), cu_k(size_t(batch) + 1, 0);
+  int max_keys = 0;
+  for (int b = 0; b < batch; ++b) {
+    cu_new[size_t(b) + 1] = cu_new[size_t(b)] + counts[size_t(b)];
+    cu_k[size_t(b) + 1] = cu_k[size_t(b)] + cached[size_t(b)] + counts[size_t(b)];
+    max_keys = std::max(max_keys, cached[size_t(b)] + counts[size_t(b)]);
+  }
+  const int total_new = cu_new.back(), max_new = prefills > 0 ? chunk : 1;
+  const int64_t per_seq = (max_keys + page - 1) / page, blocks = int64_t(batch) * per_seq;
+
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  auto random = [&](int64_t count) {
+    std::vector<uint8_t> host(size_t(count * es));
+    for (int64_t n = 0; n < count; ++n) flashattn::store_from_float(host.data(), n, dtype, normal(rng));
+    return host;
+  };
+  auto int_bytes = [](const std::vector<int32_t>& v) {
+    std::vector<uint8_t> bytes(v.size() * 4);
+    std::memcpy(bytes.data(), v.data(), bytes.size());
+    return bytes;
+  };
+  const std::vector<uint8_t> pool_k_host = random(blocks * page * hk * d), pool_v_host = random(blocks * page * hk * dv);
+  const std::vector<uint8_t> q_host = random(int64_t(total_new) * hq * d);
+  const std::vector<uint8_t> k_new_host = random(int64_t(total_new) * hk * d), v_new_host = random(int64_t(total_new) * hk * dv);
+  std::vector<int32_t> ids(static_cast<size_t>(blocks));  // a serving pool's blocks are scattered
+  for (int64_t n = 0; n < blocks; ++n) ids[size_t(n)] = int32_t(n);
+  std::shuffle(ids.begin(), ids.end(), rng);
+
+  // The step's tensors over buffers on the run's device or on the host (the reference's).
+  struct Step {
+    Buffer pool_k, pool_v, q, k_new, v_new, table, seqlens, cu_new, cu_k, out, lse, out_grouped;
+    fa_kvcache_append_args append{};
+    fa_forward_args forward{};
+    fa_kvcache_args group[2]{};  // decodes, prefills
+    int group_batch[2]{}, group_rows[2]{};
+  };
+  auto make_step = [&](bool on_device) {
+    Step st;
+    const fa_device_kind w = on_device ? FA_DEVICE_CUDA : FA_DEVICE_CPU;
+    auto put = [&](Buffer& b, const std::vector<uint8_t>& bytes) {
+      b = Buffer(int64_t(bytes.size()), on_device);
+      b.upload(bytes);
+    };
+    put(st.pool_k, pool_k_host);
+    put(st.pool_v, pool_v_host);
+    put(st.q, q_host);
+    put(st.k_new, k_new_host);
+    put(st.v_new, v_new_host);
+    put(st.table, int_bytes(ids));
+    put(st.seqlens, int_bytes(cached));
+    put(st.cu_new, int_bytes(cu_new));
+    put(st.cu_k, int_bytes(cu_k));
+    st.out = Buffer(int64_t(total_new) * hq * dv * es, on_device);
+    st.out_grouped = Buffer(int64_t(total_new) * hq * dv * es, on_device);
+    st.lse = Buffer(int64_t(hq) * total_new * 4, on_device);
+    const fa_tensor pool_k = flashattn::tensor(st.pool_k.data, {blocks, page, hk, d}, dtype, w);
+    const fa_tensor pool_v = flashattn::tensor(st.pool_v.data, {blocks, page, hk, dv}, dtype, w);
+    fa_kvcache_append_args& ap = st.append;
+    ap.k_cache = pool_k;
+    ap.v_cache = pool_v;
+    ap.block_table = flashattn::tensor(st.table.data, {batch, per_seq}, FA_INT32, w);
+    ap.cache_seqlens = flashattn::tensor(st.seqlens.data, {batch}, FA_INT32, w);
+    ap.k_new = flashattn::tensor(st.k_new.data, {total_new, hk, d}, dtype, w);
+    ap.v_new = flashattn::tensor(st.v_new.data, {total_new, hk, dv}, dtype, w);
+    ap.cu_seqlens_new = flashattn::tensor(st.cu_new.data, {batch + 1}, FA_INT32, w);
+    ap.max_seqlen_new = max_new;
+    fa_forward_args& fw = st.forward;
+    fw.q = flashattn::tensor(st.q.data, {total_new, hq, d}, dtype, w);
+    fw.k = pool_k;
+    fw.v = pool_v;
+    fw.out = flashattn::tensor(st.out.data, {total_new, hq, dv}, dtype, w);
+    fw.lse = flashattn::tensor(st.lse.data, {hq, total_new}, FA_FLOAT32, w);
+    fw.cu_seqlens_q = ap.cu_seqlens_new;
+    fw.cu_seqlens_k = flashattn::tensor(st.cu_k.data, {batch + 1}, FA_INT32, w);
+    fw.max_seqlen_q = max_new;
+    fw.max_seqlen_k = max_keys;
+    fw.block_table = ap.block_table;
+    // The groups: dense (B_g, n_g, H, D) views of their slices of the packed rows, their rows of table and lengths.
+    const int first_seq[2] = {0, decodes}, rows_per_seq[2] = {1, chunk};
+    st.group_batch[0] = decodes;
+    st.group_batch[1] = prefills;
+    for (int g = 0; g < 2; ++g) {
+      const int64_t bg = st.group_batch[g], n = rows_per_seq[g], row0 = cu_new[size_t(first_seq[g])];
+      st.group_rows[g] = int(bg * n);
+      if (bg == 0) continue;
+      auto at = [&](const Buffer& b, int64_t row, int64_t row_elems, int64_t elem_bytes) {
+        return static_cast<uint8_t*>(b.data) + row * row_elems * elem_bytes;
+      };
+      fa_kvcache_args& x = st.group[g];
+      x.q = flashattn::tensor(at(st.q, row0, int64_t(hq) * d, es), {bg, n, hq, d}, dtype, w);
+      x.k_cache = pool_k;
+      x.v_cache = pool_v;
+      x.block_table = flashattn::tensor(at(st.table, first_seq[g], per_seq, 4), {bg, per_seq}, FA_INT32, w);
+      x.cache_seqlens = flashattn::tensor(at(st.seqlens, first_seq[g], 1, 4), {bg}, FA_INT32, w);
+      x.k_new = flashattn::tensor(at(st.k_new, row0, int64_t(hk) * d, es), {bg, n, hk, d}, dtype, w);
+      x.v_new = flashattn::tensor(at(st.v_new, row0, int64_t(hk) * dv, es), {bg, n, hk, dv}, dtype, w);
+      x.out = flashattn::tensor(at(st.out_grouped, row0, int64_t(hq) * dv, es), {bg, n, hq, dv}, dtype, w);
+    }
+    return st;
+  };
+
+  fa_options options;
+  fa_options_init(&options);
+  options.backend = backend;
+  options.num_threads = threads;
+  options.causal = 1;
+  Step run = make_step(device);
+  // The grouped calls are planned once (split count and workspace), as a server would per batch shape.
+  Buffer workspace[2];
+  for (int g = 0; g < 2; ++g) {
+    if (run.group_batch[g] == 0) continue;
+    fa_kvcache_plan plan{};
+    const Status st = flashattn::kvcache_plan(run.group[g], options, &plan);
+    if (!st.ok()) Args::fail(st.to_string());
+    run.group[g].num_splits = plan.num_splits;
+    workspace[g] = Buffer(plan.workspace_bytes, device);
+    if (plan.workspace_bytes > 0)
+      run.group[g].workspace = flashattn::tensor(workspace[g].data, {plan.workspace_bytes}, FA_UINT8, where);
+  }
+  // Every timed call writes the same rows at the same places (the pool after any of them is the pool after one), and
+  // the attention reads cached + new keys each time: the calls are repeatable.
+  auto append = [&] { return flashattn::kvcache_append(run.append, options); };
+  auto mixed = [&] {
+    const Status st = flashattn::kvcache_append(run.append, options);
+    return st.ok() ? flashattn::forward(run.forward, options) : st;
+  };
+  auto grouped = [&] {
+    for (int g = 0; g < 2; ++g) {
+      if (run.group_batch[g] == 0) continue;
+      const Status st = flashattn::kvcache(run.group[g], options);
+      if (!st.ok()) return st;
+    }
+    return Status();
+  };
+  const Timing t_append = time_call(append, device, warmup, iters, 30);
+  const Timing t_mixed = time_call(mixed, device, warmup, iters, 60);
+  const Timing t_grouped = time_call(grouped, device, warmup, iters, 60);
+  const double kv_bytes = double(cu_k.back()) * hk * (d + dv) * es;
+  std::printf("flashattn step: %d decodes (+1 token, %d cached) and %d prefills (+%d tokens, %d cached), %d new rows, "
+              "Hq=%d Hk=%d D=%d Dv=%d %s, pool of %lld blocks of %d (shuffled), backend=%s seed=%llu\n",
+              decodes, cached_decode, prefills, chunk, cached_prefill, total_new, hq, hk, d, dv,
+              flashattn::dtype_name(dtype), (long long)blocks, page, backend_label(backend), (unsigned long long)seed);
+  std::printf("append:  %10.3f us (median of %d, min %.3f us)\n", t_append.median_s * 1e6, t_append.iterations,
+              t_append.min_s * 1e6);
+  std::printf("mixed:   %10.3f us (median of %d, min %.3f us)  K/V %s at %.1f GB/s\n", t_mixed.median_s * 1e6,
+              t_mixed.iterations, t_mixed.min_s * 1e6, human_bytes(kv_bytes).c_str(), kv_bytes / t_mixed.median_s / 1e9);
+  std::printf("grouped: %10.3f us (median of %d, min %.3f us)  K/V %s at %.1f GB/s  (mixed / grouped %.3f)\n",
+              t_grouped.median_s * 1e6, t_grouped.iterations, t_grouped.min_s * 1e6, human_bytes(kv_bytes).c_str(),
+              kv_bytes / t_grouped.median_s / 1e9, t_mixed.median_s / t_grouped.median_s);
+
+  int status = 0;
+  double err_mixed = -1, err_grouped = -1;
+  if (check) {
+    // The reference: the mixed step on host copies of the same inputs, through the float64 backend.
+    fa_options ref_options = options;
+    ref_options.backend = FA_BACKEND_CPU_REFERENCE;
+    Step ref = make_step(false);
+    Status st = flashattn::kvcache_append(ref.append, ref_options);
+    if (st.ok()) st = flashattn::forward(ref.forward, ref_options);
+    if (!st.ok()) Args::fail("reference: " + st.to_string());
+    auto rel_l2 = [&](const Buffer& got_buffer, bool* finite) {
+      const std::vector<uint8_t> got = got_buffer.download();
+      double diff2 = 0, ref2 = 0;
+      for (int64_t n = 0; n < int64_t(total_new) * hq * dv; ++n) {
+        const double r = flashattn::load_as_float(ref.out.data, n, dtype), g = flashattn::load_as_float(got.data(), n, dtype);
+        if (!std::isfinite(g)) *finite = false;
+        diff2 += (g - r) * (g - r);
+        ref2 += r * r;
+      }
+      return std::sqrt(diff2) / std::max(std::sqrt(ref2), 1e-30);
+    };
+    bool finite = true;
+    err_mixed = rel_l2(run.out, &finite);
+    err_grouped = rel_l2(run.out_grouped, &finite);
+    const double tolerance = dtype == FA_FLOAT32 ? 1e-4 : 2e-2;
+    const bool ok = finite && err_mixed <= tolerance && err_grouped <= tolerance;
+    std::printf("check (every new row and head vs the float64 reference backend): out rel_l2 mixed %.3e, grouped "
+                "%.3e%s: %s (tolerance %.0e)\n",
+                err_mixed, err_grouped, finite ? "" : ", NON-FINITE VALUES", ok ? "ok" : "FAILED", tolerance);
+    status = ok ? 0 : 1;
+  }
+  if (!json.empty()) {
+    std::ofstream f(json);
+    f << "{\"decodes\":" << decodes << ",\"cache\":" << cached_decode << ",\"prefills\":" << prefills << ",\"chunk\":"
+      << chunk << ",\"prefill_cache\":" << cached_prefill << ",\"page\":" << page << ",\"Hq\":" << hq << ",\"Hk\":" << hk
+      << ",\"D\":" << d << ",\"Dv\":" << dv << ",\"dtype\":\"" << flashattn::dtype_name(dtype) << "\",\"backend\":\""
+      << backend_label(backend) << "\",\"us_append\":" << t_append.median_s * 1e6 << ",\"us_mixed\":"
+      << t_mixed.median_s * 1e6 << ",\"us_grouped\":" << t_grouped.median_s * 1e6;
+    if (check) f << ",\"check_rel_l2_mixed\":" << err_mixed << ",\"check_rel_l2_grouped\":" << err_grouped;
+    f << "}\n";
+  }
+  return status;
+}
+
 void usage() {
   std::puts(
       "flashattn: exact, IO-aware attention (FlashAttention) - command-line tool\n"
@@ -971,6 +1233,8 @@ void usage() {
       "  run      one problem on random inputs: time, TFLOP/s, GB/s, memory; --check vs float64 reference\n"
       "  bench    flash vs textbook attention over sequence lengths: time and peak memory (table + JSON)\n"
       "  decode   one KV-cache (decode) call: contiguous or paged, append, FP8 cache; time, K/V GB/s; --check\n"
+      "  step     one continuous-batching step (decodes beside prefill chunks, paged): append + varlen forward\n"
+      "           against one fa_kvcache per group; time; --check\n"
       "`flashattn <command> --help` for the options of a command.");
 }
 
@@ -986,6 +1250,7 @@ int main(int argc, char** argv) {
   if (command == "run") return command_run(argc, argv);
   if (command == "bench") return command_bench(argc, argv);
   if (command == "decode") return command_decode(argc, argv);
+  if (command == "step") return command_step(argc, argv);
   std::fprintf(stderr, "flashattn: unknown command '%s'\n", command.c_str());
   usage();
   return 2;
