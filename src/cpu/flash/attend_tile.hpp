@@ -77,6 +77,22 @@ struct TileGrid {
     t.queries = queries_per_tile;
     return t;
   }
+
+  // After QueryTile::clip: a tile left with fewer queries than the grid's (a varlen sequence shorter than the longest,
+  // e.g. a decode token beside a prefill chunk, or a sequence's last partial tile) takes more heads of its group, up
+  // to rows(), so that the group's keys are read by fewer tiles (a decode token's group by one, as when the whole
+  // batch decodes). The head chunks are cut anew at that width; false = this chunk's heads went to an earlier one
+  // (the tile has nothing left to do).
+  bool widen_heads(const AttentionParams& p, QueryTile& t) const {
+    const int group = p.heads_q / p.heads_k;
+    if (t.queries == 0 || t.queries >= queries_per_tile || heads_per_tile >= group) return true;
+    const int per_tile = rows() / t.queries < group ? rows() / t.queries : group;
+    const int first = (t.h0 % group) / heads_per_tile * per_tile;  // chunk index x the new width
+    if (first >= group) return false;
+    t.h0 = t.h0 - t.h0 % group + first;
+    t.heads = group - first < per_tile ? group - first : per_tile;
+    return true;
+  }
 };
 
 // One thread's forward tiles (float32, row-major, leading dimensions padded).

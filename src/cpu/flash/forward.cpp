@@ -32,7 +32,7 @@ Status forward(const AttentionParams& p) {
       QueryTile t = grid.tile(p, index);
       const SequenceExtent e = sequence_extent(p, t.b);
       t.clip(e.seqlen_q);
-      if (t.queries == 0) continue;
+      if (t.queries == 0 || !grid.widen_heads(p, t)) continue;
       for (int r = 0; r < t.rows(); ++r) {
         const int64_t q_row = q_offset(p, p.q_batch_stride, p.q_row_stride, p.q_head_stride, t.b, e, t.query_of(r), t.head_of(r));
         load_row(p.q, q_row, p.dtype, p.head_dim, w.q + int64_t(r) * w.ld_q);
