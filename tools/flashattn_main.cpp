@@ -980,6 +980,8 @@ int command_step(int argc, char** argv) {
         "            of mixed lengths runs it (2 calls, whatever the mix)\n"
         "  grouped   fa_kvcache (append + attend) once per group of equal counts: the decodes in one call (Sq = 1,\n"
         "            split-KV), the prefills in another (Sq = chunk)\n"
+        "  split     that append + fa_kvcache over the decodes (no append: Sq = 1, split-KV) + one causal varlen\n"
+        "            fa_forward over the prefills: any prefill lengths, decodes through the decode kernels (3 calls)\n"
         "  --decode N           sequences adding 1 token (default 64)\n"
         "  --cache S            keys already cached in each decoding sequence (default 4096)\n"
         "  --prefill M          sequences adding --chunk tokens (default 2)\n"
@@ -993,7 +995,7 @@ int command_step(int argc, char** argv) {
         "  --threads N          CPU threads (default: all)\n"
         "  --seed N             input seed (default: time-based; printed)\n"
         "  --iters N            timed calls (default 20); --warmup N (default 2)\n"
-        "  --check              out of mixed and of grouped against the float64 reference backend (the mixed step on\n"
+        "  --check              out of mixed, grouped and split against the float64 reference backend (the mixed step on\n"
         "                       host copies); exit status 1 when a relative L2 error exceeds 1e-4 (float32) or 2e-2\n"
         "  --json FILE          also write the result as JSON\n"
         "Reported: time per step (eager calls, launch included; no allocation in the timed calls).\n";
@@ -1062,6 +1064,10 @@ int command_step(int argc, char** argv) {
   // The step's tensors over buffers on the run's device or on the host (the reference's).
   struct Step {
     Buffer pool_k, pool_v, q, k_new, v_new, table, seqlens, cu_new, cu_k, out, lse, out_grouped;
+    Buffer out_split, seqlens_after, cu_q_prefills, cu_k_prefills;  // split: its out, the decodes' lengths after the
+                                                                    // append, the prefills' own running sums
+    fa_kvcache_args split_decodes{};
+    fa_forward_args split_prefills{};
     fa_kvcache_append_args append{};
     fa_forward_args forward{};
     fa_kvcache_args group[2]{};  // decodes, prefills
@@ -1085,6 +1091,7 @@ int command_step(int argc, char** argv) {
     put(st.cu_k, int_bytes(cu_k));
     st.out = Buffer(int64_t(total_new) * hq * dv * es, on_device);
     st.out_grouped = Buffer(int64_t(total_new) * hq * dv * es, on_device);
+    st.out_split = Buffer(int64_t(total_new) * hq * dv * es, on_device);
     st.lse = Buffer(int64_t(hq) * total_new * 4, on_device);
     const fa_tensor pool_k = flashattn::tensor(st.pool_k.data, {blocks, page, hk, d}, dtype, w);
     const fa_tensor pool_v = flashattn::tensor(st.pool_v.data, {blocks, page, hk, dv}, dtype, w);
@@ -1128,6 +1135,31 @@ int command_step(int argc, char** argv) {
       x.k_new = flashattn::tensor(at(st.k_new, row0, int64_t(hk) * d, es), {bg, n, hk, d}, dtype, w);
       x.v_new = flashattn::tensor(at(st.v_new, row0, int64_t(hk) * dv, es), {bg, n, hk, dv}, dtype, w);
       x.out = flashattn::tensor(at(st.out_grouped, row0, int64_t(hq) * dv, es), {bg, n, hq, dv}, dtype, w);
+      if (g == 0) {  // split's decode call: the group's views without k_new, over the lengths after the append
+        std::vector<int32_t> after(cached.begin(), cached.begin() + decodes);
+        for (int32_t& length : after) ++length;
+        put(st.seqlens_after, int_bytes(after));
+        fa_kvcache_args& y = st.split_decodes;
+        y = x;
+        y.k_new = y.v_new = fa_tensor{};
+        y.cache_seqlens = flashattn::tensor(st.seqlens_after.data, {bg}, FA_INT32, w);
+        y.out = flashattn::tensor(at(st.out_split, row0, int64_t(hq) * dv, es), {bg, n, hq, dv}, dtype, w);
+      } else {  // split's prefill call: the varlen forward over the prefills alone (running sums from 0)
+        std::vector<int32_t> cu_q(cu_new.begin() + decodes, cu_new.end()), cu_kp(cu_k.begin() + decodes, cu_k.end());
+        for (int32_t& x0 : cu_q) x0 -= cu_new[size_t(decodes)];
+        for (int32_t& x0 : cu_kp) x0 -= cu_k[size_t(decodes)];
+        put(st.cu_q_prefills, int_bytes(cu_q));
+        put(st.cu_k_prefills, int_bytes(cu_kp));
+        const int64_t rows = int64_t(cu_q.back());
+        fa_forward_args& y = st.split_prefills;
+        y = fw;
+        y.q = flashattn::tensor(at(st.q, row0, int64_t(hq) * d, es), {rows, hq, d}, dtype, w);
+        y.out = flashattn::tensor(at(st.out_split, row0, int64_t(hq) * dv, es), {rows, hq, dv}, dtype, w);
+        y.lse = fa_tensor{};
+        y.cu_seqlens_q = flashattn::tensor(st.cu_q_prefills.data, {bg + 1}, FA_INT32, w);
+        y.cu_seqlens_k = flashattn::tensor(st.cu_k_prefills.data, {bg + 1}, FA_INT32, w);
+        y.block_table = x.block_table;
+      }
     }
     return st;
   };
@@ -1138,18 +1170,19 @@ int command_step(int argc, char** argv) {
   options.num_threads = threads;
   options.causal = 1;
   Step run = make_step(device);
-  // The grouped calls are planned once (split count and workspace), as a server would per batch shape.
-  Buffer workspace[2];
-  for (int g = 0; g < 2; ++g) {
-    if (run.group_batch[g] == 0) continue;
+  // The fa_kvcache calls are planned once (split count and workspace), as a server would per batch shape.
+  Buffer workspace[3];
+  auto plan_call = [&](fa_kvcache_args& x, Buffer& space) {
     fa_kvcache_plan plan{};
-    const Status st = flashattn::kvcache_plan(run.group[g], options, &plan);
+    const Status st = flashattn::kvcache_plan(x, options, &plan);
     if (!st.ok()) Args::fail(st.to_string());
-    run.group[g].num_splits = plan.num_splits;
-    workspace[g] = Buffer(plan.workspace_bytes, device);
-    if (plan.workspace_bytes > 0)
-      run.group[g].workspace = flashattn::tensor(workspace[g].data, {plan.workspace_bytes}, FA_UINT8, where);
-  }
+    x.num_splits = plan.num_splits;
+    space = Buffer(plan.workspace_bytes, device);
+    if (plan.workspace_bytes > 0) x.workspace = flashattn::tensor(space.data, {plan.workspace_bytes}, FA_UINT8, where);
+  };
+  for (int g = 0; g < 2; ++g)
+    if (run.group_batch[g] > 0) plan_call(run.group[g], workspace[g]);
+  if (decodes > 0) plan_call(run.split_decodes, workspace[2]);
   // Every timed call writes the same rows at the same places (the pool after any of them is the pool after one), and
   // the attention reads cached + new keys each time: the calls are repeatable.
   auto append = [&] { return flashattn::kvcache_append(run.append, options); };
@@ -1165,9 +1198,16 @@ int command_step(int argc, char** argv) {
     }
     return Status();
   };
+  auto split = [&] {
+    Status st = flashattn::kvcache_append(run.append, options);
+    if (st.ok() && decodes > 0) st = flashattn::kvcache(run.split_decodes, options);
+    if (st.ok() && prefills > 0) st = flashattn::forward(run.split_prefills, options);
+    return st;
+  };
   const Timing t_append = time_call(append, device, warmup, iters, 30);
   const Timing t_mixed = time_call(mixed, device, warmup, iters, 60);
   const Timing t_grouped = time_call(grouped, device, warmup, iters, 60);
+  const Timing t_split = time_call(split, device, warmup, iters, 60);
   const double kv_bytes = double(cu_k.back()) * hk * (d + dv) * es;
   std::printf("flashattn step: %d decodes (+1 token, %d cached) and %d prefills (+%d tokens, %d cached), %d new rows, "
               "Hq=%d Hk=%d D=%d Dv=%d %s, pool of %lld blocks of %d (shuffled), backend=%s seed=%llu\n",
@@ -1180,9 +1220,12 @@ int command_step(int argc, char** argv) {
   std::printf("grouped: %10.3f us (median of %d, min %.3f us)  K/V %s at %.1f GB/s  (mixed / grouped %.3f)\n",
               t_grouped.median_s * 1e6, t_grouped.iterations, t_grouped.min_s * 1e6, human_bytes(kv_bytes).c_str(),
               kv_bytes / t_grouped.median_s / 1e9, t_mixed.median_s / t_grouped.median_s);
+  std::printf("split:   %10.3f us (median of %d, min %.3f us)  K/V %s at %.1f GB/s  (split / grouped %.3f)\n",
+              t_split.median_s * 1e6, t_split.iterations, t_split.min_s * 1e6, human_bytes(kv_bytes).c_str(),
+              kv_bytes / t_split.median_s / 1e9, t_split.median_s / t_grouped.median_s);
 
   int status = 0;
-  double err_mixed = -1, err_grouped = -1;
+  double err_mixed = -1, err_grouped = -1, err_split = -1;
   if (check) {
     // The reference: the mixed step on host copies of the same inputs, through the float64 backend.
     fa_options ref_options = options;
@@ -1205,11 +1248,12 @@ int command_step(int argc, char** argv) {
     bool finite = true;
     err_mixed = rel_l2(run.out, &finite);
     err_grouped = rel_l2(run.out_grouped, &finite);
+    err_split = rel_l2(run.out_split, &finite);
     const double tolerance = dtype == FA_FLOAT32 ? 1e-4 : 2e-2;
-    const bool ok = finite && err_mixed <= tolerance && err_grouped <= tolerance;
+    const bool ok = finite && err_mixed <= tolerance && err_grouped <= tolerance && err_split <= tolerance;
     std::printf("check (every new row and head vs the float64 reference backend): out rel_l2 mixed %.3e, grouped "
-                "%.3e%s: %s (tolerance %.0e)\n",
-                err_mixed, err_grouped, finite ? "" : ", NON-FINITE VALUES", ok ? "ok" : "FAILED", tolerance);
+                "%.3e, split %.3e%s: %s (tolerance %.0e)\n",
+                err_mixed, err_grouped, err_split, finite ? "" : ", NON-FINITE VALUES", ok ? "ok" : "FAILED", tolerance);
     status = ok ? 0 : 1;
   }
   if (!json.empty()) {
@@ -1218,8 +1262,10 @@ int command_step(int argc, char** argv) {
       << chunk << ",\"prefill_cache\":" << cached_prefill << ",\"page\":" << page << ",\"Hq\":" << hq << ",\"Hk\":" << hk
       << ",\"D\":" << d << ",\"Dv\":" << dv << ",\"dtype\":\"" << flashattn::dtype_name(dtype) << "\",\"backend\":\""
       << backend_label(backend) << "\",\"us_append\":" << t_append.median_s * 1e6 << ",\"us_mixed\":"
-      << t_mixed.median_s * 1e6 << ",\"us_grouped\":" << t_grouped.median_s * 1e6;
-    if (check) f << ",\"check_rel_l2_mixed\":" << err_mixed << ",\"check_rel_l2_grouped\":" << err_grouped;
+      << t_mixed.median_s * 1e6 << ",\"us_grouped\":" << t_grouped.median_s * 1e6 << ",\"us_split\":" << t_split.median_s * 1e6;
+    if (check)
+      f << ",\"check_rel_l2_mixed\":" << err_mixed << ",\"check_rel_l2_grouped\":" << err_grouped
+        << ",\"check_rel_l2_split\":" << err_split;
     f << "}\n";
   }
   return status;
