@@ -392,8 +392,8 @@ def kvcache_append(
 
     JAX arrays are immutable: the updated caches are returned. They alias the cache operands, so a jitted step that
     donates its caches (jax.jit(step, donate_argnums=...)) writes in place; without donation XLA copies the caches
-    first. With flash_attn_with_kvcache (no k, v) or dot_product_attention this serves a step whose requests bring
-    different numbers of tokens. No jax.vmap.
+    first. Followed by one causal flash_attn_with_kvcache (no k, v) over the caches, it serves a step whose requests
+    bring different numbers of tokens (docs/PYTHON.md). No jax.vmap.
     """
     k_cache, v_cache, k, v = jnp.asarray(k_cache), jnp.asarray(v_cache), jnp.asarray(k), jnp.asarray(v)
     cu_seqlens_new = _int32_array("cu_seqlens_new", cu_seqlens_new, 1)
