@@ -38,6 +38,9 @@
 #                      alike (default 0: the 3 calls; see flashattn_cuda_bench --warmup-ms)
 #   FA_TUNING=1        the tile-tuning harnesses when BUILD_DIR has them (-DFLASHATTN_BUILD_TUNING=ON):
 #                      bench/flashattn_forward_tiles, bench/flashattn_backward_tiles (FA_TUNING_ARGS)
+#   FA_STEP=1          the serving step (tools/flashattn step --backend cuda): decodes beside prefill chunks over a
+#                      paged pool, timed as mixed (append + one varlen forward), grouped (fa_kvcache per group) and
+#                      split (append + fa_kvcache over the decodes + varlen forward over the chunks); JSON per point
 #   FA_EXAMPLES=1      the continuous-batching example on the GPU (examples/continuous_batching --device cuda, in
 #                      bf16: decode steps, chunked prefill, and the mixed step of fa_kvcache_append + fa_forward);
 #                      each run checks itself against the float64 reference and exits non-zero on a mismatch
@@ -158,6 +161,22 @@ if [[ "${FA_MEMORY:-0}" == "1" ]]; then
   timeout 120 "$build/bench/flashattn_cuda_bench" --memory --json "$work/memory_ours.json" 2>&1 | tee -a "$summary"
   PYTHONUNBUFFERED=1 timeout 150 python3 "$here/bench/peers.py" --memory --json "$work/memory_peers.json" 2>&1 \
       | tee -a "$summary"
+fi
+if [[ "${FA_STEP:-0}" == "1" && -x "$build/tools/flashattn" ]]; then
+  note "== serving step: us per step (mixed = append + varlen forward; grouped = fa_kvcache per group; split = append +"
+  note "   fa_kvcache over the decodes + varlen forward over the chunks); bf16, 32 / 8 heads, D = 128, page 16"
+  n=0
+  for point in "--decode 8 --cache 1024 --prefill 1 --chunk 128 --check" "--decode 64 --cache 4096 --prefill 2 --chunk 512" \
+               "--decode 256 --cache 4096 --prefill 4 --chunk 256 --prefill-cache 1024" "--decode 128 --cache 8192 --prefill 0" \
+               "--decode 16 --cache 32768 --prefill 1 --chunk 1024 --prefill-cache 2048" "--decode 0 --prefill 4 --chunk 2048" \
+               "--decode 64 --cache 4096 --prefill 2 --chunk 512 --check"; do
+    n=$((n + 1))
+    # shellcheck disable=SC2086  # point: options, split on spaces
+    timeout 120 "$build/tools/flashattn" step --backend cuda --iters 30 --warmup 5 --seed 7 $point \
+        --json "$work/step_$n.json" > "$work/step_$n.log" 2>&1
+    note "  [$point] exit $?: $(grep -E '^(mixed|grouped|split):' "$work/step_$n.log" | awk '{printf "%s %s us  ", $1, $2}')"
+    grep -E "^check" "$work/step_$n.log" | tee -a "$summary"
+  done
 fi
 if [[ "${FA_DECODE:-0}" == "1" ]]; then
   # K/V bytes read per second beside a streaming read of the same run, and torch SDPA decode (cuDNN, FA2).
