@@ -756,6 +756,35 @@ int command_info(int argc, char** argv) {
   return 0;
 }
 
+// `count` values N(0, 1) / divide_by (0: 1) as `dtype`: an FP8 cache's codes take the cache's scale as divide_by.
+std::vector<uint8_t> random_values(std::mt19937_64& rng, int64_t count, fa_dtype dtype, float divide_by = 0.f) {
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<uint8_t> host(size_t(count * flashattn::dtype_size(dtype)));
+  for (int64_t n = 0; n < count; ++n)
+    flashattn::store_from_float(host.data(), n, dtype, normal(rng) / (divide_by > 0 ? divide_by : 1.f));
+  return host;
+}
+
+// `got` (a run's output, downloaded) against `want` (the reference's, on the host): `count` elements of `dtype`.
+struct OutError {
+  double rel_l2 = 0, max_abs = 0;
+  int64_t nonfinite = 0;  // elements of `got` that are NaN or infinite
+};
+OutError out_error(const Buffer& got_buffer, const void* want, int64_t count, fa_dtype dtype) {
+  const std::vector<uint8_t> got = got_buffer.download();
+  double diff2 = 0, want2 = 0;
+  OutError e;
+  for (int64_t n = 0; n < count; ++n) {
+    const double w = flashattn::load_as_float(want, n, dtype), g = flashattn::load_as_float(got.data(), n, dtype);
+    if (!std::isfinite(g)) ++e.nonfinite;
+    diff2 += (g - w) * (g - w);
+    want2 += w * w;
+    e.max_abs = std::max(e.max_abs, std::abs(g - w));
+  }
+  e.rel_l2 = std::sqrt(diff2) / std::max(std::sqrt(want2), 1e-30);
+  return e;
+}
+
 // ---------------------------------------------------------------------------------------------
 // flashattn decode: one KV-cache call (fa_kvcache) on random inputs, as a server's decode step makes it.
 
@@ -814,12 +843,7 @@ int command_decode(int argc, char** argv) {
   const int64_t new_v_elems = int64_t(s.batch) * seqlen_new * s.heads_k * s.head_dim_v;
 
   std::mt19937_64 rng(c.seed);
-  std::normal_distribution<float> normal(0.f, 1.f);
-  auto random = [&](int64_t count, fa_dtype dtype, float scale) {
-    std::vector<uint8_t> host(size_t(count * flashattn::dtype_size(dtype)));
-    for (int64_t n = 0; n < count; ++n) flashattn::store_from_float(host.data(), n, dtype, normal(rng) / (scale > 0 ? scale : 1.f));
-    return host;
-  };
+  auto random = [&](int64_t count, fa_dtype dtype, float scale) { return random_values(rng, count, dtype, scale); };
   struct Inputs {
     std::vector<uint8_t> q, k_cache, v_cache, k_new, v_new, seqlens, table, slopes;
   } host;
@@ -929,27 +953,19 @@ int command_decode(int argc, char** argv) {
     ref.args.num_splits = 0;
     st = flashattn::kvcache(ref.args, ref.options);
     if (!st.ok()) Args::fail("reference: " + st.to_string());
-    const std::vector<uint8_t> got_out = run.out.download(), got_lse = run.lse.download();
-    double diff2 = 0, ref2 = 0, max_abs = 0;
-    int64_t nonfinite = 0;
-    for (int64_t n = 0; n < out_elems; ++n) {
-      const double r = flashattn::load_as_float(ref.out.data, n, s.dtype), g = flashattn::load_as_float(got_out.data(), n, s.dtype);
-      if (!std::isfinite(g)) ++nonfinite;
-      diff2 += (g - r) * (g - r);
-      ref2 += r * r;
-      max_abs = std::max(max_abs, std::abs(g - r));
-    }
+    const OutError e = out_error(run.out, ref.out.data, out_elems, s.dtype);
+    const std::vector<uint8_t> got_lse = run.lse.download();
     lse_max = 0;
     for (int64_t n = 0; n < int64_t(s.batch) * s.heads_q * seqlen_new; ++n) {
       const double r = static_cast<const float*>(ref.lse.data)[n], g = reinterpret_cast<const float*>(got_lse.data())[n];
       if (!(std::isinf(r) && r == g)) lse_max = std::max(lse_max, std::abs(g - r));
     }
-    rel_l2 = std::sqrt(diff2) / std::max(std::sqrt(ref2), 1e-30);
+    rel_l2 = e.rel_l2;
     const double tolerance = s.dtype == FA_FLOAT32 ? 1e-4 : 2e-2;
-    const bool ok = nonfinite == 0 && rel_l2 <= tolerance && std::isfinite(lse_max);
+    const bool ok = e.nonfinite == 0 && rel_l2 <= tolerance && std::isfinite(lse_max);
     std::printf("check (every sequence and head vs the float64 reference backend): out max_abs %.3e rel_l2 %.3e, lse "
                 "max_abs %.3e%s: %s (tolerance rel_l2 %.0e)\n",
-                max_abs, rel_l2, lse_max, nonfinite ? ", NON-FINITE VALUES" : "", ok ? "ok" : "FAILED", tolerance);
+                e.max_abs, rel_l2, lse_max, e.nonfinite ? ", NON-FINITE VALUES" : "", ok ? "ok" : "FAILED", tolerance);
     status = ok ? 0 : 1;
   }
   if (!json.empty()) {
@@ -974,7 +990,7 @@ int command_step(int argc, char** argv) {
     std::string h =
         "flashattn step: one continuous-batching step over a paged KV cache on random inputs: --decode sequences\n"
         "that each add 1 token to --cache keys, beside --prefill sequences that each add a --chunk of prompt tokens\n"
-        "to --prefill-cache keys. Every new token attends causally (bottom-right). Timed three ways:\n"
+        "to --prefill-cache keys. Every new token attends causally (bottom-right). Timed four ways:\n"
         "  append    fa_kvcache_append of every sequence's new K/V rows (the write half alone)\n"
         "  mixed     that append + ONE causal varlen fa_forward over the pool: the step as a server with requests\n"
         "            of mixed lengths runs it (2 calls, whatever the mix)\n"
@@ -1043,12 +1059,7 @@ int command_step(int argc, char** argv) {
   const int64_t per_seq = (max_keys + page - 1) / page, blocks = int64_t(batch) * per_seq;
 
   std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.f, 1.f);
-  auto random = [&](int64_t count) {
-    std::vector<uint8_t> host(size_t(count * es));
-    for (int64_t n = 0; n < count; ++n) flashattn::store_from_float(host.data(), n, dtype, normal(rng));
-    return host;
-  };
+  auto random = [&](int64_t count) { return random_values(rng, count, dtype); };
   auto int_bytes = [](const std::vector<int32_t>& v) {
     std::vector<uint8_t> bytes(v.size() * 4);
     std::memcpy(bytes.data(), v.data(), bytes.size());
@@ -1234,16 +1245,10 @@ int command_step(int argc, char** argv) {
     Status st = flashattn::kvcache_append(ref.append, ref_options);
     if (st.ok()) st = flashattn::forward(ref.forward, ref_options);
     if (!st.ok()) Args::fail("reference: " + st.to_string());
-    auto rel_l2 = [&](const Buffer& got_buffer, bool* finite) {
-      const std::vector<uint8_t> got = got_buffer.download();
-      double diff2 = 0, ref2 = 0;
-      for (int64_t n = 0; n < int64_t(total_new) * hq * dv; ++n) {
-        const double r = flashattn::load_as_float(ref.out.data, n, dtype), g = flashattn::load_as_float(got.data(), n, dtype);
-        if (!std::isfinite(g)) *finite = false;
-        diff2 += (g - r) * (g - r);
-        ref2 += r * r;
-      }
-      return std::sqrt(diff2) / std::max(std::sqrt(ref2), 1e-30);
+    auto rel_l2 = [&](const Buffer& got, bool* finite) {
+      const OutError e = out_error(got, ref.out.data, int64_t(total_new) * hq * dv, dtype);
+      if (e.nonfinite > 0) *finite = false;
+      return e.rel_l2;
     };
     bool finite = true;
     err_mixed = rel_l2(run.out, &finite);
