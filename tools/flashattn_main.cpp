@@ -1082,7 +1082,7 @@ int command_step(int argc, char** argv) {
     fa_kvcache_append_args append{};
     fa_forward_args forward{};
     fa_kvcache_args group[2]{};  // decodes, prefills
-    int group_batch[2]{}, group_rows[2]{};
+    int group_batch[2]{};
   };
   auto make_step = [&](bool on_device) {
     Step st;
@@ -1132,7 +1132,6 @@ int command_step(int argc, char** argv) {
     st.group_batch[1] = prefills;
     for (int g = 0; g < 2; ++g) {
       const int64_t bg = st.group_batch[g], n = rows_per_seq[g], row0 = cu_new[size_t(first_seq[g])];
-      st.group_rows[g] = int(bg * n);
       if (bg == 0) continue;
       auto at = [&](const Buffer& b, int64_t row, int64_t row_elems, int64_t elem_bytes) {
         return static_cast<uint8_t*>(b.data) + row * row_elems * elem_bytes;
