@@ -1013,8 +1013,12 @@ int command_step(int argc, char** argv) {
         "  --iters N            timed calls (default 20); --warmup N (default 2)\n"
         "  --check              out of mixed, grouped and split against the float64 reference backend (the mixed step on\n"
         "                       host copies); exit status 1 when a relative L2 error exceeds 1e-4 (float32) or 2e-2\n"
+        "  --keep-pool          CUDA: keep freed stream-ordered memory mapped (the default pool's release threshold\n"
+        "                       at its maximum, as a server would set it): the mixed step's fa_forward allocates its\n"
+        "                       scratch there, which the pool otherwise unmaps at each synchronisation\n"
         "  --json FILE          also write the result as JSON\n"
-        "Reported: time per step (eager calls, launch included; no allocation in the timed calls).\n";
+        "Reported: time per step (eager calls, launch included; the calls allocate only the CUDA mixed step's\n"
+        "stream-ordered scratch).\n";
     std::fputs(h.c_str(), stdout);
     return 0;
   }
@@ -1029,6 +1033,7 @@ int command_step(int argc, char** argv) {
   const uint64_t seed = uint64_t(a.integer("seed", (long long)(std::chrono::steady_clock::now().time_since_epoch().count() & 0xffffffff)));
   const int iters = int(a.integer("iters", 20)), warmup = int(a.integer("warmup", 2));
   const bool check = a.flag("check");
+  const bool keep_pool = a.flag("keep-pool");
   const std::string json = a.str("json", "");
   a.finish();
   if (decodes < 0 || prefills < 0 || decodes + prefills < 1) Args::fail("--decode and --prefill: >= 0, one of them >= 1");
@@ -1039,6 +1044,15 @@ int command_step(int argc, char** argv) {
   const bool device = backend == FA_BACKEND_CUDA;
   const fa_device_kind where = device ? FA_DEVICE_CUDA : FA_DEVICE_CPU;
   const int64_t es = flashattn::dtype_size(dtype);
+#if defined(FLASHATTN_WITH_CUDA)
+  if (device && keep_pool) {
+    cudaMemPool_t pool = nullptr;
+    uint64_t threshold = UINT64_MAX;
+    if (cudaDeviceGetDefaultMemPool(&pool, 0) != cudaSuccess ||
+        cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold) != cudaSuccess)
+      Args::fail("--keep-pool: could not set the default memory pool's release threshold");
+  }
+#endif
 
   // Sequences 0 .. decodes - 1 decode, the rest prefill: every packed tensor (q, k_new, v_new, out) holds the
   // decodes' rows first, so each group's rows are one contiguous slice of it (the grouped calls' dense views).

@@ -301,6 +301,12 @@ struct KvcacheAttrs {
   int32_t has_block_table, has_rotary, has_batch_idx, has_leftpad, has_alibi, backend;
 };
 
+// The whole of operand b at `data` (the KV-cache targets run without vmap: every dimension is the tensor's).
+fa_tensor whole_view(const char* name, void* data, const ffi::AnyBuffer& b, fa_device_kind device, int device_id) {
+  const Operand o = operand(name, data, b.element_type(), b.dimensions(), int(b.dimensions().size()));
+  return view_at(o, {}, device, device_id);
+}
+
 // One fa_kvcache call. k_cache / v_cache are the buffers the call reads and, with k_new, writes: the results of the
 // append target (aliased to its cache operands), else the operands themselves (read only). The split partials'
 // workspace is the library's own (stream-ordered) allocation: XLA's ffi::ScratchAllocator refused even 0.2 MB under
@@ -312,10 +318,7 @@ ffi::Error kvcache(fa_device_kind device, void* stream, int device_id, ffi::AnyB
                    ffi::AnyBuffer alibi_slopes, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
                    const KvcacheAttrs& a) {
   try {
-    auto whole = [&](const char* name, void* data, const ffi::AnyBuffer& b) {  // no vmap: every dimension is the tensor's
-      const Operand o = operand(name, data, b.element_type(), b.dimensions(), int(b.dimensions().size()));
-      return view_at(o, {}, device, device_id);
-    };
+    auto whole = [&](const char* name, void* data, const ffi::AnyBuffer& b) { return whole_view(name, data, b, device, device_id); };
     auto result = [&](const char* name, ffi::Result<ffi::AnyBuffer>& b) {
       return view_at(operand(name, b, int(b->dimensions().size())), {}, device, device_id);
     };
@@ -429,10 +432,7 @@ ffi::Error kvcache_append_only(fa_device_kind device, void* stream, int device_i
   if (!caches_aliased(device, stream, k_cache, k_cache_out, v_cache, v_cache_out))
     return ffi::Error(ffi::ErrorCode::kInternal, "flashattn: the updated caches must have the caches' shapes");
   try {
-    auto whole = [&](const char* name, void* data, const ffi::AnyBuffer& b) {
-      const Operand o = operand(name, data, b.element_type(), b.dimensions(), int(b.dimensions().size()));
-      return view_at(o, {}, device, device_id);
-    };
+    auto whole = [&](const char* name, void* data, const ffi::AnyBuffer& b) { return whole_view(name, data, b, device, device_id); };
     fa_kvcache_append_args args;
     std::memset(&args, 0, sizeof(args));
     args.k_cache = whole("k_cache", k_cache_out->untyped_data(), k_cache);

@@ -64,6 +64,11 @@ struct AttentionParams {
   // ---- the attention variant ----
   float softmax_scale;      // already resolved (never 0)
   bool causal;              // true iff window_right == 0 came from `causal` (kernels may specialise)
+  // CUDA, paged varlen forward: the sequences of 1 to routed_seqlen_q query rows were handed to the decode kernels
+  // (src/cuda/decode/kvcache.cpp, run_short_sequences), so the forward kernel leaves their rows alone; 0: none. Set
+  // by the CUDA backend only. A byte in causal's padding: every later field keeps its offset (the kernels' parameter
+  // loads are unchanged).
+  uint8_t routed_seqlen_q = 0;
   int window_left;          // -1 unbounded, else >= 0
   int window_right;         // -1 unbounded, else >= 0
   float softcap;            // 0 off

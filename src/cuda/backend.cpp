@@ -46,10 +46,28 @@ Status forward(const AttentionParams& p) {
   const KernelEntry& entry = kernel_entry(index);
   const KernelLaunch& launch = generated::kKernelLaunch[index];
   if (launch.forward == nullptr) return error(FA_ERROR_INTERNAL, "kernel table row %s has no forward launcher", entry.name);
-  report(p, entry, 0);  // the forward allocates nothing beyond out and lse
   DeviceGuard guard(p.device_id);
   FA_CUDA_RETURN_IF_ERROR(guard.status());
-  return launch.forward(p, p.stream);
+  // A paged varlen call (a serving step): its short sequences (decode tokens) run in the decode kernels, which pack a
+  // K/V head's query heads and split long key ranges (decode_plan.hpp, short_sequence_max_q); the forward kernel
+  // then skips them. Only the paged instantiation knows to skip (forward_kernel.cuh).
+  decode::ShortSequences routed;
+  if (entry.paged_kv) FA_RETURN_IF_ERROR(decode::run_short_sequences(p, &routed));
+  if (routed.max_q == 0) {
+    report(p, entry, 0);  // the forward allocates nothing beyond out and lse
+    return launch.forward(p, p.stream);
+  }
+  const bool all_routed = routed.max_q >= p.seqlen_q;  // max_seqlen_q bounds every sequence: no row left
+  if (p.stats != nullptr) {
+    p.stats->scratch_bytes_peak = routed.scratch_bytes;
+    p.stats->num_splits = routed.num_splits;
+    std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s%s%s splits=%d (sequences of <= %d rows)",
+                  all_routed ? "" : entry.name, all_routed ? "" : " + ", routed.kernel, routed.num_splits, routed.max_q);
+  }
+  if (all_routed) return Status();
+  AttentionParams rest = p;
+  rest.routed_seqlen_q = uint8_t(routed.max_q);
+  return launch.forward(rest, p.stream);
 }
 
 // Backward: rules and choice as for forward; the launcher (src/cuda/sm80/backward_launch.cuh) owns its

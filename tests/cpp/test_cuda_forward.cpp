@@ -507,6 +507,149 @@ TEST(CudaForward, VarlenQueriesOverPagedKv) {
     }
 }
 
+// A varlen call over a paged cache (a serving step) for one CUDA forward call: its sequences of 1 to T query rows
+// (T = max(1, 16 / G), decode_plan.hpp's short_sequence_max_q) run in the decode kernels between a gather and a scatter
+// copy, the others in the forward kernel. Every sequence's out and lse rows against the float64 oracle, outputs
+// poisoned: lengths 0, 1, T, T + 1 and a chunk beside long caches (split-KV), key counts below the query count (rows
+// with no key), G = 1, 4, 8 and 32, block sizes 16 and 5, causal or not, a window, softcap with ALiBi, and a call whose
+// sequences are all short (the forward kernel does not run). The kernel name says which kernels ran.
+TEST(CudaForward, VarlenPagedShortSequencesTakeTheDecodeKernels) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_varlen_paged_short");
+  struct Heads {
+    int hq, hk;
+  };
+  for (const Heads heads : {Heads{8, 8}, Heads{8, 2}, Heads{16, 2}, Heads{32, 1}})
+    for (int block_size : {16, 5})
+      for (bool all_short : {false, true}) {
+        const int group = heads.hq / heads.hk;
+        const int t = std::max(1, 16 / group);
+        std::vector<int> lengths_q = {1, t, 0, t + 1, 40, 1, std::min(2, t), 3};
+        std::vector<int> lengths_k = {2900, 700, 9, 1200, 300, 1, 1, 2};
+        if (all_short)
+          for (int& n : lengths_q) n = std::min(n, t);
+        const int batch = int(lengths_q.size()), d = 128;
+        const fa_dtype dtype = block_size == 16 ? FA_BFLOAT16 : FA_FLOAT16;
+        const int max_k = *std::max_element(lengths_k.begin(), lengths_k.end());
+        const int max_blocks = (max_k + block_size - 1) / block_size;
+        const int num_blocks = batch * max_blocks + 3;
+        int total_q = 0;
+        for (int n : lengths_q) total_q += n;
+        Call c;
+        c.q = HostTensor({total_q, heads.hq, d}, dtype);
+        c.k = HostTensor({num_blocks, block_size, heads.hk, d}, dtype);
+        c.v = HostTensor({num_blocks, block_size, heads.hk, d}, dtype);
+        c.q.fill_normal(rng);
+        c.k.fill_normal(rng);
+        c.v.fill_normal(rng);
+        c.out = HostTensor({total_q, heads.hq, d}, dtype);
+        c.lse = HostTensor({heads.hq, total_q}, FA_FLOAT32);
+        std::vector<int> ids(num_blocks);
+        std::iota(ids.begin(), ids.end(), 0);
+        std::shuffle(ids.begin(), ids.end(), rng);
+        c.block_table = HostTensor({batch, max_blocks}, FA_INT32);
+        for (int n = 0; n < batch * max_blocks; ++n) c.block_table.set_int(n, ids[n]);
+        c.cu_seqlens_q = HostTensor({batch + 1}, FA_INT32);
+        c.cu_seqlens_k = HostTensor({batch + 1}, FA_INT32);
+        c.cu_seqlens_q.set_int(0, 0);
+        c.cu_seqlens_k.set_int(0, 0);
+        for (int b = 0; b < batch; ++b) {
+          c.cu_seqlens_q.set_int(b + 1, c.cu_seqlens_q.get_int(b) + lengths_q[b]);
+          c.cu_seqlens_k.set_int(b + 1, c.cu_seqlens_k.get_int(b) + lengths_k[b]);
+        }
+        c.max_seqlen_q = *std::max_element(lengths_q.begin(), lengths_q.end());
+        c.max_seqlen_k = max_k;
+        struct Variant {
+          const char* name;
+          int causal, window_left, window_right;
+          float softcap;
+          bool alibi;
+        };
+        for (const Variant& variant : {Variant{"", 0, -1, -1, 0.f, false}, Variant{" causal", 1, -1, -1, 0.f, false},
+                                       Variant{" window (100, 0)", 0, 100, 0, 0.f, false},
+                                       Variant{" causal softcap alibi", 1, -1, -1, 15.f, true}}) {
+          Call call = c;
+          call.options.causal = variant.causal;
+          call.options.window_left = variant.window_left;
+          call.options.window_right = variant.window_right;
+          call.options.softcap = variant.softcap;
+          if (variant.alibi) {
+            call.alibi = HostTensor({heads.hq}, FA_FLOAT32);
+            call.alibi.fill_uniform(rng, 0.01, 0.3);
+          }
+          const std::string what = "Hq " + std::to_string(heads.hq) + " / Hk " + std::to_string(heads.hk) + " block_size " +
+                                   std::to_string(block_size) + (all_short ? " all short" : "") + variant.name;
+          check_against_oracle(what, call);
+          fa_stats stats{};
+          Call again = call;
+          ASSERT_TRUE(run_gpu(again, &stats).ok()) << what;
+          const std::string kernel = stats.kernel;
+          EXPECT_NE(kernel.find("dec_"), std::string::npos) << what << " ran " << kernel;
+          EXPECT_NE(kernel.find("<= " + std::to_string(t) + " rows"), std::string::npos) << what << " ran " << kernel;
+          EXPECT_EQ(kernel.find("fwd_") == std::string::npos, all_short) << what << " ran " << kernel;
+          EXPECT_GT(stats.scratch_bytes_peak, 0) << what;
+        }
+      }
+}
+
+// A bad block id in a short (routed) sequence's device block table: that sequence's rows are NaN, the others exact.
+TEST(CudaForward, VarlenPagedShortSequenceBadBlockIdGivesNan) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_varlen_paged_short_bad_id");
+  const std::vector<int> lengths_q = {1, 2, 30}, lengths_k = {400, 500, 300};
+  const int batch = 3, hq = 8, hk = 2, d = 128, block_size = 16, total_q = 33;
+  const int max_blocks = 500 / block_size + 1, num_blocks = batch * max_blocks;
+  Call c;
+  c.q = HostTensor({total_q, hq, d}, FA_BFLOAT16);
+  c.k = HostTensor({num_blocks, block_size, hk, d}, FA_BFLOAT16);
+  c.v = HostTensor({num_blocks, block_size, hk, d}, FA_BFLOAT16);
+  c.q.fill_normal(rng);
+  c.k.fill_normal(rng);
+  c.v.fill_normal(rng);
+  c.out = HostTensor({total_q, hq, d}, FA_BFLOAT16);
+  c.lse = HostTensor({hq, total_q}, FA_FLOAT32);
+  c.block_table = HostTensor({batch, max_blocks}, FA_INT32);
+  for (int n = 0; n < batch * max_blocks; ++n) c.block_table.set_int(n, n);
+  c.cu_seqlens_q = HostTensor({batch + 1}, FA_INT32);
+  c.cu_seqlens_k = HostTensor({batch + 1}, FA_INT32);
+  c.cu_seqlens_q.set_int(0, 0);
+  c.cu_seqlens_k.set_int(0, 0);
+  for (int b = 0; b < batch; ++b) {
+    c.cu_seqlens_q.set_int(b + 1, c.cu_seqlens_q.get_int(b) + lengths_q[b]);
+    c.cu_seqlens_k.set_int(b + 1, c.cu_seqlens_k.get_int(b) + lengths_k[b]);
+  }
+  c.max_seqlen_q = 30;
+  c.max_seqlen_k = 500;
+  c.options.causal = 1;
+  const Expected e = oracle(c);
+  c.block_table.set_int(max_blocks + 7, num_blocks + 5);  // sequence 1 (2 rows: routed at G = 4), keys 112..127
+  ASSERT_TRUE(run_gpu(c).ok());
+  const std::vector<double> out = c.out.to_double(), lse = c.lse.to_double();
+  std::vector<double> got, ref;
+  int64_t nan_out = 0, nan_lse = 0;
+  for (int row = 0; row < total_q; ++row)
+    for (int h = 0; h < hq; ++h) {
+      const bool bad = row == 1 || row == 2;  // sequence 1's rows
+      const double l = lse[int64_t(h) * total_q + row];
+      if (bad) nan_lse += std::isnan(l);
+      else EXPECT_FALSE(std::isnan(l)) << "row " << row << " h " << h;
+      for (int x = 0; x < d; ++x) {
+        const int64_t n = (int64_t(row) * hq + h) * d + x;
+        if (bad) {
+          nan_out += std::isnan(out[n]);
+        } else {
+          got.push_back(out[n]);
+          ref.push_back(e.out64[n]);
+        }
+      }
+    }
+  EXPECT_EQ(nan_lse, 2 * hq);
+  EXPECT_EQ(nan_out, 2 * hq * d);
+  const fa_test::ErrorStats err = fa_test::compare(got, ref);
+  EXPECT_LE(err.rel_l2, 1e-2) << err.to_string();
+  EXPECT_EQ(err.nan, 0);
+}
+
 TEST(CudaForward, StridedTensors) {
   SKIP_WITHOUT_GPU();
   auto rng = fa_test::make_rng("cuda_forward_strided");

@@ -921,3 +921,100 @@ TEST(CudaKvcacheFp8Layout, FragmentOrdersMatchAModelOfTheMma) {
   }
   for (int c = 0; c < 32; ++c) EXPECT_EQ(seen[size_t(c)], 1) << "fp8_o_column must reach each head column once: " << c;
 }
+
+// The paged varlen forward's short sequences (decode_plan.hpp): T = max(1, 16 / G) capped by max_seqlen_q, only for
+// paged varlen calls without dropout; every DECODE_TILES row packs 16 rows (the rule's premise); the decode call's
+// padded q / out / lse are dense (B, T, Hq, D) and (B, Hq, T) and carry the forward's cache and attention variant.
+TEST(CudaKvcachePlan, ShortSequencesOfAPagedVarlenForward) {
+  alignas(256) static char fake[256];
+  const int32_t* index = reinterpret_cast<const int32_t*>(fake);
+  flashattn::AttentionParams p{};
+  p.dtype = FA_BFLOAT16;
+  p.batch = 6;
+  p.seqlen_q = 300;  // max_seqlen_q
+  p.seqlen_k = 5000;  // max_seqlen_k
+  p.heads_q = 32;
+  p.heads_k = 8;
+  p.head_dim = p.head_dim_v = 128;
+  p.q = p.k = p.v = p.out = fake;
+  p.q_row_stride = p.out_row_stride = 3 * 32 * 128;  // strided rows: the padded copy is dense whatever the forward's
+  p.q_head_stride = p.out_head_stride = 128;
+  p.cu_seqlens_q = p.cu_seqlens_k = index;
+  p.block_table = index;
+  p.block_table_batch_stride = 40;
+  p.page_block_size = 128;
+  p.num_blocks = 300;
+  p.k_batch_stride = p.v_batch_stride = 128 * 8 * 128;
+  p.softmax_scale = 0.1f;
+  p.window_left = 64;
+  p.window_right = 0;
+  p.softcap = 30.f;
+  p.stream = fake;
+  EXPECT_EQ(decode::short_sequence_max_q(p), 4);
+  for (int hq : {1, 2, 4, 8, 16, 32, 64, 128}) {
+    flashattn::AttentionParams g = p;
+    g.heads_q = hq;
+    g.heads_k = hq >= 8 ? 8 : hq;
+    EXPECT_EQ(decode::short_sequence_max_q(g), std::max(1, 16 / (g.heads_q / g.heads_k))) << hq;
+  }
+  flashattn::AttentionParams one = p;
+  one.seqlen_q = 2;
+  EXPECT_EQ(decode::short_sequence_max_q(one), 2);  // capped by max_seqlen_q: every sequence routed
+  flashattn::AttentionParams no = p;
+  no.block_table = nullptr;
+  EXPECT_EQ(decode::short_sequence_max_q(no), 0);  // varlen, not paged
+  no = p;
+  no.cu_seqlens_q = no.cu_seqlens_k = nullptr;
+  EXPECT_EQ(decode::short_sequence_max_q(no), 0);  // paged, not varlen: fa_kvcache's shape
+  no = p;
+  no.dropout_p = 0.1f;
+  EXPECT_EQ(decode::short_sequence_max_q(no), 0);
+  no = p;
+  no.seqlen_q = 0;
+  EXPECT_EQ(decode::short_sequence_max_q(no), 0);
+
+  namespace gen = flashattn::cuda::generated;
+  for (int n = 0; n < gen::kKernelCount; ++n)
+    if (gen::kKernelTable[n].kind == KernelKind::kKvcache)
+      EXPECT_EQ(gen::kKernelTable[n].block_m, decode::kShortSequencePackedRows) << gen::kKernelTable[n].name;
+
+  alignas(256) static char buffers[3][256];
+  char* q = buffers[0];
+  char* out = buffers[1];
+  float* lse = reinterpret_cast<float*>(buffers[2]);
+  const KvcacheParams kv = decode::short_sequence_call(p, 4, q, out, lse, index);
+  EXPECT_EQ(kv.q, static_cast<const void*>(q));
+  EXPECT_EQ(kv.out, static_cast<void*>(out));
+  EXPECT_EQ(kv.lse, lse);
+  EXPECT_EQ(kv.cache_seqlens, index);
+  EXPECT_EQ(kv.seqlen_q, 4);
+  EXPECT_EQ(kv.seqlen_k, 5000);  // max_seqlen_k bounds every length
+  EXPECT_EQ(kv.q_head_stride, 128);
+  EXPECT_EQ(kv.q_row_stride, 32 * 128);
+  EXPECT_EQ(kv.q_batch_stride, 4 * 32 * 128);
+  EXPECT_EQ(kv.out_batch_stride, 4 * 32 * 128);
+  EXPECT_EQ(kv.lse_row_stride, 1);
+  EXPECT_EQ(kv.lse_head_stride, 4);
+  EXPECT_EQ(kv.lse_batch_stride, 4 * 32);
+  EXPECT_EQ(kv.cu_seqlens_q, nullptr);
+  EXPECT_EQ(kv.cu_seqlens_k, nullptr);
+  EXPECT_EQ(kv.seqused_k, nullptr);
+  EXPECT_EQ(kv.block_table, p.block_table);
+  EXPECT_EQ(kv.block_table_batch_stride, 40);
+  EXPECT_EQ(kv.page_block_size, 128);
+  EXPECT_EQ(kv.num_blocks, 300);
+  EXPECT_EQ(kv.k_batch_stride, p.k_batch_stride);
+  EXPECT_EQ(kv.window_left, 64);
+  EXPECT_EQ(kv.window_right, 0);
+  EXPECT_EQ(kv.softcap, 30.f);
+  EXPECT_EQ(kv.softmax_scale, 0.1f);
+  EXPECT_EQ(kv.stream, p.stream);
+  EXPECT_EQ(kv.k_new, nullptr);
+  EXPECT_EQ(kv.seqlen_new, 0);
+  EXPECT_EQ(kv.rotary_dim, 0);
+  EXPECT_EQ(kv.num_splits, 0);
+  EXPECT_FALSE(kv.check_indices);
+  EXPECT_EQ(kv.cache_leftpad, nullptr);
+  EXPECT_EQ(kv.routed_seqlen_q, 0);
+  EXPECT_TRUE(decode::check_kvcache_support(kv).ok()) << decode::check_kvcache_support(kv).message();
+}

@@ -289,6 +289,38 @@ std::atomic<int> g_speculation_for_tests{-1};  // set_speculation_for_tests
 
 void set_speculation_for_tests(int mode) { g_speculation_for_tests.store(mode, std::memory_order_relaxed); }
 
+int short_sequence_max_q(const AttentionParams& p) {
+  if (!p.is_paged() || !p.is_varlen() || p.dropout_p > 0.f || p.seqlen_q < 1 || p.batch < 1 || p.heads_k < 1) return 0;
+  const int group = p.heads_q / p.heads_k;
+  return std::min(std::max(1, kShortSequencePackedRows / group), p.seqlen_q);
+}
+
+KvcacheParams short_sequence_call(const AttentionParams& p, int max_q, void* q, void* out, float* lse,
+                                  const int32_t* cache_seqlens) {
+  KvcacheParams kv{};
+  static_cast<AttentionParams&>(kv) = p;
+  kv.routed_seqlen_q = 0;
+  kv.seqlen_q = max_q;
+  kv.q = q;
+  kv.q_head_stride = p.head_dim;
+  kv.q_row_stride = int64_t(p.heads_q) * p.head_dim;
+  kv.q_batch_stride = int64_t(max_q) * kv.q_row_stride;
+  kv.out = out;
+  kv.out_head_stride = p.head_dim_v;
+  kv.out_row_stride = int64_t(p.heads_q) * p.head_dim_v;
+  kv.out_batch_stride = int64_t(max_q) * kv.out_row_stride;
+  kv.lse = lse;
+  kv.lse_row_stride = 1;
+  kv.lse_head_stride = max_q;
+  kv.lse_batch_stride = int64_t(p.heads_q) * max_q;
+  kv.cu_seqlens_q = nullptr;
+  kv.cu_seqlens_k = nullptr;
+  kv.seqused_k = nullptr;
+  kv.cache_seqlens = cache_seqlens;
+  kv.stats = nullptr;
+  return kv;  // no append, rotary, left padding or index checks; num_splits 0: planned
+}
+
 DecodeArgs make_decode_args(const KvcacheParams& p, const DecodePlan& plan, void* workspace) {
   DecodeArgs a{};
   a.p = p;

@@ -410,6 +410,28 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
 // (null when num_splits == 1); it is aligned up here.
 DecodeArgs make_decode_args(const KvcacheParams& p, const DecodePlan& plan, void* workspace);
 
+// ---- the paged varlen forward's short sequences (fa_forward with block_table and cu_seqlens_q, on CUDA) ----
+// A serving step's decode tokens beside its prefill chunks. The forward kernel gives every sequence whole query tiles of
+// 128 rows per query head: a decode token takes Hq tiles of one row each, every tile streaming the sequence's keys (a
+// K/V head read G = Hq / Hk times, one row of 128 on the tensor cores, no split of a long key range). The decode kernels
+// pack the G query heads of a K/V head into one 16-row m-block and split long key ranges over the SMs. So the CUDA
+// forward hands them the sequences of 1 to short_sequence_max_q(p) query rows (kvcache.cpp, run_short_sequences) and
+// its own kernel skips those (AttentionParams::routed_seqlen_q). Which kernel computes a row changes rounding only.
+// T = max(1, kShortSequencePackedRows / G), capped by max_seqlen_q: G x T packed rows fill at most one m-block, so a
+// sequence streams its keys once per K/V head (G = 4: T = 4; G = 8: 2; G >= 16: 1). 0 (no route) unless the call is
+// paged and varlen, without dropout (the decode kernels have none). Affects speed only.
+constexpr int kShortSequencePackedRows = 16;  // every DECODE_TILES row of src/cuda/manifest.py has block_m 16
+int short_sequence_max_q(const AttentionParams& p);
+
+// The decode call over the short sequences: their queries left-padded to T rows, q / out (B, T, Hq, D / Dv) and lse
+// (B, Hq, T) dense at the given addresses (lse null when the forward has none), cache_seqlens the key counts (0 for the
+// sequences the forward kernel keeps), and the forward's pool, block table, heads, scale, mask, softcap, ALiBi and
+// stream. Left padding puts query i of a sequence of n rows at row T - n + i, whose bottom-right alignment (Sk - T + row)
+// is the forward's (Sk - n + i); the padding rows' results are never copied out. The capacity is the forward's
+// max_seqlen_k (p.seqlen_k), which bounds every length.
+KvcacheParams short_sequence_call(const AttentionParams& p, int max_q, void* q, void* out, float* lse,
+                                  const int32_t* cache_seqlens);
+
 // Tests only (not part of the API): every later make_decode_args sets DecodeArgs::speculative_tiles to `mode` (0 off,
 // 1 on, 2 / 3 wrong guesses: decode_work.hpp) instead of kSpeculativeTiles; -1 restores the library's. A process-wide
 // switch, so that the oracle tests can run the kernels' wrong-guess paths through the public API.

@@ -11,6 +11,7 @@
 #include "cuda/common/device_guard.hpp"
 #include "cuda/decode/decode_aux.hpp"
 #include "cuda/decode/decode_plan.hpp"
+#include "cuda/decode/short_sequences.hpp"
 #include "cuda/device_info.hpp"
 #include "cuda/dispatch.hpp"
 #include "cuda/generated/kernel_table.hpp"
@@ -199,6 +200,56 @@ Status run_kvcache_append(const KvcacheAppendParams& a) {
     p.stats->num_splits = 1;
     std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda kvcache_append");
   }
+  return Status();
+}
+
+Status run_short_sequences(const AttentionParams& p, ShortSequences* routed) {
+  *routed = ShortSequences{};
+  const int max_q = short_sequence_max_q(p);
+  if (max_q == 0) return Status();
+  // The plan depends on the shapes only: planned with the forward's q / out standing in for the padded buffers (both
+  // 16-byte aligned, as the padded rows are).
+  Selection s;
+  const Status selected = select(short_sequence_call(p, max_q, const_cast<void*>(p.q), p.out, p.lse, nullptr), &s);
+  if (selected.code() == FA_ERROR_UNSUPPORTED || selected.code() == FA_ERROR_NOT_COMPILED) return Status();
+  FA_RETURN_IF_ERROR(selected);
+  const KvcacheLaunchFn launch = generated::kKernelLaunch[s.index].kvcache;
+  if (launch == nullptr) return error(FA_ERROR_INTERNAL, "kernel table row %s has no kvcache launcher", kernel_entry(s.index).name);
+
+  // Scratch: key counts, padded q, out, lse, then the decode call's split partials (aligned by make_decode_args).
+  auto aligned = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+  const int64_t rows = int64_t(p.batch) * max_q * p.heads_q;
+  const int64_t seqlens_bytes = aligned(int64_t(p.batch) * 4);
+  const int64_t q_bytes = aligned(rows * p.head_dim * 2);
+  const int64_t out_bytes = aligned(rows * p.head_dim_v * 2);
+  const int64_t lse_bytes = p.lse != nullptr ? aligned(rows * 4) : 0;
+  const int64_t total = seqlens_bytes + q_bytes + out_bytes + lse_bytes + s.plan.workspace_bytes;
+  const auto stream = static_cast<cudaStream_t>(p.stream);
+  void* scratch = nullptr;
+  FA_CUDA_RETURN_IF_ERROR(cudaMallocAsync(&scratch, size_t(total), stream));
+  char* base = static_cast<char*>(scratch);
+  ShortSequenceRows buffers;
+  buffers.max_q = max_q;
+  buffers.cache_seqlens = reinterpret_cast<int32_t*>(base);
+  buffers.q = base + seqlens_bytes;
+  buffers.out = base + seqlens_bytes + q_bytes;
+  buffers.lse = p.lse != nullptr ? reinterpret_cast<float*>(base + seqlens_bytes + q_bytes + out_bytes) : nullptr;
+  KvcacheParams kv = short_sequence_call(p, max_q, buffers.q, buffers.out, buffers.lse, buffers.cache_seqlens);
+  kv.num_splits = s.plan.num_splits;
+  kv.workspace = s.plan.workspace_bytes > 0 ? base + seqlens_bytes + q_bytes + out_bytes + lse_bytes : nullptr;
+  kv.workspace_bytes = s.plan.workspace_bytes;
+  const Status launched = [&]() -> Status {
+    FA_RETURN_IF_ERROR(launch_gather_short_sequences(p, buffers, stream));
+    FA_RETURN_IF_ERROR(launch(kv, stream));
+    return launch_scatter_short_sequences(p, buffers, stream);
+  }();
+  const cudaError_t freed = cudaFreeAsync(scratch, stream);
+  FA_RETURN_IF_ERROR(launched);
+  FA_CUDA_RETURN_IF_ERROR(freed);
+  routed->max_q = max_q;
+  routed->scratch_bytes = total;
+  routed->num_splits = s.plan.num_splits;
+  routed->kernel = kernel_entry(s.index).name;
   return Status();
 }
 

@@ -310,6 +310,10 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
   const SequenceExtent ext = sequence_extent(params, b);
   const int row_begin = m_block * kBlockM;
   if (row_begin >= ext.seqlen_q) return;  // varlen: this sequence is shorter than max_seqlen_q
+  // Paged varlen: a sequence of at most routed_seqlen_q rows (decode tokens) is the decode kernels' in this call
+  // (src/cuda/decode/kvcache.cpp, run_short_sequences). Only the paged instantiation can be handed such a call.
+  if constexpr (PagedKvOf<C>::value)
+    if (ext.seqlen_q <= int(params.routed_seqlen_q)) return;
   const int hk = h / (params.heads_q / params.heads_k);  // GQA / MQA: the K/V head of query head h
   const int rows_valid = min(kBlockM, ext.seqlen_q - row_begin);
   const int d_chunks = params.head_dim / 8;  // D may be below the bucket kHeadDim: the rest is zero-filled

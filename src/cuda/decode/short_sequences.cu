@@ -1,0 +1,100 @@
+// Gather and scatter of a paged varlen forward's short sequences (short_sequences.hpp). Both move 16-byte chunks (D and
+// Dv are multiples of 8 16-bit elements on CUDA, and every row start is 16-byte aligned: dispatch.cpp's rules) and
+// depend on no dtype. Grid: (chunks of the rows, B); a sequence's routing is recomputed from its extent in each.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/common/check.hpp"
+#include "cuda/decode/short_sequences.hpp"
+
+namespace flashattn::cuda::decode {
+namespace {
+
+constexpr int kCopyThreads = 256;
+constexpr int kMaxCopyBlocks = 64;  // per sequence; grid-stride beyond (affects speed only)
+
+// Query rows of sequence b that the decode call computes: all of them when 1 <= n <= T, else none. The forward kernel
+// skips exactly the sequences with n <= T (forward_kernel.cuh): those with n <= 0 have no rows.
+__device__ __forceinline__ int routed_rows(const SequenceExtent& ext, int max_q) {
+  return ext.seqlen_q >= 1 && ext.seqlen_q <= max_q ? ext.seqlen_q : 0;
+}
+
+__global__ void __launch_bounds__(kCopyThreads) gather_kernel(const __grid_constant__ AttentionParams p,
+                                                              const ShortSequenceRows rows) {
+  const int b = blockIdx.y;
+  const SequenceExtent ext = sequence_extent(p, b);
+  const int n = routed_rows(ext, rows.max_q);
+  if (blockIdx.x == 0 && threadIdx.x == 0) rows.cache_seqlens[b] = n > 0 ? ext.seqlen_k : 0;
+  const int chunks_per_row = p.head_dim / 8;
+  const int64_t chunks = int64_t(rows.max_q) * p.heads_q * chunks_per_row;  // of this sequence's T padded rows
+  const int padding = rows.max_q - n;
+  const uint16_t* q = static_cast<const uint16_t*>(p.q);
+  uint4* q_rows = static_cast<uint4*>(rows.q) + int64_t(b) * chunks;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < chunks; idx += int64_t(gridDim.x) * blockDim.x) {
+    const int chunk = int(idx % chunks_per_row);
+    const int64_t rest = idx / chunks_per_row;
+    const int h = int(rest % p.heads_q);
+    const int i = int(rest / p.heads_q) - padding;  // query i of the sequence; < 0: a padding row (zeros)
+    uint4 value = make_uint4(0u, 0u, 0u, 0u);
+    if (i >= 0)
+      value = *reinterpret_cast<const uint4*>(q + (int64_t(ext.q_row0) + i) * p.q_row_stride + int64_t(h) * p.q_head_stride +
+                                              chunk * 8);
+    q_rows[idx] = value;
+  }
+}
+
+__global__ void __launch_bounds__(kCopyThreads) scatter_kernel(const __grid_constant__ AttentionParams p,
+                                                               const ShortSequenceRows rows) {
+  const int b = blockIdx.y;
+  const SequenceExtent ext = sequence_extent(p, b);
+  const int n = routed_rows(ext, rows.max_q);
+  if (n == 0) return;
+  const int padding = rows.max_q - n;
+  const int chunks_per_row = p.head_dim_v / 8;
+  const int64_t chunks = int64_t(n) * p.heads_q * chunks_per_row;
+  const uint4* out_rows = static_cast<const uint4*>(rows.out) + int64_t(b) * rows.max_q * p.heads_q * chunks_per_row;
+  uint16_t* out = static_cast<uint16_t*>(p.out);
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < chunks; idx += step) {
+    const int chunk = int(idx % chunks_per_row);
+    const int64_t rest = idx / chunks_per_row;
+    const int h = int(rest % p.heads_q);
+    const int i = int(rest / p.heads_q);
+    *reinterpret_cast<uint4*>(out + (int64_t(ext.q_row0) + i) * p.out_row_stride + int64_t(h) * p.out_head_stride + chunk * 8) =
+        out_rows[(int64_t(padding + i) * p.heads_q + h) * chunks_per_row + chunk];
+  }
+  if (p.lse == nullptr) return;
+  const float* lse_rows = rows.lse + int64_t(b) * p.heads_q * rows.max_q;  // (Hq, T) of sequence b
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < int64_t(n) * p.heads_q; idx += step) {
+    const int i = int(idx % n);
+    const int h = int(idx / n);
+    p.lse[int64_t(h) * p.lse_head_stride + (int64_t(ext.q_row0) + i) * p.lse_row_stride] =
+        lse_rows[int64_t(h) * rows.max_q + padding + i];
+  }
+}
+
+unsigned copy_blocks(int64_t chunks) {
+  return unsigned(std::clamp<int64_t>((chunks + kCopyThreads - 1) / kCopyThreads, 1, kMaxCopyBlocks));
+}
+
+}  // namespace
+
+Status launch_gather_short_sequences(const AttentionParams& p, const ShortSequenceRows& rows, void* stream) {
+  if (p.batch == 0 || rows.max_q == 0) return Status();
+  const dim3 grid(copy_blocks(int64_t(rows.max_q) * p.heads_q * (p.head_dim / 8)), unsigned(p.batch));
+  gather_kernel<<<grid, kCopyThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, rows);
+  FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status();
+}
+
+Status launch_scatter_short_sequences(const AttentionParams& p, const ShortSequenceRows& rows, void* stream) {
+  if (p.batch == 0 || rows.max_q == 0) return Status();
+  const dim3 grid(copy_blocks(int64_t(rows.max_q) * p.heads_q * (p.head_dim_v / 8)), unsigned(p.batch));
+  scatter_kernel<<<grid, kCopyThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, rows);
+  FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status();
+}
+
+}  // namespace flashattn::cuda::decode

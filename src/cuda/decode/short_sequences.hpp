@@ -1,0 +1,28 @@
+// The two copies around the decode call that computes a paged varlen forward's short sequences (decode_plan.hpp,
+// short_sequence_max_q; kvcache.cpp, run_short_sequences): gather before it, scatter after it. Plain C++ declarations
+// (`stream` is a cudaStream_t); the kernels are in short_sequences.cu.
+#pragma once
+
+#include <cstdint>
+
+#include "core/params.hpp"
+#include "core/status.hpp"
+
+namespace flashattn::cuda::decode {
+
+// The decode call's buffers (device memory). Sequence b is routed when it has n in [1, max_q] query rows.
+struct ShortSequenceRows {
+  int max_q = 0;                     // T
+  int32_t* cache_seqlens = nullptr;  // [B]: a routed sequence's key count, else 0 (its decode rows see no key)
+  void* q = nullptr;                 // [B, T, Hq, D]: a routed sequence's queries at rows T - n .. T - 1, zeros above
+  void* out = nullptr;               // [B, T, Hq, Dv]: the decode call's out
+  float* lse = nullptr;              // [B, Hq, T]: the decode call's lse, or null (the forward has no lse)
+};
+
+// Fills cache_seqlens and q from the forward's cu_seqlens_q / cu_seqlens_k / seqused_k and q (`p`).
+Status launch_gather_short_sequences(const AttentionParams& p, const ShortSequenceRows& rows, void* stream);
+// Copies the routed sequences' rows of the decode call's out (and lse) into the forward's out (and lse); writes nothing
+// else.
+Status launch_scatter_short_sequences(const AttentionParams& p, const ShortSequenceRows& rows, void* stream);
+
+}  // namespace flashattn::cuda::decode
