@@ -107,7 +107,7 @@ typedef enum fa_backend {
 typedef struct fa_stats {
   int64_t scratch_bytes_peak; /* most memory the call held beyond its arguments (host or device);
                                  -1 where the backend does not track it (cpu_reference) */
-  int32_t num_splits;         /* split-KV splits used (kvcache), else 1 */
+  int32_t num_splits;         /* split-KV splits used (kvcache; CUDA paged varlen forward: its decode call's), else 1 */
   char kernel[128];           /* the backend path / kernel configuration that ran */
 } fa_stats;
 
@@ -143,7 +143,13 @@ typedef struct fa_forward_args {
   int32_t max_seqlen_q, max_seqlen_k;   /* varlen: the longest sequence (upper bound) */
   fa_tensor seqused_k;   /* optional int32 (B): only the first seqused_k[b] keys of sequence b
                             (in [0, its keys]; checked in host memory, the caller's on CUDA) */
-  fa_tensor block_table; /* optional int32 (B, max_blocks): k/v are paged (num_blocks, block_size, Hk, D) */
+  fa_tensor block_table; /* optional int32 (B, max_blocks): k/v are paged (num_blocks, block_size, Hk, D).
+                            CUDA, with varlen q (a serving step: decode tokens beside prefill chunks): the sequences
+                            of 1 to max(1, 16 / (Hq / Hk)) query rows run in the kvcache (decode) kernels, which read
+                            a K/V head once for its query heads and split long key ranges, the others in the forward
+                            kernel; the call then holds a stream-ordered scratch for the former's padded rows and
+                            split partials (fa_stats.scratch_bytes_peak), from a memory pool of the library's own that
+                            keeps up to 256 MiB mapped between calls (capturable in a CUDA graph) */
 } fa_forward_args;
 
 typedef struct fa_backward_args {

@@ -133,8 +133,8 @@ struct KvcacheBatch {
 // 0 .. i. A decode token (n_b = 1) sees every key, as in fa_kvcache. fa_forward reads 16-bit and float32 pools (an FP8
 // pool: one fa_kvcache call per count instead). Keep one per call site: its index storage grows, then stays.
 // Cost: `flashattn step` times this against fa_kvcache per group of equal counts and against a split step (the one
-// append, then fa_kvcache over the decodes and the varlen fa_forward over the chunks); on CUDA the varlen forward
-// gives a decode token a whole query tile per query head (README, "Append only").
+// append, then fa_kvcache over the decodes and the varlen fa_forward over the chunks); on CUDA the paged varlen forward
+// runs the decode tokens in the decode kernels (README, "Append only"; docs/PERFORMANCE.md, "CUDA serving step").
 struct KvcacheStep {
   Tensor k_cache, v_cache;     // views of the whole pool
   Tensor block_table;          // (B, max_blocks) int32 on the cache's device

@@ -334,6 +334,7 @@ Status fill_core(const Core& c, const fa_options& options, AttentionParams* p) {
     // backends size their grids by the smaller (a loose bound near INT32_MAX overflowed the CPU backend's tile
     // count, which then ran no tile). A paged cache's rows are bounded by its capacity, checked below.
     p->seqlen_q = int(std::min<int64_t>(c.max_seqlen_q, c.q.shape[0]));
+    p->varlen_total_q = int32_t(c.q.shape[0]);  // dimension 0 fits int32 (checked above)
     if (!paged) p->seqlen_k = int(std::min<int64_t>(c.max_seqlen_k, c.k.shape[0]));
   }
 

@@ -44,6 +44,9 @@ struct AttentionParams {
   // dequantised as code value * k_scale / v_scale (both 1 otherwise)
   fa_dtype kv_dtype;
   float k_scale, v_scale;
+  // varlen: the rows of q (every sequence's; validate.cpp), else 0. In the padding before `out`: every later field keeps
+  // its offset. Read by the CUDA backend's host code (decode_plan.cpp, short_sequence_max_q).
+  int32_t varlen_total_q = 0;
   // out: layout of q with Dv
   void* out;
   int64_t out_batch_stride, out_row_stride, out_head_stride;

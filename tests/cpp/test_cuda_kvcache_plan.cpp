@@ -972,6 +972,14 @@ TEST(CudaKvcachePlan, ShortSequencesOfAPagedVarlenForward) {
   no = p;
   no.seqlen_q = 0;
   EXPECT_EQ(decode::short_sequence_max_q(no), 0);
+  // total_q = 6 x 300 + ...: room for a sequence of <= 4 rows only up to 5 x 300 + 4 rows
+  flashattn::AttentionParams rows = p;
+  rows.varlen_total_q = 5 * 300 + 4;
+  EXPECT_EQ(decode::short_sequence_max_q(rows), 4);
+  rows.varlen_total_q = 5 * 300 + 5;  // every sequence has >= 5 rows
+  EXPECT_EQ(decode::short_sequence_max_q(rows), 0);
+  rows.varlen_total_q = 6 * 300;  // six chunks of 300
+  EXPECT_EQ(decode::short_sequence_max_q(rows), 0);
 
   namespace gen = flashattn::cuda::generated;
   for (int n = 0; n < gen::kKernelCount; ++n)

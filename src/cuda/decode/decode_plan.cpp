@@ -292,7 +292,10 @@ void set_speculation_for_tests(int mode) { g_speculation_for_tests.store(mode, s
 int short_sequence_max_q(const AttentionParams& p) {
   if (!p.is_paged() || !p.is_varlen() || p.dropout_p > 0.f || p.seqlen_q < 1 || p.batch < 1 || p.heads_k < 1) return 0;
   const int group = p.heads_q / p.heads_k;
-  return std::min(std::max(1, kShortSequencePackedRows / group), p.seqlen_q);
+  const int max_q = std::min(std::max(1, kShortSequencePackedRows / group), p.seqlen_q);
+  // Some sequence has at most max_q rows only if the other B - 1 (each at most max_seqlen_q) leave it room.
+  if (int64_t(p.varlen_total_q) > int64_t(p.batch - 1) * p.seqlen_q + max_q) return 0;
+  return max_q;
 }
 
 KvcacheParams short_sequence_call(const AttentionParams& p, int max_q, void* q, void* out, float* lse,

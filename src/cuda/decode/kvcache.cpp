@@ -9,6 +9,7 @@
 
 #include "cuda/common/check.hpp"
 #include "cuda/common/device_guard.hpp"
+#include "cuda/common/scratch_pool.hpp"
 #include "cuda/decode/decode_aux.hpp"
 #include "cuda/decode/decode_plan.hpp"
 #include "cuda/decode/short_sequences.hpp"
@@ -225,8 +226,8 @@ Status run_short_sequences(const AttentionParams& p, ShortSequences* routed) {
   const int64_t lse_bytes = p.lse != nullptr ? aligned(rows * 4) : 0;
   const int64_t total = seqlens_bytes + q_bytes + out_bytes + lse_bytes + s.plan.workspace_bytes;
   const auto stream = static_cast<cudaStream_t>(p.stream);
-  void* scratch = nullptr;
-  FA_CUDA_RETURN_IF_ERROR(cudaMallocAsync(&scratch, size_t(total), stream));
+  void* scratch = nullptr;  // the library's pool, not the default one: no mapping per call (scratch_pool.hpp)
+  FA_RETURN_IF_ERROR(scratch_alloc(p.device_id, size_t(total), stream, &scratch));
   char* base = static_cast<char*>(scratch);
   ShortSequenceRows buffers;
   buffers.max_q = max_q;
@@ -243,7 +244,7 @@ Status run_short_sequences(const AttentionParams& p, ShortSequences* routed) {
     FA_RETURN_IF_ERROR(launch(kv, stream));
     return launch_scatter_short_sequences(p, buffers, stream);
   }();
-  const cudaError_t freed = cudaFreeAsync(scratch, stream);
+  const cudaError_t freed = scratch_free(scratch, stream);
   FA_RETURN_IF_ERROR(launched);
   FA_CUDA_RETURN_IF_ERROR(freed);
   routed->max_q = max_q;

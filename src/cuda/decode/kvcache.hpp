@@ -36,7 +36,8 @@ Status run_kvcache_append(const KvcacheAppendParams& params);
 // A paged varlen forward's short sequences (decode_plan.hpp, short_sequence_max_q) through the decode kernels, on the
 // forward's stream: gather (their queries, left-padded to T rows, and key counts), the decode call (attention, combine),
 // scatter (their out and lse rows). The call's scratch (the padded rows and the split partials) is a stream-ordered
-// allocation, freed on the stream after the scatter (capturable in a CUDA graph). `routed.max_q` = 0 when nothing was
+// allocation from the library's pool (common/scratch_pool.hpp), freed on the stream after the scatter (capturable in a
+// CUDA graph). `routed.max_q` = 0 when nothing was
 // routed (a call the rule or the decode kernels do not take: the forward kernel then computes every row).
 struct ShortSequences {
   int max_q = 0;                  // the sequences of 1 to max_q query rows were computed (the forward kernel skips them)
