@@ -461,6 +461,43 @@ TEST(CudaForward, PagedBadBlockIdGivesNanNotARead) {
     }
 }
 
+// A varlen call over a paged cache: sequence b has lengths_q[b] queries and lengths_k[b] keys, q / k / v random,
+// block ids a permutation of the pool (shuffled, or in order) with `spare` blocks beyond the table, out poisoned and
+// lse (Hq, total_q) present, max_seqlen_q / max_seqlen_k the true maxima.
+Call varlen_paged_call(std::mt19937_64& rng, const std::vector<int>& lengths_q, const std::vector<int>& lengths_k, int hq,
+                       int hk, int d, int block_size, fa_dtype dtype, int spare, bool shuffle = true) {
+  const int batch = int(lengths_q.size());
+  const int max_k = *std::max_element(lengths_k.begin(), lengths_k.end());
+  const int max_blocks = std::max(1, (max_k + block_size - 1) / block_size);
+  const int num_blocks = batch * max_blocks + spare;
+  const int total_q = std::accumulate(lengths_q.begin(), lengths_q.end(), 0);
+  Call c;
+  c.q = HostTensor({total_q, hq, d}, dtype);
+  c.k = HostTensor({num_blocks, block_size, hk, d}, dtype);
+  c.v = HostTensor({num_blocks, block_size, hk, d}, dtype);
+  c.q.fill_normal(rng);
+  c.k.fill_normal(rng);
+  c.v.fill_normal(rng);
+  c.out = HostTensor({total_q, hq, d}, dtype);
+  c.lse = HostTensor({hq, total_q}, FA_FLOAT32);
+  std::vector<int> ids(num_blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  if (shuffle) std::shuffle(ids.begin(), ids.end(), rng);
+  c.block_table = HostTensor({batch, max_blocks}, FA_INT32);
+  for (int n = 0; n < batch * max_blocks; ++n) c.block_table.set_int(n, ids[n]);
+  c.cu_seqlens_q = HostTensor({batch + 1}, FA_INT32);
+  c.cu_seqlens_k = HostTensor({batch + 1}, FA_INT32);
+  c.cu_seqlens_q.set_int(0, 0);
+  c.cu_seqlens_k.set_int(0, 0);
+  for (int b = 0; b < batch; ++b) {
+    c.cu_seqlens_q.set_int(b + 1, c.cu_seqlens_q.get_int(b) + lengths_q[b]);
+    c.cu_seqlens_k.set_int(b + 1, c.cu_seqlens_k.get_int(b) + lengths_k[b]);
+  }
+  c.max_seqlen_q = *std::max_element(lengths_q.begin(), lengths_q.end());
+  c.max_seqlen_k = max_k;
+  return c;
+}
+
 // One continuous-batching step in one call: variable-length queries (decode tokens, a prefill chunk, a whole
 // prompt, an empty request) over a paged cache whose lengths come from cu_seqlens_k, the blocks scattered. Block
 // sizes 16 and 256 (the shift path of the row lookup) and 7 (the division path).
@@ -468,36 +505,11 @@ TEST(CudaForward, VarlenQueriesOverPagedKv) {
   SKIP_WITHOUT_GPU();
   auto rng = fa_test::make_rng("cuda_forward_varlen_paged");
   const std::vector<int> lengths_q = {1, 37, 0, 120, 1}, lengths_k = {300, 37, 9, 250, 1};
-  const int batch = 5, hq = 8, hk = 2, total_q = 159;
+  const int hq = 8, hk = 2;
   for (int d : {64, 128})
     for (int block_size : {16, 7, 256}) {
-      const int max_blocks = (300 + block_size - 1) / block_size;
-      const int num_blocks = batch * max_blocks + 2;
-      Call c;
-      c.q = HostTensor({total_q, hq, d}, FA_BFLOAT16);
-      c.k = HostTensor({num_blocks, block_size, hk, d}, FA_BFLOAT16);
-      c.v = HostTensor({num_blocks, block_size, hk, d}, FA_BFLOAT16);
-      c.q.fill_normal(rng);
-      c.k.fill_normal(rng);
-      c.v.fill_normal(rng);
-      c.out = HostTensor({total_q, hq, d}, FA_BFLOAT16);
-      c.lse = HostTensor({hq, total_q}, FA_FLOAT32);
-      std::vector<int> ids(num_blocks);
-      std::iota(ids.begin(), ids.end(), 0);
-      std::shuffle(ids.begin(), ids.end(), rng);
-      c.block_table = HostTensor({batch, max_blocks}, FA_INT32);
-      for (int n = 0; n < batch * max_blocks; ++n) c.block_table.set_int(n, ids[n]);
-      c.cu_seqlens_q = HostTensor({batch + 1}, FA_INT32);
-      c.cu_seqlens_k = HostTensor({batch + 1}, FA_INT32);
-      c.cu_seqlens_q.set_int(0, 0);
-      c.cu_seqlens_k.set_int(0, 0);
-      for (int b = 0; b < batch; ++b) {
-        c.cu_seqlens_q.set_int(b + 1, c.cu_seqlens_q.get_int(b) + lengths_q[b]);
-        c.cu_seqlens_k.set_int(b + 1, c.cu_seqlens_k.get_int(b) + lengths_k[b]);
-      }
-      ASSERT_EQ(c.cu_seqlens_q.get_int(batch), total_q);
-      c.max_seqlen_q = 120;
-      c.max_seqlen_k = 300;
+      Call c = varlen_paged_call(rng, lengths_q, lengths_k, hq, hk, d, block_size, FA_BFLOAT16, 2);
+      ASSERT_EQ(c.cu_seqlens_q.get_int(5), 159);
       for (int causal : {0, 1}) {
         c.options.causal = causal;
         check_against_oracle("varlen q, paged D=" + std::to_string(d) + " block_size=" + std::to_string(block_size) +
@@ -528,37 +540,8 @@ TEST(CudaForward, VarlenPagedShortSequencesTakeTheDecodeKernels) {
         std::vector<int> lengths_k = {2900, 700, 9, 1200, 300, 1, 1, 2};
         if (all_short)
           for (int& n : lengths_q) n = std::min(n, t);
-        const int batch = int(lengths_q.size()), d = 128;
         const fa_dtype dtype = block_size == 16 ? FA_BFLOAT16 : FA_FLOAT16;
-        const int max_k = *std::max_element(lengths_k.begin(), lengths_k.end());
-        const int max_blocks = (max_k + block_size - 1) / block_size;
-        const int num_blocks = batch * max_blocks + 3;
-        int total_q = 0;
-        for (int n : lengths_q) total_q += n;
-        Call c;
-        c.q = HostTensor({total_q, heads.hq, d}, dtype);
-        c.k = HostTensor({num_blocks, block_size, heads.hk, d}, dtype);
-        c.v = HostTensor({num_blocks, block_size, heads.hk, d}, dtype);
-        c.q.fill_normal(rng);
-        c.k.fill_normal(rng);
-        c.v.fill_normal(rng);
-        c.out = HostTensor({total_q, heads.hq, d}, dtype);
-        c.lse = HostTensor({heads.hq, total_q}, FA_FLOAT32);
-        std::vector<int> ids(num_blocks);
-        std::iota(ids.begin(), ids.end(), 0);
-        std::shuffle(ids.begin(), ids.end(), rng);
-        c.block_table = HostTensor({batch, max_blocks}, FA_INT32);
-        for (int n = 0; n < batch * max_blocks; ++n) c.block_table.set_int(n, ids[n]);
-        c.cu_seqlens_q = HostTensor({batch + 1}, FA_INT32);
-        c.cu_seqlens_k = HostTensor({batch + 1}, FA_INT32);
-        c.cu_seqlens_q.set_int(0, 0);
-        c.cu_seqlens_k.set_int(0, 0);
-        for (int b = 0; b < batch; ++b) {
-          c.cu_seqlens_q.set_int(b + 1, c.cu_seqlens_q.get_int(b) + lengths_q[b]);
-          c.cu_seqlens_k.set_int(b + 1, c.cu_seqlens_k.get_int(b) + lengths_k[b]);
-        }
-        c.max_seqlen_q = *std::max_element(lengths_q.begin(), lengths_q.end());
-        c.max_seqlen_k = max_k;
+        const Call c = varlen_paged_call(rng, lengths_q, lengths_k, heads.hq, heads.hk, 128, block_size, dtype, 3);
         struct Variant {
           const char* name;
           int causal, window_left, window_right;
@@ -597,29 +580,9 @@ TEST(CudaForward, VarlenPagedShortSequenceBadBlockIdGivesNan) {
   SKIP_WITHOUT_GPU();
   auto rng = fa_test::make_rng("cuda_forward_varlen_paged_short_bad_id");
   const std::vector<int> lengths_q = {1, 2, 30}, lengths_k = {400, 500, 300};
-  const int batch = 3, hq = 8, hk = 2, d = 128, block_size = 16, total_q = 33;
-  const int max_blocks = 500 / block_size + 1, num_blocks = batch * max_blocks;
-  Call c;
-  c.q = HostTensor({total_q, hq, d}, FA_BFLOAT16);
-  c.k = HostTensor({num_blocks, block_size, hk, d}, FA_BFLOAT16);
-  c.v = HostTensor({num_blocks, block_size, hk, d}, FA_BFLOAT16);
-  c.q.fill_normal(rng);
-  c.k.fill_normal(rng);
-  c.v.fill_normal(rng);
-  c.out = HostTensor({total_q, hq, d}, FA_BFLOAT16);
-  c.lse = HostTensor({hq, total_q}, FA_FLOAT32);
-  c.block_table = HostTensor({batch, max_blocks}, FA_INT32);
-  for (int n = 0; n < batch * max_blocks; ++n) c.block_table.set_int(n, n);
-  c.cu_seqlens_q = HostTensor({batch + 1}, FA_INT32);
-  c.cu_seqlens_k = HostTensor({batch + 1}, FA_INT32);
-  c.cu_seqlens_q.set_int(0, 0);
-  c.cu_seqlens_k.set_int(0, 0);
-  for (int b = 0; b < batch; ++b) {
-    c.cu_seqlens_q.set_int(b + 1, c.cu_seqlens_q.get_int(b) + lengths_q[b]);
-    c.cu_seqlens_k.set_int(b + 1, c.cu_seqlens_k.get_int(b) + lengths_k[b]);
-  }
-  c.max_seqlen_q = 30;
-  c.max_seqlen_k = 500;
+  const int hq = 8, hk = 2, d = 128, block_size = 16, total_q = 33;
+  Call c = varlen_paged_call(rng, lengths_q, lengths_k, hq, hk, d, block_size, FA_BFLOAT16, 0, /*shuffle=*/false);
+  const int max_blocks = int(c.block_table.shape()[1]), num_blocks = int(c.k.shape()[0]);
   c.options.causal = 1;
   const Expected e = oracle(c);
   c.block_table.set_int(max_blocks + 7, num_blocks + 5);  // sequence 1 (2 rows: routed at G = 4), keys 112..127

@@ -982,9 +982,11 @@ TEST(CudaKvcachePlan, ShortSequencesOfAPagedVarlenForward) {
   EXPECT_EQ(decode::short_sequence_max_q(rows), 0);
 
   namespace gen = flashattn::cuda::generated;
-  for (int n = 0; n < gen::kKernelCount; ++n)
-    if (gen::kKernelTable[n].kind == KernelKind::kKvcache)
+  for (int n = 0; n < gen::kKernelCount; ++n) {
+    if (gen::kKernelTable[n].kind == KernelKind::kKvcache) {
       EXPECT_EQ(gen::kKernelTable[n].block_m, decode::kShortSequencePackedRows) << gen::kKernelTable[n].name;
+    }
+  }
 
   alignas(256) static char buffers[3][256];
   char* q = buffers[0];

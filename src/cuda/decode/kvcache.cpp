@@ -217,7 +217,8 @@ Status run_short_sequences(const AttentionParams& p, ShortSequences* routed) {
   const KvcacheLaunchFn launch = generated::kKernelLaunch[s.index].kvcache;
   if (launch == nullptr) return error(FA_ERROR_INTERNAL, "kernel table row %s has no kvcache launcher", kernel_entry(s.index).name);
 
-  // Scratch: key counts, padded q, out, lse, then the decode call's split partials (aligned by make_decode_args).
+  // Scratch: key counts, padded q and out (16-bit: the CUDA rules), lse, then the decode call's split partials (aligned
+  // by make_decode_args).
   auto aligned = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
   const int64_t rows = int64_t(p.batch) * max_q * p.heads_q;
   const int64_t seqlens_bytes = aligned(int64_t(p.batch) * 4);
