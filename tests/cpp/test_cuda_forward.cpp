@@ -112,6 +112,13 @@ class DeviceCall {
   }
   fa_tensor view(HostTensor& t) { return t.view_on(buffers_.at(&t), FA_DEVICE_CUDA, 0); }
   Status run(fa_stats* stats = nullptr) {
+    const Status s = flashattn::forward(args(), options(stats));
+    const cudaError_t sync = cudaDeviceSynchronize();
+    if (sync != cudaSuccess) return Status(FA_ERROR_DEVICE, std::string("kernel failed: ") + cudaGetErrorString(sync));
+    return s;
+  }
+  // The call's arguments and options on the device copies.
+  fa_forward_args args() {
     fa_forward_args a = host_args(c_);
     a.q = view(c_.q);
     a.k = view(c_.k);
@@ -124,14 +131,18 @@ class DeviceCall {
     }
     if (present(c_.seqused_k)) a.seqused_k = view(c_.seqused_k);
     if (present(c_.block_table)) a.block_table = view(c_.block_table);
+    return a;
+  }
+  fa_options options(fa_stats* stats = nullptr) {
     fa_options o = c_.options;
     o.backend = FA_BACKEND_CUDA;
     o.stats = stats;
     if (present(c_.alibi)) o.alibi_slopes = view(c_.alibi);
-    const Status s = flashattn::forward(a, o);
-    const cudaError_t sync = cudaDeviceSynchronize();
-    if (sync != cudaSuccess) return Status(FA_ERROR_DEVICE, std::string("kernel failed: ") + cudaGetErrorString(sync));
-    return s;
+    return o;
+  }
+  // Host -> device again (after the host copy changed, e.g. poisoned).
+  void upload_again(HostTensor& t) {
+    EXPECT_EQ(cudaMemcpy(buffers_.at(&t), t.data(), size_t(t.storage_bytes()), cudaMemcpyHostToDevice), cudaSuccess);
   }
   void download(HostTensor& t) {
     EXPECT_EQ(cudaMemcpy(t.data(), buffers_.at(&t), size_t(t.storage_bytes()), cudaMemcpyDeviceToHost), cudaSuccess);
@@ -611,6 +622,50 @@ TEST(CudaForward, VarlenPagedShortSequenceBadBlockIdGivesNan) {
   const fa_test::ErrorStats err = fa_test::compare(got, ref);
   EXPECT_LE(err.rel_l2, 1e-2) << err.to_string();
   EXPECT_EQ(err.nan, 0);
+}
+
+// The routed call (gather, decode call, scatter, forward; its scratch from the library's pool) captures into a CUDA
+// graph on a stream of its own, and each replay writes the eager call's out and lse, bit for bit, over poisoned ones.
+TEST(CudaForward, VarlenPagedShortSequencesInACudaGraph) {
+  SKIP_WITHOUT_GPU();
+#if defined(FLASHATTN_WITH_CUDA)
+  auto rng = fa_test::make_rng("cuda_forward_varlen_paged_short_graph");
+  Call c = varlen_paged_call(rng, {1, 1, 37, 4, 1}, {3000, 200, 500, 900, 1}, 32, 8, 128, 16, FA_BFLOAT16, 1);
+  c.options.causal = 1;
+  Call eager = c;
+  fa_stats stats{};
+  ASSERT_TRUE(run_gpu(eager, &stats).ok());
+  ASSERT_NE(std::string(stats.kernel).find("dec_"), std::string::npos) << stats.kernel;
+  DeviceCall d(c);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  fa_options o = d.options();
+  o.stream = stream;
+  ASSERT_TRUE(flashattn::forward(d.args(), o).ok());  // an eager call first: kernel attributes are set outside the capture
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const Status s = flashattn::forward(d.args(), o);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int replay = 0; replay < 2; ++replay) {
+    c.out.poison();
+    c.lse.poison();
+    d.upload_again(c.out);
+    d.upload_again(c.lse);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    d.download(c.out);
+    d.download(c.lse);
+    EXPECT_EQ(std::memcmp(c.out.data(), eager.out.data(), size_t(c.out.storage_bytes())), 0) << "replay " << replay;
+    EXPECT_EQ(std::memcmp(c.lse.data(), eager.lse.data(), size_t(c.lse.storage_bytes())), 0) << "replay " << replay;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+#endif
 }
 
 TEST(CudaForward, StridedTensors) {
