@@ -420,9 +420,9 @@ DecodeArgs make_decode_args(const KvcacheParams& p, const DecodePlan& plan, void
 // T = max(1, kShortSequencePackedRows / G), capped by max_seqlen_q: G x T packed rows fill at most one m-block, so a
 // sequence streams its keys once per K/V head (G = 4: T = 4; G = 8: 2; G >= 16: 1). 0 (no route) unless the call is
 // paged and varlen, without dropout (the decode kernels have none), and its rows leave room for a short sequence:
-// total_q <= (B - 1) x max_seqlen_q + T (so a batch of equal prefill chunks pays no copies and launches for nothing:
-// with no sequence routed they cost the step of one 128-row chunk over 1k keys 53.0 -> 64.8 us on an H100,
-// 2026-12-06). Affects speed only.
+// total_q <= (B - 1) x max_seqlen_q + T, so that a batch of equal prefill chunks pays no copies and launches for
+// nothing (routing none, they made `flashattn step`'s split step, 8 decodes at 1k through fa_kvcache and one 128-token
+// chunk through this forward, 64.8 us instead of 53.0 on an H100, 2026-12-06). Affects speed only.
 constexpr int kShortSequencePackedRows = 16;  // every DECODE_TILES row of src/cuda/manifest.py has block_m 16
 int short_sequence_max_q(const AttentionParams& p);
 
