@@ -1024,12 +1024,13 @@ int command_step(int argc, char** argv) {
         "  --iters N            timed calls (default 20); --warmup N (default 2)\n"
         "  --check              out of mixed, grouped and split against the float64 reference backend (the mixed step on\n"
         "                       host copies); exit status 1 when a relative L2 error exceeds 1e-4 (float32) or 2e-2\n"
-        "  --keep-pool          CUDA: keep freed stream-ordered memory mapped (the default pool's release threshold\n"
-        "                       at its maximum, as a server would set it): the mixed step's fa_forward allocates its\n"
-        "                       scratch there, which the pool otherwise unmaps at each synchronisation\n"
+        "  --keep-pool          CUDA: the device's default memory pool keeps freed memory mapped (its release\n"
+        "                       threshold at its maximum, as a server would set it). The library's builds before\n"
+        "                       393d8b9 took the mixed step's fa_forward scratch from that pool, which otherwise unmaps\n"
+        "                       it at each synchronisation (an A/B against them); later builds use a pool of their own\n"
         "  --json FILE          also write the result as JSON\n"
-        "Reported: time per step (eager calls, launch included; the calls allocate only the CUDA mixed step's\n"
-        "stream-ordered scratch).\n";
+        "Reported: time per step (eager calls, launch included; the calls allocate only the CUDA paged forward's\n"
+        "stream-ordered scratch for its decode tokens).\n";
     std::fputs(h.c_str(), stdout);
     return 0;
   }
