@@ -15,9 +15,10 @@ mkdir -p .gpucarry
 # The static binaries share most of their bytes (every kernel, BLAS): xz -9's 64 MiB dictionary
 # stores them about once (4 binaries of ~54 MB: 5-6 MB), where -6 stored each (15 MB).
 bins=(tests/cpp/flashattn_tests bench/flashattn_cuda_bench bench/flashattn_decode_bench tools/flashattn)
-# Optional: the tuning harnesses (-DFLASHATTN_BUILD_TUNING=ON) and the serving example (run_gpu.sh's FA_EXAMPLES=1).
+# Optional: the tuning harnesses (-DFLASHATTN_BUILD_TUNING=ON), the serving example (run_gpu.sh's FA_EXAMPLES=1) and
+# tools/flashattn_main, a tool binary of another commit copied there by hand (the base of step_ab.sh's A/B).
 for extra in bench/flashattn_forward_tiles bench/flashattn_backward_tiles bench/flashattn_decode_tiles \
-             examples/continuous_batching; do
+             examples/continuous_batching tools/flashattn_main; do
   [[ -x "$build/$extra" ]] && bins+=("$extra")
 done
 # The binaries are ~90 MB each and mostly the same kernels: a dictionary larger than one binary lets xz store the

@@ -166,15 +166,14 @@ if [[ "${FA_STEP:-0}" == "1" && -x "$build/tools/flashattn" ]]; then
   note "== serving step: us per step (mixed = append + varlen forward; grouped = fa_kvcache per group; split = append +"
   note "   fa_kvcache over the decodes + varlen forward over the chunks); bf16, 32 / 8 heads, D = 128, page 16"
   n=0
-  for point in "--decode 8 --cache 1024 --prefill 1 --chunk 128 --check" "--decode 64 --cache 4096 --prefill 2 --chunk 512" \
-               "--decode 256 --cache 4096 --prefill 4 --chunk 256 --prefill-cache 1024" "--decode 128 --cache 8192 --prefill 0" \
-               "--decode 16 --cache 32768 --prefill 1 --chunk 1024 --prefill-cache 2048" "--decode 0 --prefill 4 --chunk 2048" \
-               "--decode 64 --cache 4096 --prefill 2 --chunk 512 --check"; do
+  # scripts/gpu/step_points.txt's points, then its first two again with --check (against the float64 reference)
+  mapfile -t step_points < "$here/scripts/gpu/step_points.txt"
+  for point in "${step_points[@]}" "${step_points[0]} --check" "${step_points[1]} --check"; do
     n=$((n + 1))
     # shellcheck disable=SC2086  # point: options, split on spaces
     timeout 120 "$build/tools/flashattn" step --backend cuda --iters 30 --warmup 5 --seed 7 $point \
         --json "$work/step_$n.json" > "$work/step_$n.log" 2>&1
-    note "  [$point] exit $?: $(grep -E '^(mixed|grouped|split):' "$work/step_$n.log" | awk '{printf "%s %s us  ", $1, $2}')"
+    note "  [$point] exit $?: $(grep -E '^(append|mixed|grouped|split):' "$work/step_$n.log" | awk '{printf "%s %s us  ", $1, $2}')"
     grep -E "^check" "$work/step_$n.log" | tee -a "$summary"
   done
 fi
