@@ -160,12 +160,12 @@ typedef struct fa_backward_args {
   int32_t max_seqlen_q, max_seqlen_k;
   fa_tensor workspace;          /* optional uint8, >= fa_backward_workspace_size() bytes, on the
                                    device of q; absent: the backend allocates and frees it itself
-                                   (CUDA: cudaMallocAsync / cudaFreeAsync on the call's stream, from
-                                   the device's current memory pool; with that pool's default
-                                   release threshold, 0, the memory goes back to the driver at each
-                                   synchronisation and the next call maps it again: about 0.15 ms
-                                   at 128 MiB on an H200. In a loop, pass a workspace or raise the
-                                   pool's cudaMemPoolAttrReleaseThreshold.) */
+                                   (CUDA: stream-ordered on the call's stream, capturable in a CUDA
+                                   graph, from a memory pool of the library's own that keeps up to
+                                   256 MiB mapped between calls; above that the rest goes back to
+                                   the driver at each synchronisation and the next call maps it
+                                   again, about 0.15 ms at 128 MiB on an H200: pass a workspace in
+                                   a loop of large calls) */
 } fa_backward_args;
 
 /* Attention of new queries against a KV cache, with an optional append of new keys/values. */
@@ -204,7 +204,8 @@ typedef struct fa_kvcache_args {
                                not allowed inside a CUDA graph capture). Zero: bad entries are never
                                read or written through, and their sequence gets NaN in out and lse.
                                Host tensors are always checked. */
-  fa_tensor workspace;      /* optional uint8, >= plan.workspace_bytes; absent: allocated inside */
+  fa_tensor workspace;      /* optional uint8, >= plan.workspace_bytes; absent: allocated inside
+                               (CUDA: stream-ordered, from the library's pool as fa_backward_args') */
   /* FP8 cache (k_cache / v_cache of dtype FA_FLOAT8_E4M3): per-tensor dequantisation scales,
      real = fp8 value * scale; required finite and > 0. The cache is read as stored (dequantised), and
      appended k_new / v_new rows (k_new after rotary) are quantised into it as

@@ -61,8 +61,12 @@ Status forward(const AttentionParams& p) {
   if (p.stats != nullptr) {
     p.stats->scratch_bytes_peak = routed.scratch_bytes;
     p.stats->num_splits = routed.num_splits;
-    std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s%s%s splits=%d (sequences of <= %d rows)",
-                  all_routed ? "" : entry.name, all_routed ? "" : " + ", routed.kernel, routed.num_splits, routed.max_q);
+    if (routed.in_place)
+      std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s splits=%d (every sequence %d rows, in place)",
+                    routed.kernel, routed.num_splits, p.seqlen_q);
+    else
+      std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s%s%s splits=%d (sequences of <= %d rows)",
+                    all_routed ? "" : entry.name, all_routed ? "" : " + ", routed.kernel, routed.num_splits, routed.max_q);
   }
   if (all_routed) return Status();
   AttentionParams rest = p;

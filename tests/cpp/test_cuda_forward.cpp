@@ -586,6 +586,56 @@ TEST(CudaForward, VarlenPagedShortSequencesTakeTheDecodeKernels) {
       }
 }
 
+// A decode step through the varlen call (vLLM's: every sequence S = max_seqlen_q <= T rows, a block table, seqused_k or
+// cu_seqlens_k for the key counts): one decode call in place on the forward's q / out / lse, no copies. S = 1 and
+// S = T, G = 1, 4 and 8, key counts 0, 1, fewer than S and up to 3000 (split-KV), seqused_k below cu_seqlens_k's counts,
+// causal, a window, softcap with ALiBi; outputs poisoned, every row against the float64 oracle; the kernel name says
+// the call ran in place.
+TEST(CudaForward, VarlenPagedDecodeStepRunsInPlace) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_varlen_paged_uniform");
+  struct Heads {
+    int hq, hk;
+  };
+  for (const Heads heads : {Heads{8, 8}, Heads{16, 4}, Heads{32, 4}})
+    for (bool one_row : {true, false})
+      for (bool seqused : {false, true}) {
+        const int group = heads.hq / heads.hk;
+        const int t = std::max(1, 16 / group);
+        const int rows = one_row ? 1 : t;
+        const std::vector<int> lengths_k = {3000, 1, 0, 700, 2, 129, 1500};
+        const std::vector<int> lengths_q(lengths_k.size(), rows);
+        const fa_dtype dtype = seqused ? FA_BFLOAT16 : FA_FLOAT16;
+        Call c = varlen_paged_call(rng, lengths_q, lengths_k, heads.hq, heads.hk, 128, 16, dtype, 2);
+        if (seqused) {  // fewer keys than cu_seqlens_k says for some sequences (a cache filled ahead of the step)
+          c.seqused_k = HostTensor({int(lengths_k.size())}, FA_INT32);
+          for (size_t b = 0; b < lengths_k.size(); ++b) c.seqused_k.set_int(int64_t(b), lengths_k[b] - (b % 3 == 0 ? lengths_k[b] / 3 : 0));
+        }
+        for (int variant = 0; variant < 3; ++variant) {
+          Call call = c;
+          call.options.causal = variant != 1 ? 1 : 0;
+          if (variant == 1) call.options.window_left = 100, call.options.window_right = 0;
+          if (variant == 2) {
+            call.options.softcap = 15.f;
+            call.alibi = HostTensor({heads.hq}, FA_FLOAT32);
+            call.alibi.fill_uniform(rng, 0.01, 0.3);
+          }
+          const std::string what = "Hq " + std::to_string(heads.hq) + " / Hk " + std::to_string(heads.hk) + ", " +
+                                   std::to_string(rows) + " rows each" + (seqused ? ", seqused_k" : "") +
+                                   (variant == 0 ? " causal" : variant == 1 ? " window (100, 0)" : " causal softcap alibi");
+          check_against_oracle(what, call);
+          fa_stats stats{};
+          Call again = call;
+          ASSERT_TRUE(run_gpu(again, &stats).ok()) << what;
+          const std::string kernel = stats.kernel;
+          EXPECT_NE(kernel.find("dec_"), std::string::npos) << what << " ran " << kernel;
+          EXPECT_NE(kernel.find("every sequence " + std::to_string(rows) + " rows, in place"), std::string::npos)
+              << what << " ran " << kernel;
+          EXPECT_EQ(kernel.find("fwd_"), std::string::npos) << what << " ran " << kernel;
+        }
+      }
+}
+
 // A bad block id in a short (routed) sequence's device block table: that sequence's rows are NaN, the others exact.
 TEST(CudaForward, VarlenPagedShortSequenceBadBlockIdGivesNan) {
   SKIP_WITHOUT_GPU();
@@ -624,47 +674,54 @@ TEST(CudaForward, VarlenPagedShortSequenceBadBlockIdGivesNan) {
   EXPECT_EQ(err.nan, 0);
 }
 
-// The routed call (gather, decode call, scatter, forward; its scratch from the library's pool) captures into a CUDA
-// graph on a stream of its own, and each replay writes the eager call's out and lse, bit for bit, over poisoned ones.
+// The routed call (gather, decode call, scatter, forward; its scratch from the library's pool) and the in-place decode
+// step (key counts, decode call) capture into a CUDA graph on a stream of their own, and each replay writes the eager
+// call's out and lse, bit for bit, over poisoned ones.
 TEST(CudaForward, VarlenPagedShortSequencesInACudaGraph) {
   SKIP_WITHOUT_GPU();
 #if defined(FLASHATTN_WITH_CUDA)
   auto rng = fa_test::make_rng("cuda_forward_varlen_paged_short_graph");
-  Call c = varlen_paged_call(rng, {1, 1, 37, 4, 1}, {3000, 200, 500, 900, 1}, 32, 8, 128, 16, FA_BFLOAT16, 1);
-  c.options.causal = 1;
-  Call eager = c;
-  fa_stats stats{};
-  ASSERT_TRUE(run_gpu(eager, &stats).ok());
-  ASSERT_NE(std::string(stats.kernel).find("dec_"), std::string::npos) << stats.kernel;
-  DeviceCall d(c);
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  fa_options o = d.options();
-  o.stream = stream;
-  ASSERT_TRUE(flashattn::forward(d.args(), o).ok());  // an eager call first: kernel attributes are set outside the capture
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  const Status s = flashattn::forward(d.args(), o);
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  ASSERT_TRUE(s.ok()) << s.to_string();
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  for (int replay = 0; replay < 2; ++replay) {
-    c.out.poison();
-    c.lse.poison();
-    d.upload_again(c.out);
-    d.upload_again(c.lse);
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  // The gather route beside the forward kernel, and a decode step in place (every sequence 1 row; key counts copied).
+  for (const std::vector<int>& lengths_q : {std::vector<int>{1, 1, 37, 4, 1}, std::vector<int>{1, 1, 1, 1, 1}}) {
+    const bool in_place = lengths_q[2] == 1;
+    SCOPED_TRACE(in_place ? "in place" : "gather route");
+    Call c = varlen_paged_call(rng, lengths_q, {3000, 200, 500, 900, 1}, 32, 8, 128, 16, FA_BFLOAT16, 1);
+    c.options.causal = 1;
+    Call eager = c;
+    fa_stats stats{};
+    ASSERT_TRUE(run_gpu(eager, &stats).ok());
+    ASSERT_NE(std::string(stats.kernel).find("dec_"), std::string::npos) << stats.kernel;
+    ASSERT_EQ(std::string(stats.kernel).find("in place") != std::string::npos, in_place) << stats.kernel;
+    DeviceCall d(c);
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    fa_options o = d.options();
+    o.stream = stream;
+    ASSERT_TRUE(flashattn::forward(d.args(), o).ok());  // an eager call first: kernel attributes are set outside the capture
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    d.download(c.out);
-    d.download(c.lse);
-    EXPECT_EQ(std::memcmp(c.out.data(), eager.out.data(), size_t(c.out.storage_bytes())), 0) << "replay " << replay;
-    EXPECT_EQ(std::memcmp(c.lse.data(), eager.lse.data(), size_t(c.lse.storage_bytes())), 0) << "replay " << replay;
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    const Status s = flashattn::forward(d.args(), o);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (int replay = 0; replay < 2; ++replay) {
+      c.out.poison();
+      c.lse.poison();
+      d.upload_again(c.out);
+      d.upload_again(c.lse);
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      d.download(c.out);
+      d.download(c.lse);
+      EXPECT_EQ(std::memcmp(c.out.data(), eager.out.data(), size_t(c.out.storage_bytes())), 0) << "replay " << replay;
+      EXPECT_EQ(std::memcmp(c.lse.data(), eager.lse.data(), size_t(c.lse.storage_bytes())), 0) << "replay " << replay;
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 #endif
 }
 

@@ -1027,4 +1027,42 @@ TEST(CudaKvcachePlan, ShortSequencesOfAPagedVarlenForward) {
   EXPECT_EQ(kv.cache_leftpad, nullptr);
   EXPECT_EQ(kv.routed_seqlen_q, 0);
   EXPECT_TRUE(decode::check_kvcache_support(kv).ok()) << decode::check_kvcache_support(kv).message();
+
+  // In place when every sequence has max_seqlen_q <= T rows (total_q = B x max_seqlen_q): the forward's own tensors.
+  flashattn::AttentionParams step = p;
+  step.seqlen_q = 2;
+  step.varlen_total_q = 6 * 2;
+  step.lse = lse;
+  step.lse_head_stride = 12;  // varlen lse (Hq, total_q)
+  step.lse_row_stride = 1;
+  step.seqused_k = index;
+  EXPECT_TRUE(decode::uniform_short_sequences(step, decode::short_sequence_max_q(step)));
+  flashattn::AttentionParams ragged = step;
+  ragged.varlen_total_q = 6 * 2 - 1;  // one sequence of 1 row, or 0
+  EXPECT_FALSE(decode::uniform_short_sequences(ragged, decode::short_sequence_max_q(ragged)));
+  EXPECT_FALSE(decode::uniform_short_sequences(p, decode::short_sequence_max_q(p)));  // 300 rows each: not short
+  EXPECT_FALSE(decode::uniform_short_sequences(step, 0));  // no route
+  const KvcacheParams in_place = decode::uniform_sequence_call(step, index);
+  EXPECT_EQ(in_place.q, p.q);
+  EXPECT_EQ(in_place.out, p.out);
+  EXPECT_EQ(in_place.lse, lse);
+  EXPECT_EQ(in_place.seqlen_q, 2);
+  EXPECT_EQ(in_place.q_row_stride, 3 * 32 * 128);  // the forward's strides, sequence b at row 2 b
+  EXPECT_EQ(in_place.q_head_stride, 128);
+  EXPECT_EQ(in_place.q_batch_stride, 2 * 3 * 32 * 128);
+  EXPECT_EQ(in_place.out_batch_stride, 2 * 3 * 32 * 128);
+  EXPECT_EQ(in_place.lse_row_stride, 1);
+  EXPECT_EQ(in_place.lse_head_stride, 12);
+  EXPECT_EQ(in_place.lse_batch_stride, 2);
+  EXPECT_EQ(in_place.cache_seqlens, index);
+  EXPECT_EQ(in_place.cu_seqlens_q, nullptr);
+  EXPECT_EQ(in_place.cu_seqlens_k, nullptr);
+  EXPECT_EQ(in_place.seqused_k, nullptr);
+  EXPECT_EQ(in_place.block_table, p.block_table);
+  EXPECT_EQ(in_place.window_left, 64);
+  EXPECT_EQ(in_place.softcap, 30.f);
+  EXPECT_EQ(in_place.k_new, nullptr);
+  EXPECT_EQ(in_place.num_splits, 0);
+  EXPECT_EQ(in_place.routed_seqlen_q, 0);
+  EXPECT_TRUE(decode::check_kvcache_support(in_place).ok()) << decode::check_kvcache_support(in_place).message();
 }

@@ -473,6 +473,8 @@ TEST(CudaKvcacheAppend, BadDeviceIndices) {
     int bad_sequence;
   };
   const std::vector<Breakage> breakages = {
+      {"cu_seqlens_new not from 0", "cu_seqlens_new: must start at 0, got 1",
+       [](AppendTensors& t) { t.cu_seqlens_new.set_int(0, 1); }, 0},
       {"cu_seqlens_new past k_new", "cu_seqlens_new: entries 3 and 4 = 19, 21 must be a run of k_new's 20 rows",
        [](AppendTensors& t) { t.cu_seqlens_new.set_int(4, 21); }, 3},
       {"too many rows for max_seqlen_new", "cu_seqlens_new: entries 2 and 3 = 3, 19",

@@ -560,15 +560,18 @@ def test_jax_kvcache_append_on_gpu(paged):
             run_on(gpus[0], bad, checked=True)
 
 
+@pytest.mark.parametrize("step", ["mixed", "decode"])
 @pytest.mark.parametrize("heads", [(32, 8), (8, 8)], ids=["gqa4", "mha"])
-def test_varlen_paged_forward_with_decode_rows_on_gpu(heads):
+def test_varlen_paged_forward_with_decode_rows_on_gpu(heads, step):
     """A serving step through flash_attn_varlen_func with block_table: decode tokens (routed to the decode kernels on
-    CUDA) beside prefill chunks (the forward kernel), against the CPU backend's result on the same inputs, and the
-    float64 oracle per sequence."""
+    CUDA) beside prefill chunks (the forward kernel), or decode tokens only (one decode call in place), against the CPU
+    backend's result on the same inputs, and the float64 oracle per sequence."""
     torch.manual_seed(5)
     hq, hk = heads
     d, block = 128, 16
     lengths_q, lengths_k = [1, 1, 40, 3, 1, 17, 4, 1], [3000, 700, 300, 3, 1, 900, 1200, 2]
+    if step == "decode":
+        lengths_q = [1] * len(lengths_q)
     b = len(lengths_q)
     max_blocks = max(lengths_k) // block + 1
     blocks = b * max_blocks + 2

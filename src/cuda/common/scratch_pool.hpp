@@ -1,5 +1,6 @@
-// Stream-ordered scratch for CUDA calls that take no workspace argument (the paged varlen forward's routed short
-// sequences, src/cuda/decode/kvcache.cpp). Allocated with cudaMallocFromPoolAsync from a memory pool of the library's
+// Stream-ordered scratch for CUDA calls without a workspace of the caller's (the paged varlen forward's routed short
+// sequences and fa_kvcache's split partials, src/cuda/decode/kvcache.cpp; the backward's workspace,
+// src/cuda/sm80/backward_launch.cuh). Allocated with cudaMallocFromPoolAsync from a memory pool of the library's
 // own per device, whose release threshold keeps up to kScratchPoolKeepBytes mapped across synchronisations. The
 // device's default pool releases everything at each synchronisation (threshold 0), so every call after one mapped its
 // scratch again: a serving step of 8 decodes beside one 128-token chunk took 207.8 us instead of 75.8 (H100, 2026-12-06,

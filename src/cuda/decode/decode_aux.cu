@@ -20,75 +20,155 @@ namespace flashattn::cuda::decode {
 namespace {
 
 constexpr int kAppendThreads = 256;
-constexpr int64_t kMaxAppendBlocks = 1 << 16;  // grid-stride beyond this (affects speed only)
+constexpr int kAppendRowsPerCta = 4;         // new rows of one sequence per append CTA (affects speed only)
+constexpr int kAppendUnroll = 2;             // chunks an append thread loads before it stores (affects speed only)
+constexpr unsigned kMaxAppendSequenceCtas = 65535;  // grid.y limit; CTAs loop over sequences beyond it
 constexpr int kGuardThreads = 128;
 
 // The new rows of sequence b: fa_kvcache's S_new rows of its batch entry of k_new, or fa_kvcache_append's n_b rows
-// from row cu_seqlens_new[b] of its (total_new, Hk, D) k_new (count -1 when those entries are out of range: nothing
-// is written for the sequence, and the checked mode's guard reports it).
+// from row cu_seqlens_new[b] of its (total_new, Hk, D) k_new (count -1 when those entries are out of range, or for
+// sequence 0 when cu_seqlens_new does not start at 0, the host rule: nothing is written for the sequence, and the
+// checked mode's guard reports it).
 struct NewRows {
   int count;
   int64_t first;
 };
 __device__ __forceinline__ NewRows new_rows_of(const KvcacheParams& p, const int32_t* cu_seqlens_new, int64_t total_new, int b) {
   if (cu_seqlens_new == nullptr) return NewRows{p.seqlen_new, 0};
-  return NewRows{appended_rows(cu_seqlens_new, total_new, p.seqlen_new, b), cu_seqlens_new[b]};
+  const int32_t first = cu_seqlens_new[b];
+  if (b == 0 && first != 0) return NewRows{-1, 0};
+  return NewRows{appended_rows(cu_seqlens_new, total_new, p.seqlen_new, b), first};
 }
 
-// ---- append: one thread per (sequence, new token, K/V head, pair of elements) ----
-// cu_seqlens_new (fa_kvcache_append) or null (fa_kvcache: S_new rows per sequence); t runs to p.seqlen_new, the
-// longest sequence's count, and stops at each sequence's own.
+// ---- append: CTAs of (up to kAppendRowsPerCta new rows, sequence); each thread moves 16-byte chunks (8 elements) of
+// the rows' K and V, kAppendUnroll chunks at a time ----
+// cu_seqlens_new (fa_kvcache_append) or null (fa_kvcache: S_new rows per sequence); the grid covers p.seqlen_new rows
+// per sequence, the longest sequence's count, and a CTA past its sequence's own count moves on at once. Each CTA
+// reads its sequence's count, cache length and key floor once; the items' indices are 32-bit divisions by per-call
+// constants. A thread first loads all of its chunks (K, V, block id: one round of memory latency), then stores them
+// (one chunk at a time, its stores could alias the next chunk's loads for the compiler: a round per chunk).
+// H100, 2026-12-06 (`flashattn step`, eager synchronised calls; the call alone costs ~11 us): until then one thread
+// per (sequence, row slot, head, pair of elements) of the whole batch x seqlen_new grid, 64-bit divisions, 2- and
+// 4-byte stores, took 118.6-121.4 us for 1088 rows (64 sequences of 1, 2 of 512) and 66.6 us for 4 x 2048; per
+// sequence, pairs one at a time: 30.5 and 49.9 us; pairs 8 at a time (122 registers): 33.3 and 86.2 us.
 // kFp8: the cache is float8 e4m3: each value x (k after rotary) is stored as e4m3(x / scale), the division in
 // float32 (__fdiv_rn: IEEE, as the CPU backends divide) and the rounding of core/fp8.hpp (nearest even,
 // saturating), so the bytes are the CPU backends' bytes.
+constexpr int kAppendChunk = 8;  // elements per chunk (16 bytes of a 16-bit row: D % 8 == 0, 16-byte aligned rows)
+
+struct AppendChunk {
+  int64_t k_row = -1, v_row = 0;  // cache element offsets of the chunk's K / V row (k_row -1: nothing to store)
+  int e0 = 0;                     // its first element in the row
+  int j = 0;                      // the row's position in the cache (also its rotary position)
+  int64_t k_src = 0;              // k_new element offset of the row (rotary reads the partners there)
+  uint4 k, v;                     // the 8 K and V elements as loaded
+};
+
+template <typename Element>
+__device__ __forceinline__ AppendChunk load_append_chunk(const DecodeArgs& args, const NewRows& rows, int b, int cached,
+                                                         int t_begin, int row_chunks, int item, int items) {
+  const KvcacheParams& p = args.p;
+  AppendChunk c;
+  if (item >= items) return c;
+  const int chunks = p.head_dim / kAppendChunk;
+  const int t = t_begin + item / row_chunks;
+  const int hk = (item % row_chunks) / chunks;
+  c.e0 = (item % chunks) * kAppendChunk;
+  c.j = cached + t;
+  // The sources first (always inside k_new / v_new: the sequence's count was checked), then the block id.
+  const int64_t src_row = rows.first + t;  // (fa_kvcache_append: batch strides 0)
+  c.k_src = b * p.k_new_batch_stride + src_row * p.k_new_row_stride + hk * p.k_new_head_stride;
+  const int64_t v_src = b * p.v_new_batch_stride + src_row * p.v_new_row_stride + hk * p.v_new_head_stride;
+  c.k = *reinterpret_cast<const uint4*>(static_cast<const Element*>(p.k_new) + c.k_src + c.e0);
+  c.v = *reinterpret_cast<const uint4*>(static_cast<const Element*>(p.v_new) + v_src + c.e0);
+  const int32_t id = p.block_table != nullptr ? page_id_of(args, b, c.j) : 0;
+  int64_t k_row = 0, v_row = 0;
+  if (cache_row_offsets(args, b, hk, c.j, id, &k_row, &v_row)) c.k_row = k_row, c.v_row = v_row;  // never through a bad id
+  return c;
+}
+
+// Element e of a K row at position j after rotary (core semantics: src/cpu/reference/reference.cpp), x = its value:
+// the pair (first, second) of rotary_pair becomes (first c - second s, first s + second c), each rounded once to
+// fp32 (the products of two 16-bit values are exact), as rotate_pair computes it.
+template <typename Element>
+__device__ __forceinline__ float rotated_key(const KvcacheParams& p, const Element* k_row, int j, int e, float x) {
+  const int half = p.rotary_dim / 2;
+  bool first;
+  int q, partner;
+  if (p.rotary_interleaved) {
+    first = e % 2 == 0, q = e / 2, partner = first ? e + 1 : e - 1;
+  } else {
+    first = e < half, q = first ? e : e - half, partner = first ? e + half : e - half;
+  }
+  const float c = float(static_cast<const Element*>(p.rotary_cos)[int64_t(j) * p.rotary_cos_row_stride + q]);
+  const float s = float(static_cast<const Element*>(p.rotary_sin)[int64_t(j) * p.rotary_sin_row_stride + q]);
+  const float y = float(k_row[partner]);
+  return first ? fmaf(x, c, -(y * s)) : fmaf(y, s, x * c);
+}
+
+template <typename Element, bool kFp8>
+__device__ __forceinline__ void store_append_chunk(const KvcacheParams& p, const AppendChunk& c) {
+  if (c.k_row < 0) return;
+  Element k[kAppendChunk];
+  memcpy(k, &c.k, sizeof(k));
+  const bool rotated = c.e0 < p.rotary_dim;  // (rotary_dim 0: none)
+  float x[kAppendChunk];
+#pragma unroll
+  for (int i = 0; i < kAppendChunk; ++i) x[i] = float(k[i]);  // (a 16-bit value survives the trip through float)
+  if (rotated) {
+    const Element* k_row = static_cast<const Element*>(p.k_new) + c.k_src;
+#pragma unroll
+    for (int i = 0; i < kAppendChunk; ++i)
+      if (c.e0 + i < p.rotary_dim) x[i] = rotated_key(p, k_row, c.j, c.e0 + i, x[i]);
+  }
+  if constexpr (kFp8) {
+    Element v[kAppendChunk];
+    memcpy(v, &c.v, sizeof(v));
+    uint8_t k_codes[kAppendChunk], v_codes[kAppendChunk];
+#pragma unroll
+    for (int i = 0; i < kAppendChunk; ++i) {
+      k_codes[i] = float_to_e4m3(__fdiv_rn(x[i], p.k_scale));
+      v_codes[i] = float_to_e4m3(__fdiv_rn(float(v[i]), p.v_scale));
+    }
+    // 8 aligned bytes: D % 16 == 0 and 16-byte aligned rows
+    uint2 k_bits, v_bits;
+    memcpy(&k_bits, k_codes, sizeof(k_bits));
+    memcpy(&v_bits, v_codes, sizeof(v_bits));
+    *reinterpret_cast<uint2*>(static_cast<uint8_t*>(const_cast<void*>(p.k)) + c.k_row + c.e0) = k_bits;
+    *reinterpret_cast<uint2*>(static_cast<uint8_t*>(const_cast<void*>(p.v)) + c.v_row + c.e0) = v_bits;
+  } else {
+    uint4 k_bits = c.k;  // copied bit for bit unless rotated
+    if (rotated) {
+#pragma unroll
+      for (int i = 0; i < kAppendChunk; ++i) k[i] = Element(x[i]);
+      memcpy(&k_bits, k, sizeof(k_bits));
+    }
+    *reinterpret_cast<uint4*>(static_cast<Element*>(const_cast<void*>(p.k)) + c.k_row + c.e0) = k_bits;
+    *reinterpret_cast<uint4*>(static_cast<Element*>(const_cast<void*>(p.v)) + c.v_row + c.e0) = c.v;
+  }
+}
+
 template <typename Element, bool kFp8>
 __global__ void __launch_bounds__(kAppendThreads) append_kernel(const __grid_constant__ DecodeArgs args,
                                                                  const int32_t* cu_seqlens_new, int64_t total_new) {
   const KvcacheParams& p = args.p;
   wait_for_previous_grids();  // programmatic dependent launch (sm_90): the caller's writes are visible from here
   allow_next_grid_launch();
-  const int pairs = p.head_dim / 2;
-  const int64_t total = int64_t(p.batch) * p.seqlen_new * p.heads_k * pairs;
-  Element* k_cache = static_cast<Element*>(const_cast<void*>(p.k));
-  Element* v_cache = static_cast<Element*>(const_cast<void*>(p.v));
-  const Element* k_new = static_cast<const Element*>(p.k_new);
-  const Element* v_new = static_cast<const Element*>(p.v_new);
-  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total; idx += int64_t(gridDim.x) * blockDim.x) {
-    const int q = int(idx % pairs);
-    int64_t rest = idx / pairs;
-    const int hk = int(rest % p.heads_k);
-    rest /= p.heads_k;
-    const int t = int(rest % p.seqlen_new);
-    const int b = int(rest / p.seqlen_new);
+  const int row_chunks = p.heads_k * (p.head_dim / kAppendChunk);  // (K/V head, chunk) items of one new row
+  const int t_begin = int(blockIdx.x) * kAppendRowsPerCta;
+  for (int b = int(blockIdx.y); b < p.batch; b += int(gridDim.y)) {  // (the branches below are uniform per CTA)
     const NewRows rows = new_rows_of(p, cu_seqlens_new, total_new, b);
-    if (t >= rows.count) continue;  // past this sequence's rows (or all of them: bad cu_seqlens_new entries)
+    if (t_begin >= rows.count) continue;  // past this sequence's rows (or all of them: bad cu_seqlens_new entries)
     const int cached = p.cache_seqlens[b];
     if (!cache_keys_ok(cached, key_floor_of(p, b), rows.count, p.seqlen_k)) continue;  // the attention kernel reports it (NaN)
-    const int j = cached + t;  // the new row's position, also its rotary position
-    const int32_t id = p.block_table != nullptr ? page_id_of(args, b, j) : 0;
-    int64_t k_row = 0, v_row = 0;
-    if (!cache_row_offsets(args, b, hk, j, id, &k_row, &v_row)) continue;  // never write through a bad block id
-    // K: the pair rotated (or copied: a 16-bit value survives the round trip through float exactly).
-    const int64_t src_row = rows.first + t;  // (fa_kvcache_append: batch strides 0)
-    const Element* k_src = k_new + b * p.k_new_batch_stride + src_row * p.k_new_row_stride + hk * p.k_new_head_stride;
-    const RotaryPair pair = rotary_pair(p, q);
-    float x0 = float(k_src[pair.first]), x1 = float(k_src[pair.second]);
-    if (pair.rotated) rotate_pair<Element>(p, j, q, &x0, &x1);
-    const Element* v_src = v_new + b * p.v_new_batch_stride + src_row * p.v_new_row_stride + hk * p.v_new_head_stride;
-    if constexpr (kFp8) {
-      uint8_t* k_codes = static_cast<uint8_t*>(const_cast<void*>(p.k));
-      uint8_t* v_codes = static_cast<uint8_t*>(const_cast<void*>(p.v));
-      k_codes[k_row + pair.first] = float_to_e4m3(__fdiv_rn(x0, p.k_scale));
-      k_codes[k_row + pair.second] = float_to_e4m3(__fdiv_rn(x1, p.k_scale));
-      // V: elements 2q, 2q + 1 (2 aligned bytes: D % 16 == 0 and 16-byte aligned rows)
-      const uint32_t v0 = float_to_e4m3(__fdiv_rn(float(v_src[2 * q]), p.v_scale));
-      const uint32_t v1 = float_to_e4m3(__fdiv_rn(float(v_src[2 * q + 1]), p.v_scale));
-      *reinterpret_cast<uint16_t*>(v_codes + v_row + 2 * q) = uint16_t(v0 | (v1 << 8));
-    } else {
-      k_cache[k_row + pair.first] = Element(x0);
-      k_cache[k_row + pair.second] = Element(x1);
-      // V: elements 2q, 2q + 1 copied bit for bit (4 aligned bytes: D % 8 == 0 and 16-byte aligned rows).
-      *reinterpret_cast<uint32_t*>(v_cache + v_row + 2 * q) = *reinterpret_cast<const uint32_t*>(v_src + 2 * q);
+    const int items = (min(rows.count, t_begin + kAppendRowsPerCta) - t_begin) * row_chunks;
+    for (int item0 = int(threadIdx.x); item0 < items; item0 += kAppendThreads * kAppendUnroll) {
+      AppendChunk c[kAppendUnroll];
+#pragma unroll
+      for (int u = 0; u < kAppendUnroll; ++u)
+        c[u] = load_append_chunk<Element>(args, rows, b, cached, t_begin, row_chunks, item0 + u * kAppendThreads, items);
+#pragma unroll
+      for (int u = 0; u < kAppendUnroll; ++u) store_append_chunk<Element, kFp8>(p, c[u]);
     }
   }
 }
@@ -254,9 +334,9 @@ __global__ void __launch_bounds__(kGuardThreads) guard_kernel(const __grid_const
 template <typename Element, bool kFp8>
 Status launch_append_typed(const DecodeArgs& args, cudaStream_t stream, const int32_t* cu_seqlens_new, int64_t total_new) {
   const KvcacheParams& p = args.p;
-  const int64_t total = int64_t(p.batch) * p.seqlen_new * p.heads_k * (p.head_dim / 2);
-  const int64_t blocks = std::min<int64_t>((total + kAppendThreads - 1) / kAppendThreads, kMaxAppendBlocks);
-  FA_CUDA_RETURN_IF_ERROR(launch_decode_kernel(&append_kernel<Element, kFp8>, dim3(unsigned(blocks)), dim3(kAppendThreads), 0, stream,
+  const dim3 grid(unsigned((p.seqlen_new + kAppendRowsPerCta - 1) / kAppendRowsPerCta),
+                  std::min(unsigned(p.batch), kMaxAppendSequenceCtas));
+  FA_CUDA_RETURN_IF_ERROR(launch_decode_kernel(&append_kernel<Element, kFp8>, grid, dim3(kAppendThreads), 0, stream,
                                                args.programmatic_launch != 0, 0u, 0, args, cu_seqlens_new, total_new));
   return Status();
 }

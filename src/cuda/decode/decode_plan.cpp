@@ -324,6 +324,25 @@ KvcacheParams short_sequence_call(const AttentionParams& p, int max_q, void* q, 
   return kv;  // no append, rotary, left padding or index checks; num_splits 0: planned
 }
 
+bool uniform_short_sequences(const AttentionParams& p, int max_q) {
+  return max_q > 0 && p.seqlen_q <= max_q && int64_t(p.varlen_total_q) == int64_t(p.batch) * p.seqlen_q;
+}
+
+KvcacheParams uniform_sequence_call(const AttentionParams& p, const int32_t* cache_seqlens) {
+  KvcacheParams kv{};
+  static_cast<AttentionParams&>(kv) = p;
+  kv.routed_seqlen_q = 0;
+  kv.q_batch_stride = p.seqlen_q * p.q_row_stride;  // varlen rows: sequence b's S rows start at row b x S
+  kv.out_batch_stride = p.seqlen_q * p.out_row_stride;
+  kv.lse_batch_stride = p.seqlen_q * p.lse_row_stride;  // varlen lse (Hq, total_q): the row stride steps a row
+  kv.cu_seqlens_q = nullptr;
+  kv.cu_seqlens_k = nullptr;
+  kv.seqused_k = nullptr;
+  kv.cache_seqlens = cache_seqlens;
+  kv.stats = nullptr;
+  return kv;  // no append, rotary, left padding or index checks; num_splits 0: planned
+}
+
 DecodeArgs make_decode_args(const KvcacheParams& p, const DecodePlan& plan, void* workspace) {
   DecodeArgs a{};
   a.p = p;

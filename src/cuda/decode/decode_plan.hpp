@@ -435,6 +435,15 @@ int short_sequence_max_q(const AttentionParams& p);
 KvcacheParams short_sequence_call(const AttentionParams& p, int max_q, void* q, void* out, float* lse,
                                   const int32_t* cache_seqlens);
 
+// Every sequence has the same count of rows S = max_seqlen_q <= max_q (total_q = B x S, none more than S): a decode
+// step of one token per sequence (vLLM's varlen call with a block table), or S speculative tokens each. Then the
+// forward's own q / out / lse are the decode call's dense (B, S, ...) tensors (sequence b's rows at b x S): no gather,
+// no scatter, and with seqused_k not even the key counts to copy (uniform_sequence_call).
+bool uniform_short_sequences(const AttentionParams& p, int max_q);
+// The decode call over such a step, in place: q, out and lse the forward's (batch strides S rows), cache_seqlens the key
+// counts (seqused_k, or a copy of cu_seqlens_k's differences), as short_sequence_call otherwise.
+KvcacheParams uniform_sequence_call(const AttentionParams& p, const int32_t* cache_seqlens);
+
 // Tests only (not part of the API): every later make_decode_args sets DecodeArgs::speculative_tiles to `mode` (0 off,
 // 1 on, 2 / 3 wrong guesses: decode_work.hpp) instead of kSpeculativeTiles; -1 restores the library's. A process-wide
 // switch, so that the oracle tests can run the kernels' wrong-guess paths through the public API.

@@ -93,6 +93,10 @@ Status check_indices(const DecodeArgs& args, cudaStream_t stream, const int32_t*
   int32_t new_entries[2] = {0, p.seqlen_new};  // fa_kvcache: S_new rows per sequence
   if (cu_seqlens_new != nullptr) {
     FA_CUDA_RETURN_IF_ERROR(cudaMemcpy(new_entries, cu_seqlens_new + b, sizeof(new_entries), cudaMemcpyDeviceToHost));
+    if (column == -2 && b == 0 && new_entries[0] != 0)  // (found by RandomCalls.AppendOnTheCudaBackend, 2026-12-06)
+      return error(FA_ERROR_INVALID_ARGUMENT,
+                   "cu_seqlens_new: must start at 0, got %d; checked on the device (check_indices), nothing was written",
+                   new_entries[0]);
     if (column == -2)
       return error(FA_ERROR_INVALID_ARGUMENT,
                    "cu_seqlens_new: entries %d and %d = %d, %d must be a run of k_new's %lld rows (0 <= first <= end <= "
@@ -160,19 +164,20 @@ Status run_kvcache(const KvcacheParams& p) {
   const auto stream = static_cast<cudaStream_t>(p.stream);
   if (p.check_indices) FA_RETURN_IF_ERROR(check_indices(make_decode_args(p, s.plan, nullptr), stream));
 
-  // Without a caller workspace the partials live in a stream-ordered allocation (capturable as graph
-  // nodes); with the planned workspace the call allocates nothing.
+  // Without a caller workspace the partials live in a stream-ordered allocation from the library's scratch pool
+  // (capturable as graph nodes; kept mapped between calls: scratch_pool.hpp); with the planned workspace the call
+  // allocates nothing.
   KvcacheParams run = p;
   run.num_splits = s.plan.num_splits;
   void* owned = nullptr;
   if (s.plan.workspace_bytes > 0 && p.workspace == nullptr) {
-    FA_CUDA_RETURN_IF_ERROR(cudaMallocAsync(&owned, size_t(s.plan.workspace_bytes), stream));
+    FA_RETURN_IF_ERROR(scratch_alloc(p.device_id, size_t(s.plan.workspace_bytes), stream, &owned));
     run.workspace = owned;
     run.workspace_bytes = s.plan.workspace_bytes;
   }
   const Status launched = launch(run, stream);
   if (owned != nullptr) {
-    const cudaError_t freed = cudaFreeAsync(owned, stream);
+    const cudaError_t freed = scratch_free(owned, stream);
     FA_RETURN_IF_ERROR(launched);
     FA_CUDA_RETURN_IF_ERROR(freed);
   }
@@ -204,10 +209,51 @@ Status run_kvcache_append(const KvcacheAppendParams& a) {
   return Status();
 }
 
+// Every sequence S rows (uniform_short_sequences): one decode call in place over the forward's q / out / lse, the key
+// counts seqused_k or copied into scratch by one small kernel. Sets routed->max_q = 0 when the decode kernels refuse
+// the call (the caller then tries the gather route).
+Status run_uniform_sequences(const AttentionParams& p, int max_q, ShortSequences* routed) {
+  const bool copy_counts = p.seqused_k == nullptr;
+  Selection s;
+  const Status selected = select(uniform_sequence_call(p, copy_counts ? nullptr : p.seqused_k), &s);
+  if (selected.code() == FA_ERROR_UNSUPPORTED || selected.code() == FA_ERROR_NOT_COMPILED) return Status();
+  FA_RETURN_IF_ERROR(selected);
+  const KvcacheLaunchFn launch = generated::kKernelLaunch[s.index].kvcache;
+  if (launch == nullptr) return error(FA_ERROR_INTERNAL, "kernel table row %s has no kvcache launcher", kernel_entry(s.index).name);
+  const int64_t counts_bytes = copy_counts ? (int64_t(p.batch) * 4 + 255) / 256 * 256 : 0;
+  const int64_t total = counts_bytes + s.plan.workspace_bytes;
+  const auto stream = static_cast<cudaStream_t>(p.stream);
+  void* scratch = nullptr;
+  if (total > 0) FA_RETURN_IF_ERROR(scratch_alloc(p.device_id, size_t(total), stream, &scratch));
+  char* base = static_cast<char*>(scratch);
+  int32_t* counts = copy_counts ? reinterpret_cast<int32_t*>(base) : nullptr;
+  KvcacheParams kv = uniform_sequence_call(p, copy_counts ? counts : p.seqused_k);
+  kv.num_splits = s.plan.num_splits;
+  kv.workspace = s.plan.workspace_bytes > 0 ? base + counts_bytes : nullptr;
+  kv.workspace_bytes = s.plan.workspace_bytes;
+  const Status launched = [&]() -> Status {
+    if (copy_counts) FA_RETURN_IF_ERROR(launch_sequence_key_counts(p, counts, stream));
+    return launch(kv, stream);
+  }();
+  const cudaError_t freed = scratch != nullptr ? scratch_free(scratch, stream) : cudaSuccess;
+  FA_RETURN_IF_ERROR(launched);
+  FA_CUDA_RETURN_IF_ERROR(freed);
+  routed->max_q = max_q;
+  routed->in_place = true;
+  routed->scratch_bytes = total;
+  routed->num_splits = s.plan.num_splits;
+  routed->kernel = kernel_entry(s.index).name;
+  return Status();
+}
+
 Status run_short_sequences(const AttentionParams& p, ShortSequences* routed) {
   *routed = ShortSequences{};
   const int max_q = short_sequence_max_q(p);
   if (max_q == 0) return Status();
+  if (uniform_short_sequences(p, max_q)) {
+    FA_RETURN_IF_ERROR(run_uniform_sequences(p, max_q, routed));
+    if (routed->max_q > 0) return Status();
+  }
   // The plan depends on the shapes only: planned with the forward's q / out standing in for the padded buffers (both
   // 16-byte aligned, as the padded rows are).
   Selection s;

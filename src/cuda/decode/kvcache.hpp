@@ -37,10 +37,12 @@ Status run_kvcache_append(const KvcacheAppendParams& params);
 // forward's stream: gather (their queries, left-padded to T rows, and key counts), the decode call (attention, combine),
 // scatter (their out and lse rows). The call's scratch (the padded rows and the split partials) is a stream-ordered
 // allocation from the library's pool (common/scratch_pool.hpp), freed on the stream after the scatter (capturable in a
-// CUDA graph). `routed.max_q` = 0 when nothing was
+// CUDA graph). When every sequence has max_seqlen_q <= T rows (a decode step), the decode call runs in place on the
+// forward's q / out / lse instead (decode_plan.hpp, uniform_short_sequences). `routed.max_q` = 0 when nothing was
 // routed (a call the rule or the decode kernels do not take: the forward kernel then computes every row).
 struct ShortSequences {
   int max_q = 0;                  // the sequences of 1 to max_q query rows were computed (the forward kernel skips them)
+  bool in_place = false;          // every sequence had max_seqlen_q rows: one decode call over the forward's tensors
   int64_t scratch_bytes = 0;      // the stream-ordered allocation
   int num_splits = 1;             // of the decode call
   const char* kernel = nullptr;   // its table row's name

@@ -75,6 +75,11 @@ __global__ void __launch_bounds__(kCopyThreads) scatter_kernel(const __grid_cons
   }
 }
 
+__global__ void __launch_bounds__(kCopyThreads) key_counts_kernel(const __grid_constant__ AttentionParams p, int32_t* key_counts) {
+  const int b = int(blockIdx.x) * kCopyThreads + int(threadIdx.x);
+  if (b < p.batch) key_counts[b] = sequence_extent(p, b).seqlen_k;
+}
+
 unsigned copy_blocks(int64_t chunks) {
   return unsigned(std::clamp<int64_t>((chunks + kCopyThreads - 1) / kCopyThreads, 1, kMaxCopyBlocks));
 }
@@ -85,6 +90,14 @@ Status launch_gather_short_sequences(const AttentionParams& p, const ShortSequen
   if (p.batch == 0 || rows.max_q == 0) return Status();
   const dim3 grid(copy_blocks(int64_t(rows.max_q) * p.heads_q * (p.head_dim / 8)), unsigned(p.batch));
   gather_kernel<<<grid, kCopyThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, rows);
+  FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status();
+}
+
+Status launch_sequence_key_counts(const AttentionParams& p, int32_t* key_counts, void* stream) {
+  if (p.batch == 0) return Status();
+  key_counts_kernel<<<unsigned((p.batch + kCopyThreads - 1) / kCopyThreads), kCopyThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      p, key_counts);
   FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status();
 }

@@ -21,6 +21,9 @@ struct ShortSequenceRows {
 
 // Fills cache_seqlens and q from the forward's cu_seqlens_q / cu_seqlens_k / seqused_k and q (`p`).
 Status launch_gather_short_sequences(const AttentionParams& p, const ShortSequenceRows& rows, void* stream);
+// Writes key_counts[b] = sequence b's key count (from cu_seqlens_k / seqused_k) for every b: the uniform route without
+// seqused_k (decode_plan.hpp, uniform_short_sequences).
+Status launch_sequence_key_counts(const AttentionParams& p, int32_t* key_counts, void* stream);
 // Copies the routed sequences' rows of the decode call's out (and lse) into the forward's out (and lse); writes nothing
 // else.
 Status launch_scatter_short_sequences(const AttentionParams& p, const ShortSequenceRows& rows, void* stream);

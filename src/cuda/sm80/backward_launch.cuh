@@ -2,9 +2,9 @@
 // preprocess -> main (-> main again for the tail split, backward_plan.hpp) -> postprocess (-> tail) on the
 // caller's stream. The CUDA-specific argument rules were checked by dispatch (src/cuda/dispatch.cpp,
 // check_backward_support); this function checks the workspace and the shared-memory limit, then launches.
-// Allocation: when params.workspace is null, the workspace (backward_plan.hpp, O(S)) is taken with
-// cudaMallocAsync on the stream and released with cudaFreeAsync after the last kernel (documented
-// behaviour); otherwise nothing is allocated.
+// Allocation: when params.workspace is null, the workspace (backward_plan.hpp, O(S)) is taken from the library's
+// scratch pool on the stream (scratch_pool.hpp: stream-ordered, kept mapped between calls up to its threshold) and
+// released after the last kernel (documented behaviour); otherwise nothing is allocated.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -15,6 +15,7 @@
 
 #include "core/status.hpp"
 #include "cuda/common/check.hpp"
+#include "cuda/common/scratch_pool.hpp"
 #include "cuda/sm80/backward_kernel.cuh"
 
 namespace flashattn::cuda {
@@ -61,7 +62,7 @@ Status launch_backward_sm80(const BackwardParams& params, cudaStream_t stream) {
     FA_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, main_kernel, T::kThreads, T::kSmemBytes));
 
   const bool owned = base == nullptr && layout.total_bytes > 0;
-  if (owned) FA_CUDA_RETURN_IF_ERROR(cudaMallocAsync(&base, size_t(layout.total_bytes), stream));
+  if (owned) FA_RETURN_IF_ERROR(scratch_alloc(p.device_id, size_t(layout.total_bytes), stream, &base));
   char* bytes = static_cast<char*>(base);
   sm80::bwd::BackwardWorkspacePointers ws;
   ws.dq_accum = reinterpret_cast<float*>(bytes + layout.dq_accum_offset);
@@ -123,7 +124,7 @@ Status launch_backward_sm80(const BackwardParams& params, cudaStream_t stream) {
     sm80::bwd::backward_postprocess_kernel<Element><<<grid, kPrePostThreads, 0, stream>>>(p, ws, T::kHeadDim);
     check(cudaGetLastError());
   }
-  if (owned) check(cudaFreeAsync(base, stream));
+  if (owned) check(scratch_free(base, stream));
   FA_CUDA_RETURN_IF_ERROR(status);
 
   if (p.stats != nullptr) {
