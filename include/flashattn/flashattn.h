@@ -149,7 +149,9 @@ typedef struct fa_forward_args {
                             a K/V head once for its query heads and split long key ranges, the others in the forward
                             kernel; the call then holds a stream-ordered scratch for the former's padded rows and
                             split partials (fa_stats.scratch_bytes_peak), from a memory pool of the library's own that
-                            keeps up to 256 MiB mapped between calls (capturable in a CUDA graph) */
+                            keeps up to 256 MiB mapped between calls (capturable in a CUDA graph). When every sequence
+                            has max_seqlen_q such rows (total_q = B x max_seqlen_q: a decode step), one decode call
+                            runs on q / out / lse themselves (key counts from seqused_k in place, else copied) */
 } fa_forward_args;
 
 typedef struct fa_backward_args {

@@ -300,9 +300,9 @@ class _EagerVarlenAttention(torch.autograd.Function):
     """Autograd of the eager varlen path; mirrors _varlen_setup_context / _varlen_backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
-                rng_state, *options):
-        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes,
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k,
+                alibi_slopes, rng_state, *options):
+        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k, alibi_slopes,
                   rng_state) + options
         output = _varlen_fwd_impl(*inputs)
         _varlen_setup_context(ctx, inputs, output)
@@ -344,6 +344,7 @@ def _varlen_fwd_impl(
     max_seqlen_q: int,
     max_seqlen_k: int,
     block_table: Optional[Tensor],
+    seqused_k: Optional[Tensor],
     alibi_slopes: Optional[Tensor],
     rng_state: Optional[Tensor],
     softmax_scale: float,
@@ -360,7 +361,7 @@ def _varlen_fwd_impl(
     lse = _empty(lse_shape, q, torch.float32)
     seed, offset = _seed_offset(rng_state)
     _ext.forward(_dl(q), _dl(k), _dl(v), _dl(out), _dl(lse), _dl(cu_seqlens_q), _dl(cu_seqlens_k), max_seqlen_q,
-                 max_seqlen_k, None, _dl(block_table), _dl(alibi_slopes), softmax_scale, causal, window_left,
+                 max_seqlen_k, _dl(seqused_k), _dl(block_table), _dl(alibi_slopes), softmax_scale, causal, window_left,
                  window_right, softcap, dropout_p, seed, offset, backend, 0, _stream(q))
     return out, lse
 
@@ -369,7 +370,7 @@ _varlen_fwd = torch.library.custom_op("flashattn::varlen_fwd", _varlen_fwd_impl,
 
 
 @_varlen_fwd.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state,
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k, alibi_slopes, rng_state,
       softmax_scale, causal, window_left, window_right, softcap, dropout_p, deterministic, backend):
     out_shape, lse_shape = _varlen_out_shapes(q, v)
     return q.new_empty(out_shape), q.new_empty(lse_shape, dtype=torch.float32)
@@ -419,12 +420,13 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 
 def _varlen_setup_context(ctx, inputs, output):
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, alibi_slopes, rng_state,
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table, seqused_k, alibi_slopes, rng_state,
      *options) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
     ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
     ctx.paged = block_table is not None
+    ctx.seqused = seqused_k is not None
     ctx.options = options
     ctx.mark_non_differentiable(lse)
 
@@ -432,10 +434,12 @@ def _varlen_setup_context(ctx, inputs, output):
 def _varlen_backward(ctx, dout, dlse, bwd=None):
     if ctx.paged:
         raise UnsupportedError("block_table: paged K/V has no backward pass (as in flash_attn)")
+    if ctx.seqused:
+        raise UnsupportedError("seqused_k: the backward pass takes every key of cu_seqlens_k (forward only)")
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = ctx.saved_tensors
     dq, dk, dv = (bwd or _varlen_bwd)(_last_dim_contiguous(dout), q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                              *ctx.max_seqlens, alibi_slopes, rng_state, *ctx.options)
-    return (dq, dk, dv) + (None,) * (7 + len(ctx.options))
+    return (dq, dk, dv) + (None,) * (8 + len(ctx.options))
 
 
 _varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
@@ -615,11 +619,11 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                       causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table,
-                      backend):
+                      backend, seqused_k=None):
     left, right = _window(window_size)
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     out, lse = _run_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), block_table,
-                           alibi_slopes, _new_rng_state(dropout_p), _scale(softmax_scale), bool(causal), left, right,
+                           seqused_k, alibi_slopes, _new_rng_state(dropout_p), _scale(softmax_scale), bool(causal), left, right,
                            float(softcap), float(dropout_p), bool(deterministic), backend_id(backend))
     return (out, lse, None) if return_attn_probs else out
 
@@ -710,15 +714,19 @@ def flash_attn_varlen_func(
     return_attn_probs=False,
     block_table=None,
     *,
+    seqused_k=None,
     backend=None,
 ):
     """Variable-length attention: q (total_q, Hq, D), k/v (total_k, Hk, D) with cu_seqlens_q/k
     (B+1) int32 prefix sums; masks are aligned per sequence. With block_table (B, max_blocks)
-    int32, k/v are paged caches (num_blocks, block_size, Hk, D) (forward only). With
-    return_attn_probs, returns (out, softmax_lse (Hq, total_q) float32, None)."""
+    int32, k/v are paged caches (num_blocks, block_size, Hk, D) (forward only). seqused_k (B)
+    int32 (keyword, forward only, as vLLM's flash_attn_varlen_func): sequence b attends to its
+    first seqused_k[b] keys only (the mask aligns to that count); on CUDA a paged decode step
+    with it reads the counts in place. With return_attn_probs, returns (out, softmax_lse
+    (Hq, total_q) float32, None)."""
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                              softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                             return_attn_probs, block_table, backend)
+                             return_attn_probs, block_table, backend, seqused_k)
 
 
 def flash_attn_varlen_qkvpacked_func(

@@ -560,18 +560,21 @@ def test_jax_kvcache_append_on_gpu(paged):
             run_on(gpus[0], bad, checked=True)
 
 
-@pytest.mark.parametrize("step", ["mixed", "decode"])
+@pytest.mark.parametrize("step", ["mixed", "decode", "decode_seqused"])
 @pytest.mark.parametrize("heads", [(32, 8), (8, 8)], ids=["gqa4", "mha"])
 def test_varlen_paged_forward_with_decode_rows_on_gpu(heads, step):
     """A serving step through flash_attn_varlen_func with block_table: decode tokens (routed to the decode kernels on
-    CUDA) beside prefill chunks (the forward kernel), or decode tokens only (one decode call in place), against the CPU
-    backend's result on the same inputs, and the float64 oracle per sequence."""
+    CUDA) beside prefill chunks (the forward kernel), or decode tokens only (one decode call in place; with seqused_k
+    below cu_seqlens_k's counts, as vLLM passes them), against the CPU backend's result on the same inputs, and the
+    float64 oracle per sequence."""
     torch.manual_seed(5)
     hq, hk = heads
     d, block = 128, 16
     lengths_q, lengths_k = [1, 1, 40, 3, 1, 17, 4, 1], [3000, 700, 300, 3, 1, 900, 1200, 2]
-    if step == "decode":
+    if step != "mixed":
         lengths_q = [1] * len(lengths_q)
+    used = [n - n // 3 if s % 2 == 0 else n for s, n in enumerate(lengths_k)] if step == "decode_seqused" else lengths_k
+    seqused = torch.tensor(used, dtype=torch.int32) if step == "decode_seqused" else None
     b = len(lengths_q)
     max_blocks = max(lengths_k) // block + 1
     blocks = b * max_blocks + 2
@@ -583,18 +586,19 @@ def test_varlen_paged_forward_with_decode_rows_on_gpu(heads, step):
     cu_k = torch.tensor([0] + list(np.cumsum(lengths_k)), dtype=torch.int32)
     args = (max(lengths_q), max(lengths_k))
     out_cpu, lse_cpu, _ = fat.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, *args, causal=True,
-                                                     return_attn_probs=True, block_table=table)
+                                                     return_attn_probs=True, block_table=table, seqused_k=seqused)
     out, lse, _ = fat.flash_attn_varlen_func(q.cuda(), k_cache.cuda(), v_cache.cuda(), cu_q.cuda(), cu_k.cuda(), *args,
-                                             causal=True, return_attn_probs=True, block_table=table.cuda())
+                                             causal=True, return_attn_probs=True, block_table=table.cuda(),
+                                             seqused_k=seqused.cuda() if seqused is not None else None)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     assert rel_l2(out.cpu().double().numpy(), out_cpu.double().numpy()) < 2e-2
     assert (lse.cpu() - lse_cpu).abs().max().item() < 2e-2
     for s in range(b):  # each sequence against the float64 oracle over its own keys
         rows = slice(int(cu_q[s]), int(cu_q[s + 1]))
-        ids = table[s, : (lengths_k[s] + block - 1) // block].long()
-        keys = k_cache[ids].reshape(-1, hk, d)[: lengths_k[s]]
-        values = v_cache[ids].reshape(-1, hk, d)[: lengths_k[s]]
+        ids = table[s, : (used[s] + block - 1) // block].long()
+        keys = k_cache[ids].reshape(-1, hk, d)[: used[s]]
+        values = v_cache[ids].reshape(-1, hk, d)[: used[s]]
         exact = sdpa(q[rows].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), causal=True, dtype=torch.float64)
         naive = sdpa(q[rows].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), causal=True)
-        check(out[rows].cpu().unsqueeze(0), exact, naive, f"sequence {s} ({lengths_q[s]} rows, {lengths_k[s]} keys)")
+        check(out[rows].cpu().unsqueeze(0), exact, naive, f"sequence {s} ({lengths_q[s]} rows, {used[s]} keys)")

@@ -297,6 +297,45 @@ def test_varlen_paged_forward(rng):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_varlen_paged_decode_step_with_seqused_k(rng, backend):
+    """vLLM's decode step: one query per sequence, a block table, seqused_k below cu_seqlens_k's counts (keys 0 and 1
+    among them); each sequence against the float64 oracle over its first seqused_k[b] keys. The gradient is refused."""
+    used, lengths_k = [5, 37, 0, 1, 30], [9, 40, 3, 1, 30]
+    hq, hk, d, block, max_blocks = 4, 2, 32, 16, 3
+    b = len(used)
+    num_blocks = b * max_blocks + 1
+    k_cache = randn(rng, (num_blocks, block, hk, d), torch.float32)
+    v_cache = randn(rng, (num_blocks, block, hk, d), torch.float32)
+    table = torch.tensor(rng.permutation(num_blocks)[: b * max_blocks].reshape(b, max_blocks), dtype=torch.int32)
+    q = randn(rng, (b, hq, d), torch.float32)
+    cu_q = torch.arange(b + 1, dtype=torch.int32)
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lengths_k)]), dtype=torch.int32)
+    seqused = torch.tensor(used, dtype=torch.int32)
+    out, lse, _ = fat.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 1, max(lengths_k), causal=True,
+                                             return_attn_probs=True, block_table=table, seqused_k=seqused,
+                                             backend=backend)
+    for s, n in enumerate(used):
+        rows = torch.cat([k_cache[table[s, c]] for c in range(max_blocks)])[:n]
+        vrows = torch.cat([v_cache[table[s, c]] for c in range(max_blocks)])[:n]
+        if n == 0:  # no key: out 0, lse -inf
+            assert torch.all(out[s] == 0) and torch.all(lse[:, s] == -np.inf), f"sequence {s}"
+            continue
+        expected, _ = attention(q[s:s + 1][None].double().numpy(), rows[None].double().numpy(),
+                                vrows[None].double().numpy(), causal=True)
+        assert_close(out[s:s + 1][None], expected, torch.float32, what=f"sequence {s} ({n} keys)")
+    q.requires_grad_()
+    grad_out = fat.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 1, max(lengths_k), block_table=table,
+                                          seqused_k=seqused, backend=backend)
+    with pytest.raises(flashattn.UnsupportedError, match="block_table: paged K/V has no backward pass"):
+        grad_out.sum().backward()
+    k = randn(rng, (sum(lengths_k), hk, d), torch.float32).requires_grad_()
+    dense_out = fat.flash_attn_varlen_func(q, k, k.detach().clone(), cu_q, cu_k, 1, max(lengths_k), seqused_k=seqused,
+                                           backend=backend)
+    with pytest.raises(flashattn.UnsupportedError, match="seqused_k: the backward pass takes every key"):
+        dense_out.sum().backward()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("rotary_interleaved", [False, True], ids=["neox", "interleaved"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -661,7 +700,7 @@ def test_custom_ops_pass_opcheck(rng):
                                      0.0, True, -1, 0, 0.0, 0.0, False, ref))
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
     torch.library.opcheck(fat._varlen_fwd, (q[0], k[0], v[0], cu, torch.tensor([0, 5, 11], dtype=torch.int32), 5, 6,
-                                            None, None, None, 0.0, True, -1, 0, 0.0, 0.0, False, ref))
+                                            None, None, None, None, 0.0, True, -1, 0, 0.0, 0.0, False, ref))
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
