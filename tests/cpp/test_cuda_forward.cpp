@@ -536,6 +536,18 @@ TEST(CudaForward, VarlenQueriesOverPagedKv) {
 // poisoned: lengths 0, 1, T, T + 1 and a chunk beside long caches (split-KV), key counts below the query count (rows
 // with no key), G = 1, 4, 8 and 32, block sizes 16 and 5, causal or not, a window, softcap with ALiBi, and a call whose
 // sequences are all short (the forward kernel does not run). The kernel name says which kernels ran.
+// check_against_oracle, then the call once more for its fa_stats, which must name a decode kernel.
+fa_stats checked_stats(const std::string& what, const Call& call) {
+  Call checked = call;
+  check_against_oracle(what, checked);
+  fa_stats stats{};
+  Call again = call;
+  const Status s = run_gpu(again, &stats);
+  EXPECT_TRUE(s.ok()) << what << ": " << s.to_string();
+  EXPECT_NE(std::string(stats.kernel).find("dec_"), std::string::npos) << what << " ran " << stats.kernel;
+  return stats;
+}
+
 TEST(CudaForward, VarlenPagedShortSequencesTakeTheDecodeKernels) {
   SKIP_WITHOUT_GPU();
   auto rng = fa_test::make_rng("cuda_forward_varlen_paged_short");
@@ -573,12 +585,8 @@ TEST(CudaForward, VarlenPagedShortSequencesTakeTheDecodeKernels) {
           }
           const std::string what = "Hq " + std::to_string(heads.hq) + " / Hk " + std::to_string(heads.hk) + " block_size " +
                                    std::to_string(block_size) + (all_short ? " all short" : "") + variant.name;
-          check_against_oracle(what, call);
-          fa_stats stats{};
-          Call again = call;
-          ASSERT_TRUE(run_gpu(again, &stats).ok()) << what;
+          const fa_stats stats = checked_stats(what, call);
           const std::string kernel = stats.kernel;
-          EXPECT_NE(kernel.find("dec_"), std::string::npos) << what << " ran " << kernel;
           EXPECT_NE(kernel.find("<= " + std::to_string(t) + " rows"), std::string::npos) << what << " ran " << kernel;
           EXPECT_EQ(kernel.find("fwd_") == std::string::npos, all_short) << what << " ran " << kernel;
           EXPECT_GT(stats.scratch_bytes_peak, 0) << what;
@@ -623,12 +631,7 @@ TEST(CudaForward, VarlenPagedDecodeStepRunsInPlace) {
           const std::string what = "Hq " + std::to_string(heads.hq) + " / Hk " + std::to_string(heads.hk) + ", " +
                                    std::to_string(rows) + " rows each" + (seqused ? ", seqused_k" : "") +
                                    (variant == 0 ? " causal" : variant == 1 ? " window (100, 0)" : " causal softcap alibi");
-          check_against_oracle(what, call);
-          fa_stats stats{};
-          Call again = call;
-          ASSERT_TRUE(run_gpu(again, &stats).ok()) << what;
-          const std::string kernel = stats.kernel;
-          EXPECT_NE(kernel.find("dec_"), std::string::npos) << what << " ran " << kernel;
+          const std::string kernel = checked_stats(what, call).kernel;
           EXPECT_NE(kernel.find("every sequence " + std::to_string(rows) + " rows, in place"), std::string::npos)
               << what << " ran " << kernel;
           EXPECT_EQ(kernel.find("fwd_"), std::string::npos) << what << " ran " << kernel;

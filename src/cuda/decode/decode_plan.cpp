@@ -298,11 +298,25 @@ int short_sequence_max_q(const AttentionParams& p) {
   return max_q;
 }
 
-KvcacheParams short_sequence_call(const AttentionParams& p, int max_q, void* q, void* out, float* lse,
-                                  const int32_t* cache_seqlens) {
+namespace {
+// The forward's cache, heads, scale, mask, softcap, ALiBi and stream as a fa_kvcache-shaped call over `cache_seqlens`
+// key counts: no varlen indices, no append, rotary, left padding or index checks; num_splits 0 (planned).
+KvcacheParams decode_call_of(const AttentionParams& p, const int32_t* cache_seqlens) {
   KvcacheParams kv{};
   static_cast<AttentionParams&>(kv) = p;
   kv.routed_seqlen_q = 0;
+  kv.cu_seqlens_q = nullptr;
+  kv.cu_seqlens_k = nullptr;
+  kv.seqused_k = nullptr;
+  kv.cache_seqlens = cache_seqlens;
+  kv.stats = nullptr;
+  return kv;
+}
+}  // namespace
+
+KvcacheParams short_sequence_call(const AttentionParams& p, int max_q, void* q, void* out, float* lse,
+                                  const int32_t* cache_seqlens) {
+  KvcacheParams kv = decode_call_of(p, cache_seqlens);
   kv.seqlen_q = max_q;
   kv.q = q;
   kv.q_head_stride = p.head_dim;
@@ -316,12 +330,7 @@ KvcacheParams short_sequence_call(const AttentionParams& p, int max_q, void* q, 
   kv.lse_row_stride = 1;
   kv.lse_head_stride = max_q;
   kv.lse_batch_stride = int64_t(p.heads_q) * max_q;
-  kv.cu_seqlens_q = nullptr;
-  kv.cu_seqlens_k = nullptr;
-  kv.seqused_k = nullptr;
-  kv.cache_seqlens = cache_seqlens;
-  kv.stats = nullptr;
-  return kv;  // no append, rotary, left padding or index checks; num_splits 0: planned
+  return kv;
 }
 
 bool uniform_short_sequences(const AttentionParams& p, int max_q) {
@@ -329,18 +338,11 @@ bool uniform_short_sequences(const AttentionParams& p, int max_q) {
 }
 
 KvcacheParams uniform_sequence_call(const AttentionParams& p, const int32_t* cache_seqlens) {
-  KvcacheParams kv{};
-  static_cast<AttentionParams&>(kv) = p;
-  kv.routed_seqlen_q = 0;
+  KvcacheParams kv = decode_call_of(p, cache_seqlens);
   kv.q_batch_stride = p.seqlen_q * p.q_row_stride;  // varlen rows: sequence b's S rows start at row b x S
   kv.out_batch_stride = p.seqlen_q * p.out_row_stride;
   kv.lse_batch_stride = p.seqlen_q * p.lse_row_stride;  // varlen lse (Hq, total_q): the row stride steps a row
-  kv.cu_seqlens_q = nullptr;
-  kv.cu_seqlens_k = nullptr;
-  kv.seqused_k = nullptr;
-  kv.cache_seqlens = cache_seqlens;
-  kv.stats = nullptr;
-  return kv;  // no append, rotary, left padding or index checks; num_splits 0: planned
+  return kv;
 }
 
 DecodeArgs make_decode_args(const KvcacheParams& p, const DecodePlan& plan, void* workspace) {
