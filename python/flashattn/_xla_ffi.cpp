@@ -20,6 +20,10 @@
 //   kvcache_append_only  k_cache, v_cache, k_new, v_new (total_new, Hk, D), cache_seqlens (B) s32, block_table
 //            (B, max_blocks) s32 or a (0,) placeholder, cu_seqlens_new (B + 1) s32 -> k_cache, v_cache (aliased as
 //            above): fa_kvcache_append, the rows written without attending. No vmap.
+//   varlen_forward  q (total_q, Hq, D), k, v (total_k, Hk, D / Dv) or paged (num_blocks, block_size, Hk, D / Dv),
+//            cu_seqlens_q, cu_seqlens_k (B + 1) s32, seqused_k (B) s32, block_table (B, max_blocks) s32,
+//            alibi_slopes (Hq) or (B, Hq) f32 -> out (total_q, Hq, Dv), lse (Hq, total_q) f32: fa_forward with varlen
+//            sequences (forward only, no dropout). Optional operands as above. No vmap.
 //
 // jax.vmap: flashattn.jax calls these with vmap_method="expand_dims", so under vmap every operand
 // gains leading "vmap" dimensions, each either the full vmapped extent or 1 (not mapped: read by
@@ -483,6 +487,68 @@ ffi::Error kvcache_append_only_cuda(void* stream, int32_t device_ordinal, ffi::A
 }
 #endif
 
+// ---- varlen forward (a continuous-batching step over a paged cache, or packed sequences) ----
+struct VarlenAttrs {
+  float softmax_scale;
+  int32_t causal, window_left, window_right;
+  float softcap;
+  int32_t max_seqlen_q, max_seqlen_k, has_seqused_k, has_block_table, has_alibi, backend;
+};
+
+ffi::Error varlen_forward(fa_device_kind device, void* stream, int device_id, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                          ffi::AnyBuffer v, ffi::AnyBuffer cu_seqlens_q, ffi::AnyBuffer cu_seqlens_k,
+                          ffi::AnyBuffer seqused_k, ffi::AnyBuffer block_table, ffi::AnyBuffer alibi_slopes,
+                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, const VarlenAttrs& a) {
+  try {
+    auto whole = [&](const char* name, const ffi::AnyBuffer& b) { return whole_view(name, b.untyped_data(), b, device, device_id); };
+    auto result = [&](const char* name, ffi::Result<ffi::AnyBuffer>& b) {
+      return view_at(operand(name, b, int(b->dimensions().size())), {}, device, device_id);
+    };
+    fa_forward_args args;
+    std::memset(&args, 0, sizeof(args));
+    args.q = whole("q", q);
+    args.k = whole("k", k);
+    args.v = whole("v", v);
+    args.out = result("out", out);
+    args.lse = result("lse", lse);
+    args.cu_seqlens_q = whole("cu_seqlens_q", cu_seqlens_q);
+    args.cu_seqlens_k = whole("cu_seqlens_k", cu_seqlens_k);
+    args.max_seqlen_q = a.max_seqlen_q;
+    args.max_seqlen_k = a.max_seqlen_k;
+    if (a.has_seqused_k) args.seqused_k = whole("seqused_k", seqused_k);
+    if (a.has_block_table) args.block_table = whole("block_table", block_table);
+    fa_tensor slopes;
+    std::memset(&slopes, 0, sizeof(slopes));
+    if (a.has_alibi) slopes = whole("alibi_slopes", alibi_slopes);
+    const fa_options options = to_fa_options(score_options(a, stream), slopes, nullptr);
+    fa_error error{};
+    check(fa_forward(&args, &options, &error), error);
+  } catch (const CallError& e) {
+    return to_ffi_error(e);
+  }
+  return ffi::Error::Success();
+}
+
+// The varlen handlers' operand and attribute parameters, in FA_FFI_VARLEN_FORWARD_OPERANDS' / _ATTRS' order.
+#define FA_VARLEN_PARAMS                                                                                            \
+  ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer cu_seqlens_q, ffi::AnyBuffer cu_seqlens_k,  \
+      ffi::AnyBuffer seqused_k, ffi::AnyBuffer block_table, ffi::AnyBuffer alibi, ffi::Result<ffi::AnyBuffer> out,  \
+      ffi::Result<ffi::AnyBuffer> lse, float softmax_scale, int32_t causal, int32_t window_left,                    \
+      int32_t window_right, float softcap, int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t has_seqused_k,       \
+      int32_t has_block_table, int32_t has_alibi, int32_t backend
+#define FA_VARLEN_VALUES                                                                                            \
+  q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi, out, lse,                                     \
+      VarlenAttrs{softmax_scale, causal,         window_left,     window_right, softcap, max_seqlen_q,             \
+                  max_seqlen_k,  has_seqused_k,  has_block_table, has_alibi,    backend}
+
+ffi::Error varlen_forward_cpu(FA_VARLEN_PARAMS) { return varlen_forward(FA_DEVICE_CPU, nullptr, 0, FA_VARLEN_VALUES); }
+
+#if defined(FLASHATTN_WITH_CUDA)
+ffi::Error varlen_forward_cuda(void* stream, int32_t device_ordinal, FA_VARLEN_PARAMS) {
+  return varlen_forward(FA_DEVICE_CUDA, stream, device_ordinal, FA_VARLEN_VALUES);
+}
+#endif
+
 ffi::Error kvcache_read_cpu(ffi::AnyBuffer q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::AnyBuffer cache_seqlens,
                             ffi::AnyBuffer block_table, ffi::AnyBuffer rotary_cos, ffi::AnyBuffer rotary_sin,
                             ffi::AnyBuffer cache_batch_idx, ffi::AnyBuffer cache_leftpad, ffi::AnyBuffer alibi, ffi::Result<ffi::AnyBuffer> out,
@@ -615,6 +681,19 @@ ffi::Error backward_cuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer q,
       .Attr<int32_t>("window_right").Attr<float>("softcap").Attr<float>("dropout_p")                   \
       .Attr<int32_t>("has_alibi")
 
+#define FA_FFI_VARLEN_FORWARD_OPERANDS                                                                 \
+  .Arg<ffi::AnyBuffer>() /* q */.Arg<ffi::AnyBuffer>() /* k */.Arg<ffi::AnyBuffer>() /* v */           \
+      .Arg<ffi::AnyBuffer>() /* cu_seqlens_q */.Arg<ffi::AnyBuffer>() /* cu_seqlens_k */               \
+      .Arg<ffi::AnyBuffer>() /* seqused_k */.Arg<ffi::AnyBuffer>() /* block_table */                   \
+      .Arg<ffi::AnyBuffer>() /* alibi_slopes */.Ret<ffi::AnyBuffer>() /* out */.Ret<ffi::AnyBuffer>() /* lse */
+#define FA_FFI_VARLEN_FORWARD_ATTRS                                                                    \
+  .Attr<float>("softmax_scale").Attr<int32_t>("causal").Attr<int32_t>("window_left")                   \
+      .Attr<int32_t>("window_right").Attr<float>("softcap").Attr<int32_t>("max_seqlen_q")              \
+      .Attr<int32_t>("max_seqlen_k").Attr<int32_t>("has_seqused_k").Attr<int32_t>("has_block_table")   \
+      .Attr<int32_t>("has_alibi").Attr<int32_t>("backend")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnVarlenForwardCpu, flashattn::python::varlen_forward_cpu,
+                              ffi::Ffi::Bind() FA_FFI_VARLEN_FORWARD_OPERANDS FA_FFI_VARLEN_FORWARD_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnForwardCpu, flashattn::python::forward_cpu,
                               ffi::Ffi::Bind() FA_FFI_FORWARD_OPERANDS FA_FFI_COMMON_ATTRS.Attr<int32_t>("backend"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnBackwardCpu, flashattn::python::backward_cpu,
@@ -628,6 +707,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnKvcacheAppendCpu, flashattn::python::kvca
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnKvcacheAppendOnlyCpu, flashattn::python::kvcache_append_only_cpu,
                               ffi::Ffi::Bind() FA_FFI_APPEND_ONLY_OPERANDS FA_FFI_APPEND_ONLY_ATTRS);
 #if defined(FLASHATTN_WITH_CUDA)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnVarlenForwardCuda, flashattn::python::varlen_forward_cuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Ctx<ffi::DeviceOrdinal>() FA_FFI_VARLEN_FORWARD_OPERANDS FA_FFI_VARLEN_FORWARD_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnKvcacheAppendOnlyCuda, flashattn::python::kvcache_append_only_cuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
@@ -662,24 +745,27 @@ nb::object handler_capsule(XLA_FFI_Handler* handler) {
 
 void add_xla_ffi_targets(nb::module_& m) {
   nb::dict targets;
-  nb::dict forward, backward, kvcache, kvcache_append, kvcache_append_only;
+  nb::dict forward, backward, kvcache, kvcache_append, kvcache_append_only, varlen_forward;
   forward["cpu"] = handler_capsule(FlashattnForwardCpu);
   backward["cpu"] = handler_capsule(FlashattnBackwardCpu);
   kvcache["cpu"] = handler_capsule(FlashattnKvcacheCpu);
   kvcache_append["cpu"] = handler_capsule(FlashattnKvcacheAppendCpu);
   kvcache_append_only["cpu"] = handler_capsule(FlashattnKvcacheAppendOnlyCpu);
+  varlen_forward["cpu"] = handler_capsule(FlashattnVarlenForwardCpu);
 #if defined(FLASHATTN_WITH_CUDA)
   forward["CUDA"] = handler_capsule(FlashattnForwardCuda);
   backward["CUDA"] = handler_capsule(FlashattnBackwardCuda);
   kvcache["CUDA"] = handler_capsule(FlashattnKvcacheCuda);
   kvcache_append["CUDA"] = handler_capsule(FlashattnKvcacheAppendCuda);
   kvcache_append_only["CUDA"] = handler_capsule(FlashattnKvcacheAppendOnlyCuda);
+  varlen_forward["CUDA"] = handler_capsule(FlashattnVarlenForwardCuda);
 #endif
   targets["flashattn_forward"] = forward;
   targets["flashattn_backward"] = backward;
   targets["flashattn_kvcache"] = kvcache;
   targets["flashattn_kvcache_append"] = kvcache_append;
   targets["flashattn_kvcache_append_only"] = kvcache_append_only;
+  targets["flashattn_varlen_forward"] = varlen_forward;
   m.attr("xla_ffi_targets") = targets;
   m.attr("has_xla_ffi") = true;
 }

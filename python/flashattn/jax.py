@@ -34,6 +34,10 @@ rows, rotary, an FP8 cache), flash_attn's arguments; JAX arrays are immutable, s
 
 kvcache_append: every sequence's new K/V rows (different counts per sequence) written into a KV cache without
 attending (fa_kvcache_append); returns the updated caches, aliased to the operands as above.
+
+flash_attn_varlen_func: variable-length sequences packed one after the other (cu_seqlens), K/V contiguous or paged
+through a block table (a continuous-batching step after kvcache_append), seqused_k; flashattn.torch's function,
+forward only, no vmap.
 """
 
 import functools
@@ -45,7 +49,7 @@ import numpy as np
 
 from flashattn import InvalidArgumentError, UnsupportedError, _ext, backend_id, check_fp8_scales, window_pair
 
-__all__ = ["dot_product_attention", "flash_attn_with_kvcache", "kvcache_append"]
+__all__ = ["dot_product_attention", "flash_attn_varlen_func", "flash_attn_with_kvcache", "kvcache_append"]
 
 if not _ext.has_xla_ffi:
     raise ImportError(
@@ -362,6 +366,109 @@ def flash_attn_with_kvcache(
         return (out, lse, k_cache, v_cache) if return_softmax_lse else (out, k_cache, v_cache)
     out, lse = jax.ffi.ffi_call("flashattn_kvcache", results)(q, k_cache, v_cache, *tail, **attributes)
     return (out, lse) if return_softmax_lse else out
+
+
+def _max_length(name, value, cu_seqlens):
+    """max_seqlen_q / max_seqlen_k: a Python int (an attribute of the custom call), or None to read it from a concrete
+    cu_seqlens."""
+    if value is not None:
+        return int(value)
+    if isinstance(cu_seqlens, jax.core.Tracer):
+        raise InvalidArgumentError(f"{name}: pass it as a Python int under jax.jit (an attribute of the custom call: "
+                                   "the largest cu_seqlens[b + 1] - cu_seqlens[b])")
+    counts = np.diff(np.asarray(cu_seqlens))
+    return int(counts.max()) if counts.size else 0
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _varlen_forward(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, attributes):
+    out_type = jax.ShapeDtypeStruct(q.shape[:2] + (v.shape[-1],), q.dtype)
+    lse_type = jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32)
+    call = jax.ffi.ffi_call("flashattn_varlen_forward", (out_type, lse_type))
+    return call(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, **dict(attributes))
+
+
+def _varlen_forward_fwd(*args):
+    return _varlen_forward(*args), None
+
+
+def _varlen_forward_bwd(attributes, residuals, cotangents):
+    raise UnsupportedError("flash_attn_varlen_func: forward only in flashattn.jax (no gradient; flashattn.torch's has "
+                           "one for contiguous K/V)")
+
+
+_varlen_forward.defvjp(_varlen_forward_fwd, _varlen_forward_bwd)
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    return_attn_probs=False,
+    block_table=None,
+    *,
+    seqused_k=None,
+    backend=None,
+):
+    """Attention of variable-length sequences packed one after the other (forward only).
+
+    flashattn.torch.flash_attn_varlen_func's arguments and semantics, without dropout: q (total_q, Hq, D), k / v
+    (total_k, Hk, D / Dv), cu_seqlens_q / cu_seqlens_k (B + 1,) int32 prefix sums (sequence b's rows are
+    cu_seqlens[b] .. cu_seqlens[b + 1] - 1); masks (causal, window_size, ALiBi) are aligned to each sequence's
+    bottom-right corner. With block_table (B, max_blocks) int32, k / v are paged caches (num_blocks, block_size, Hk,
+    D / Dv) and sequence b's keys are its first cu_seqlens_k[b + 1] - cu_seqlens_k[b] cache rows: after
+    kvcache_append, one causal call with cu_seqlens_q = cu_seqlens_new serves a continuous-batching step whose
+    requests bring different numbers of tokens (on CUDA the decode tokens run in the decode kernels). seqused_k (B,)
+    int32: sequence b attends to its first seqused_k[b] keys only. max_seqlen_q / max_seqlen_k are attributes of the
+    custom call: Python ints under jax.jit (None reads them from concrete cu_seqlens). Returns out (total_q, Hq, Dv),
+    and with return_attn_probs (out, softmax_lse (Hq, total_q) float32, None). No gradient (jax.grad raises), no
+    jax.vmap.
+    """
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    if q.ndim != 3:
+        raise InvalidArgumentError(f"q: expected 3 dimensions (total_q, Hq, D), got shape {tuple(q.shape)}")
+    cu_seqlens_q = _int32_array("cu_seqlens_q", cu_seqlens_q, 1)
+    cu_seqlens_k = _int32_array("cu_seqlens_k", cu_seqlens_k, 1)
+    max_seqlen_q = _max_length("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
+    max_seqlen_k = _max_length("max_seqlen_k", max_seqlen_k, cu_seqlens_k)
+    if seqused_k is not None:
+        seqused_k = _int32_array("seqused_k", seqused_k, 1)
+    if block_table is not None:
+        block_table = _int32_array("block_table", block_table, 2)
+    if alibi_slopes is not None:
+        alibi_slopes = jnp.asarray(alibi_slopes)
+        if alibi_slopes.dtype != jnp.float32:
+            raise InvalidArgumentError(f"alibi_slopes: dtype must be float32, got {alibi_slopes.dtype}")
+    left, right = window_pair(window_size)
+    attributes = (
+        ("softmax_scale", np.float32(0.0 if softmax_scale is None else softmax_scale)),
+        ("causal", np.int32(bool(causal))),
+        ("window_left", np.int32(left)),
+        ("window_right", np.int32(right)),
+        ("softcap", np.float32(softcap)),
+        ("max_seqlen_q", np.int32(max_seqlen_q)),
+        ("max_seqlen_k", np.int32(max_seqlen_k)),
+        ("has_seqused_k", np.int32(seqused_k is not None)),
+        ("has_block_table", np.int32(block_table is not None)),
+        ("has_alibi", np.int32(alibi_slopes is not None)),
+        ("backend", np.int32(backend_id(backend))),
+    )
+
+    def present_or(x, dtype):  # absent operands are (0,) placeholders that the handler never reads
+        return x if x is not None else jnp.zeros((0,), dtype)
+
+    out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, present_or(seqused_k, jnp.int32),
+                               present_or(block_table, jnp.int32), present_or(alibi_slopes, jnp.float32), attributes)
+    return (out, jax.lax.stop_gradient(lse), None) if return_attn_probs else out
 
 
 def kvcache_append(

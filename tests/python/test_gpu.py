@@ -602,3 +602,42 @@ def test_varlen_paged_forward_with_decode_rows_on_gpu(heads, step):
         exact = sdpa(q[rows].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), causal=True, dtype=torch.float64)
         naive = sdpa(q[rows].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), causal=True)
         check(out[rows].cpu().unsqueeze(0), exact, naive, f"sequence {s} ({lengths_q[s]} rows, {used[s]} keys)")
+
+
+@pytest.mark.parametrize("step", ["mixed", "decode_seqused"])
+def test_jax_varlen_paged_forward_on_gpu(step):
+    """flashattn.jax.flash_attn_varlen_func over a paged bf16 cache on the GPU (jitted): decode tokens beside prefill
+    chunks (the gather route and the forward kernel), or decode tokens only with seqused_k (one decode call in place),
+    against the same call on the CPU."""
+    jax, jnp, fj, gpus = jax_on_gpu()
+    rng = np.random.default_rng(13)
+    hq, hk, d, block = 32, 8, 128, 16
+    lengths_q, lengths_k = [1, 1, 40, 3, 1, 17, 4, 1], [3000, 700, 300, 3, 1, 900, 1200, 2]
+    used = lengths_k
+    if step == "decode_seqused":
+        lengths_q = [1] * len(lengths_q)
+        used = [n - n // 3 for n in lengths_k]
+    b = len(lengths_q)
+    max_blocks = max(lengths_k) // block + 1
+    blocks = b * max_blocks + 2
+    pool_k = np.asarray(jnp.asarray(rng.standard_normal((blocks, block, hk, d)), jnp.bfloat16))
+    pool_v = np.asarray(jnp.asarray(rng.standard_normal((blocks, block, hk, d)), jnp.bfloat16))
+    table = rng.permutation(blocks)[: b * max_blocks].reshape(b, max_blocks).astype(np.int32)
+    q = np.asarray(jnp.asarray(rng.standard_normal((sum(lengths_q), hq, d)), jnp.bfloat16))
+    cu_q = np.array([0] + list(np.cumsum(lengths_q)), dtype=np.int32)
+    cu_k = np.array([0] + list(np.cumsum(lengths_k)), dtype=np.int32)
+    seqused = np.array(used, dtype=np.int32) if step == "decode_seqused" else None
+    call = jax.jit(lambda q, k, v, cq, ck, t, s: fj.flash_attn_varlen_func(
+        q, k, v, cq, ck, max(lengths_q), max(lengths_k), causal=True, return_attn_probs=True, block_table=t,
+        seqused_k=s)[:2])
+
+    def run_on(device):
+        put = lambda x: None if x is None else jax.device_put(x, device)  # noqa: E731
+        out, lse = call(put(q), put(pool_k), put(pool_v), put(cu_q), put(cu_k), put(table), put(seqused))
+        return np.asarray(out.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
+
+    out_cpu, lse_cpu = run_on(jax.devices("cpu")[0])
+    out, lse = run_on(gpus[0])
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+    assert rel_l2(out, out_cpu) < 2e-2
+    assert np.abs(lse - lse_cpu).max() < 2e-2

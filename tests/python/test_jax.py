@@ -433,6 +433,101 @@ def test_kvcache_append_mixed_step_then_kvcache_read(rng):
         assert rel_l2(f64(out[b, sq - n:][None]), f64(want)) <= FP32_TOLERANCE, f"sequence {b}"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("variant", ["causal", "window alibi softcap", "seqused_k"])
+def test_varlen_forward_matches_oracle(rng, backend, paged, variant):
+    """flash_attn_varlen_func: sequences of 0, 1, 7 and 20 queries over 5, 1, 30 and 20 keys (contiguous, or paged with
+    shuffled blocks), each against the float64 oracle over its own keys; out and lse."""
+    lengths_q, lengths_k = [1, 0, 7, 20, 1], [5, 3, 30, 20, 1]
+    used = [4, 3, 12, 20, 0] if variant == "seqused_k" else lengths_k
+    hq, hk, d, block = 4, 2, 32, 16
+    b = len(lengths_q)
+    q = np.asarray(normal(rng, (sum(lengths_q), hq, d)))
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    keys = [np.asarray(normal(rng, (n, hk, d))) for n in lengths_k]
+    values = [np.asarray(normal(rng, (n, hk, d))) for n in lengths_k]
+    table = None
+    if paged:
+        max_blocks = 2
+        table = rng.permutation(b * max_blocks + 1)[:b * max_blocks].reshape(b, max_blocks).astype(np.int32)
+        k = np.array(normal(rng, (b * max_blocks + 1, block, hk, d)))
+        v = np.array(normal(rng, (b * max_blocks + 1, block, hk, d)))
+        for s, n in enumerate(lengths_k):
+            for j in range(n):
+                k[table[s, j // block], j % block] = keys[s][j]
+                v[table[s, j // block], j % block] = values[s][j]
+    else:
+        k, v = np.concatenate(keys), np.concatenate(values)
+    options = dict(causal=True)
+    slopes = None
+    if variant == "window alibi softcap":
+        slopes = np.asarray([0.1, 0.2, 0.05, 0.3], np.float32)
+        options = dict(window_size=(6, 0), softcap=5.0)
+    out, lse, _ = fj.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), alibi_slopes=slopes,
+                                            return_attn_probs=True, block_table=table,
+                                            seqused_k=np.asarray(used, np.int32) if variant == "seqused_k" else None,
+                                            backend=backend, **options)
+    assert out.shape == (sum(lengths_q), hq, d) and lse.shape == (hq, sum(lengths_q))
+    for s in range(b):
+        rows = slice(cu_q[s], cu_q[s + 1])
+        if lengths_q[s] == 0:
+            continue
+        want, want_lse = attention(q[rows][None], keys[s][:used[s]][None], values[s][:used[s]][None],
+                                   causal=options.get("causal", False), window=options.get("window_size", (-1, -1)),
+                                   softcap=options.get("softcap", 0.0), alibi_slopes=slopes)
+        got, got_lse = f64(out[rows][None]), f64(lse[:, rows])
+        if used[s] == 0:  # no key: out 0, lse -inf
+            assert np.all(got == 0) and np.all(np.isneginf(got_lse)), f"sequence {s}"
+            continue
+        assert rel_l2(got, want) <= FP32_TOLERANCE, f"sequence {s}"
+        np.testing.assert_allclose(got_lse, want_lse[0], rtol=1e-5, atol=1e-5, err_msg=f"sequence {s}")
+
+
+def test_kvcache_append_then_varlen_forward_step(rng):
+    """A serving step in JAX in two calls: kvcache_append of two prompt chunks and two decode tokens, then one causal
+    flash_attn_varlen_func over the paged caches (cu_seqlens_q = cu_seqlens_new), under jax.jit with the caches
+    donated; equals flash_attn_with_kvcache's own append and attention per sequence."""
+    counts, cached = [9, 1, 20, 1], [4, 30, 0, 7]
+    k_cache, v_cache, k, v, cu, seqlens, table = append_inputs(rng, jnp.float32, True, counts, cached)
+    q = np.asarray(normal(rng, (sum(counts), 4, 32)))
+    cu_k = np.concatenate([[0], np.cumsum(np.asarray(counts) + np.asarray(cached))]).astype(np.int32)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(kc, vc, kn, vn, c, s, t, q, ck):
+        kc, vc = fj.kvcache_append(kc, vc, kn, vn, c, s, max(counts), t)
+        out = fj.flash_attn_varlen_func(q, kc, vc, c, ck, max(counts), int(np.diff(cu_k).max()), causal=True,
+                                        block_table=t)
+        return out, kc, vc
+
+    out, _, _ = step(jnp.asarray(k_cache), jnp.asarray(v_cache), k, v, jnp.asarray(cu), jnp.asarray(seqlens),
+                     jnp.asarray(table), jnp.asarray(q), jnp.asarray(cu_k))
+    for b in range(len(counts)):
+        rows = slice(cu[b], cu[b + 1])
+        want = fj.flash_attn_with_kvcache(q[rows][None], k_cache, v_cache, k[rows][None], v[rows][None],
+                                          cache_seqlens=seqlens[b:b + 1], block_table=table[b:b + 1], causal=True,
+                                          backend="reference")[0]
+        assert rel_l2(f64(out[rows][None]), f64(want)) <= FP32_TOLERANCE, f"sequence {b}"
+
+
+def test_varlen_forward_errors(rng):
+    q = normal(rng, (6, 2, 32))
+    k = normal(rng, (9, 1, 32))
+    cu_q, cu_k = np.asarray([0, 2, 6], np.int32), np.asarray([0, 4, 9], np.int32)
+    with pytest.raises(flashattn.InvalidArgumentError, match="max_seqlen_q: pass it as a Python int under jax.jit"):
+        jax.jit(lambda c: fj.flash_attn_varlen_func(q, k, k, c, cu_k))(jnp.asarray(cu_q))
+    with pytest.raises(flashattn.InvalidArgumentError, match="cu_seqlens_k: dtype must be int32"):
+        fj.flash_attn_varlen_func(q, k, k, cu_q, cu_k.astype(np.float32))
+    with pytest.raises(flashattn.UnsupportedError, match="flash_attn_varlen_func: forward only in flashattn.jax"):
+        jax.grad(lambda x: fj.flash_attn_varlen_func(x, k, k, cu_q, cu_k, 4, 5).sum())(q)
+    # The library's own rules, raised when the call runs: the message names the argument and the rule.
+    with pytest.raises(Exception, match="cu_seqlens_q: sequence 1 has length 4 > max_seqlen_q = 3"):
+        jax.block_until_ready(fj.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 3, 5))
+    with pytest.raises(Exception, match="seqused_k: entry 0 = 5 must be in"):
+        jax.block_until_ready(fj.flash_attn_varlen_func(q, k, k, cu_q, cu_k, seqused_k=np.asarray([5, 1], np.int32)))
+
+
 def test_kvcache_append_errors(rng):
     k_cache, v_cache, k, v, cu, seqlens, table = append_inputs(rng, jnp.float32, True, [3, 2], [0, 47])
     with pytest.raises(flashattn.InvalidArgumentError, match="max_seqlen_new: required under jax.jit"):
