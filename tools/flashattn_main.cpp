@@ -530,6 +530,8 @@ int command_run(int argc, char** argv) {
         "  --backward           also time the backward pass\n"
         "  --iters N            timed iterations (default 5); --warmup N (default 1)\n"
         "  --check              compare with the float64 reference (batch 0, first head group)\n"
+        "  --seqused            the mixed step's fa_forward also takes seqused_k (every sequence's key count, as vLLM\n"
+        "                       passes it): on CUDA a step of decodes only then reads the counts in place\n"
         "  --json FILE          also write the result as JSON\n";
     std::fputs(h.c_str(), stdout);
     return 0;
@@ -1046,6 +1048,7 @@ int command_step(int argc, char** argv) {
   const int iters = int(a.integer("iters", 20)), warmup = int(a.integer("warmup", 2));
   const bool check = a.flag("check");
   const bool keep_pool = a.flag("keep-pool");
+  const bool seqused = a.flag("seqused");
   const std::string json = a.str("json", "");
   a.finish();
   if (decodes < 0 || prefills < 0 || decodes + prefills < 1) Args::fail("--decode and --prefill: >= 0, one of them >= 1");
@@ -1102,7 +1105,7 @@ int command_step(int argc, char** argv) {
 
   // The step's tensors over buffers on the run's device or on the host (the reference's).
   struct Step {
-    Buffer pool_k, pool_v, q, k_new, v_new, table, seqlens, cu_new, cu_k, out, lse, out_grouped;
+    Buffer pool_k, pool_v, q, k_new, v_new, table, seqlens, cu_new, cu_k, keys, out, lse, out_grouped;
     Buffer out_split, seqlens_after, cu_q_prefills, cu_k_prefills;  // split: its out, the decodes' lengths after the
                                                                     // append, the prefills' own running sums
     fa_kvcache_args split_decodes{};
@@ -1154,6 +1157,12 @@ int command_step(int argc, char** argv) {
     fw.max_seqlen_q = max_new;
     fw.max_seqlen_k = max_keys;
     fw.block_table = ap.block_table;
+    if (seqused) {  // cu_seqlens_k's counts once more, as a serving engine's seqused_k
+      std::vector<int32_t> keys(static_cast<size_t>(batch));
+      for (int b = 0; b < batch; ++b) keys[size_t(b)] = cu_k[size_t(b) + 1] - cu_k[size_t(b)];
+      put(st.keys, int_bytes(keys));
+      fw.seqused_k = flashattn::tensor(st.keys.data, {batch}, FA_INT32, w);
+    }
     // The groups: dense (B_g, n_g, H, D) views of their slices of the packed rows, their rows of table and lengths.
     const int first_seq[2] = {0, decodes}, rows_per_seq[2] = {1, chunk};
     st.group_batch[0] = decodes;
@@ -1191,6 +1200,7 @@ int command_step(int argc, char** argv) {
         const int64_t rows = int64_t(cu_q.back());
         fa_forward_args& y = st.split_prefills;
         y = fw;
+        y.seqused_k = fa_tensor{};  // (--seqused: the mixed step's alone)
         y.q = flashattn::tensor(at(st.q, row0, int64_t(hq) * d, es), {rows, hq, d}, dtype, w);
         y.out = flashattn::tensor(at(st.out_split, row0, int64_t(hq) * dv, es), {rows, hq, dv}, dtype, w);
         y.lse = fa_tensor{};
