@@ -62,8 +62,8 @@ Status forward(const AttentionParams& p) {
     p.stats->scratch_bytes_peak = routed.scratch_bytes;
     p.stats->num_splits = routed.num_splits;
     if (routed.in_place)
-      std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s splits=%d (every sequence %d rows, in place)",
-                    routed.kernel, routed.num_splits, p.seqlen_q);
+      std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s splits=%d (every sequence %d row%s, in place)",
+                    routed.kernel, routed.num_splits, p.seqlen_q, p.seqlen_q == 1 ? "" : "s");
     else
       std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s%s%s splits=%d (sequences of <= %d rows)",
                     all_routed ? "" : entry.name, all_routed ? "" : " + ", routed.kernel, routed.num_splits, routed.max_q);

@@ -632,7 +632,8 @@ TEST(CudaForward, VarlenPagedDecodeStepRunsInPlace) {
                                    std::to_string(rows) + " rows each" + (seqused ? ", seqused_k" : "") +
                                    (variant == 0 ? " causal" : variant == 1 ? " window (100, 0)" : " causal softcap alibi");
           const std::string kernel = checked_stats(what, call).kernel;
-          EXPECT_NE(kernel.find("every sequence " + std::to_string(rows) + " rows, in place"), std::string::npos)
+          EXPECT_NE(kernel.find("every sequence " + std::to_string(rows) + (rows == 1 ? " row" : " rows") + ", in place"),
+                    std::string::npos)
               << what << " ran " << kernel;
           EXPECT_EQ(kernel.find("fwd_"), std::string::npos) << what << " ran " << kernel;
         }
