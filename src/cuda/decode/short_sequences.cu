@@ -1,6 +1,7 @@
 // Gather and scatter of a paged varlen forward's short sequences (short_sequences.hpp). Both move 16-byte chunks (D and
 // Dv are multiples of 8 16-bit elements on CUDA, and every row start is 16-byte aligned: dispatch.cpp's rules) and
-// depend on no dtype. Grid: (chunks of the rows, B); a sequence's routing is recomputed from its extent in each.
+// depend on no dtype. Grid: (chunks of the rows, B); a sequence's routing is recomputed from its extent in each. And the
+// key counts of the in-place decode step (one thread per sequence).
 #include <cuda_runtime.h>
 
 #include <algorithm>

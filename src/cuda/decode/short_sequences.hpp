@@ -1,5 +1,6 @@
 // The two copies around the decode call that computes a paged varlen forward's short sequences (decode_plan.hpp,
-// short_sequence_max_q; kvcache.cpp, run_short_sequences): gather before it, scatter after it. Plain C++ declarations
+// short_sequence_max_q; kvcache.cpp, run_short_sequences): gather before it, scatter after it; for a step whose
+// sequences all have the same count of rows (the call in place), only the key counts. Plain C++ declarations
 // (`stream` is a cudaStream_t); the kernels are in short_sequences.cu.
 #pragma once
 
