@@ -23,7 +23,9 @@
 //   varlen_forward  q (total_q, Hq, D), k, v (total_k, Hk, D / Dv) or paged (num_blocks, block_size, Hk, D / Dv),
 //            cu_seqlens_q, cu_seqlens_k (B + 1) s32, seqused_k (B) s32, block_table (B, max_blocks) s32,
 //            alibi_slopes (Hq) or (B, Hq) f32 -> out (total_q, Hq, Dv), lse (Hq, total_q) f32: fa_forward with varlen
-//            sequences (forward only, no dropout). Optional operands as above. No vmap.
+//            sequences (no dropout). Optional operands as above. No vmap.
+//   varlen_backward  q, k, v (contiguous), out, lse, dout, cu_seqlens_q, cu_seqlens_k, alibi_slopes -> dq, dk, dv:
+//            fa_backward with varlen sequences (no dropout, no seqused_k, no block table: as fa_backward). No vmap.
 //
 // jax.vmap: flashattn.jax calls these with vmap_method="expand_dims", so under vmap every operand
 // gains leading "vmap" dimensions, each either the full vmapped extent or 1 (not mapped: read by
@@ -529,6 +531,52 @@ ffi::Error varlen_forward(fa_device_kind device, void* stream, int device_id, ff
   return ffi::Error::Success();
 }
 
+struct VarlenBackwardAttrs {
+  float softmax_scale;
+  int32_t causal, window_left, window_right;
+  float softcap;
+  int32_t max_seqlen_q, max_seqlen_k, has_alibi, deterministic, backend;
+};
+
+ffi::Error varlen_backward(fa_device_kind device, void* stream, int device_id, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                           ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
+                           ffi::AnyBuffer cu_seqlens_q, ffi::AnyBuffer cu_seqlens_k, ffi::AnyBuffer alibi_slopes,
+                           ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                           const VarlenBackwardAttrs& a) {
+  try {
+    auto whole = [&](const char* name, const ffi::AnyBuffer& b) { return whole_view(name, b.untyped_data(), b, device, device_id); };
+    auto result = [&](const char* name, ffi::Result<ffi::AnyBuffer>& b) {
+      return view_at(operand(name, b, int(b->dimensions().size())), {}, device, device_id);
+    };
+    fa_backward_args args;
+    std::memset(&args, 0, sizeof(args));
+    args.q = whole("q", q);
+    args.k = whole("k", k);
+    args.v = whole("v", v);
+    args.out = whole("out", out);
+    args.lse = whole("lse", lse);
+    args.dout = whole("dout", dout);
+    args.dq = result("dq", dq);
+    args.dk = result("dk", dk);
+    args.dv = result("dv", dv);
+    args.cu_seqlens_q = whole("cu_seqlens_q", cu_seqlens_q);
+    args.cu_seqlens_k = whole("cu_seqlens_k", cu_seqlens_k);
+    args.max_seqlen_q = a.max_seqlen_q;
+    args.max_seqlen_k = a.max_seqlen_k;
+    fa_tensor slopes;
+    std::memset(&slopes, 0, sizeof(slopes));
+    if (a.has_alibi) slopes = whole("alibi_slopes", alibi_slopes);
+    CallOptions o = score_options(a, stream);
+    o.deterministic = a.deterministic != 0;
+    const fa_options options = to_fa_options(o, slopes, nullptr);
+    fa_error error{};
+    check(fa_backward(&args, &options, &error), error);
+  } catch (const CallError& e) {
+    return to_ffi_error(e);
+  }
+  return ffi::Error::Success();
+}
+
 // The varlen handlers' operand and attribute parameters, in FA_FFI_VARLEN_FORWARD_OPERANDS' / _ATTRS' order.
 #define FA_VARLEN_PARAMS                                                                                            \
   ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer cu_seqlens_q, ffi::AnyBuffer cu_seqlens_k,  \
@@ -541,11 +589,29 @@ ffi::Error varlen_forward(fa_device_kind device, void* stream, int device_id, ff
       VarlenAttrs{softmax_scale, causal,         window_left,     window_right, softcap, max_seqlen_q,             \
                   max_seqlen_k,  has_seqused_k,  has_block_table, has_alibi,    backend}
 
+// ... and FA_FFI_VARLEN_BACKWARD_OPERANDS' / _ATTRS' order.
+#define FA_VARLEN_BACKWARD_PARAMS                                                                                   \
+  ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer dout, \
+      ffi::AnyBuffer cu_seqlens_q, ffi::AnyBuffer cu_seqlens_k, ffi::AnyBuffer alibi, ffi::Result<ffi::AnyBuffer> dq, \
+      ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float softmax_scale, int32_t causal,           \
+      int32_t window_left, int32_t window_right, float softcap, int32_t max_seqlen_q, int32_t max_seqlen_k,          \
+      int32_t has_alibi, int32_t deterministic, int32_t backend
+#define FA_VARLEN_BACKWARD_VALUES                                                                                   \
+  q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, alibi, dq, dk, dv,                                           \
+      VarlenBackwardAttrs{softmax_scale, causal,    window_left,   window_right, softcap,                           \
+                          max_seqlen_q,  max_seqlen_k, has_alibi, deterministic, backend}
+
 ffi::Error varlen_forward_cpu(FA_VARLEN_PARAMS) { return varlen_forward(FA_DEVICE_CPU, nullptr, 0, FA_VARLEN_VALUES); }
+ffi::Error varlen_backward_cpu(FA_VARLEN_BACKWARD_PARAMS) {
+  return varlen_backward(FA_DEVICE_CPU, nullptr, 0, FA_VARLEN_BACKWARD_VALUES);
+}
 
 #if defined(FLASHATTN_WITH_CUDA)
 ffi::Error varlen_forward_cuda(void* stream, int32_t device_ordinal, FA_VARLEN_PARAMS) {
   return varlen_forward(FA_DEVICE_CUDA, stream, device_ordinal, FA_VARLEN_VALUES);
+}
+ffi::Error varlen_backward_cuda(void* stream, int32_t device_ordinal, FA_VARLEN_BACKWARD_PARAMS) {
+  return varlen_backward(FA_DEVICE_CUDA, stream, device_ordinal, FA_VARLEN_BACKWARD_VALUES);
 }
 #endif
 
@@ -692,8 +758,22 @@ ffi::Error backward_cuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer q,
       .Attr<int32_t>("max_seqlen_k").Attr<int32_t>("has_seqused_k").Attr<int32_t>("has_block_table")   \
       .Attr<int32_t>("has_alibi").Attr<int32_t>("backend")
 
+#define FA_FFI_VARLEN_BACKWARD_OPERANDS                                                                \
+  .Arg<ffi::AnyBuffer>() /* q */.Arg<ffi::AnyBuffer>() /* k */.Arg<ffi::AnyBuffer>() /* v */           \
+      .Arg<ffi::AnyBuffer>() /* out */.Arg<ffi::AnyBuffer>() /* lse */.Arg<ffi::AnyBuffer>() /* dout */ \
+      .Arg<ffi::AnyBuffer>() /* cu_seqlens_q */.Arg<ffi::AnyBuffer>() /* cu_seqlens_k */               \
+      .Arg<ffi::AnyBuffer>() /* alibi_slopes */.Ret<ffi::AnyBuffer>() /* dq */                         \
+      .Ret<ffi::AnyBuffer>() /* dk */.Ret<ffi::AnyBuffer>() /* dv */
+#define FA_FFI_VARLEN_BACKWARD_ATTRS                                                                   \
+  .Attr<float>("softmax_scale").Attr<int32_t>("causal").Attr<int32_t>("window_left")                   \
+      .Attr<int32_t>("window_right").Attr<float>("softcap").Attr<int32_t>("max_seqlen_q")              \
+      .Attr<int32_t>("max_seqlen_k").Attr<int32_t>("has_alibi").Attr<int32_t>("deterministic")         \
+      .Attr<int32_t>("backend")
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnVarlenForwardCpu, flashattn::python::varlen_forward_cpu,
                               ffi::Ffi::Bind() FA_FFI_VARLEN_FORWARD_OPERANDS FA_FFI_VARLEN_FORWARD_ATTRS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnVarlenBackwardCpu, flashattn::python::varlen_backward_cpu,
+                              ffi::Ffi::Bind() FA_FFI_VARLEN_BACKWARD_OPERANDS FA_FFI_VARLEN_BACKWARD_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnForwardCpu, flashattn::python::forward_cpu,
                               ffi::Ffi::Bind() FA_FFI_FORWARD_OPERANDS FA_FFI_COMMON_ATTRS.Attr<int32_t>("backend"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnBackwardCpu, flashattn::python::backward_cpu,
@@ -711,6 +791,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnVarlenForwardCuda, flashattn::python::var
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
                                   .Ctx<ffi::DeviceOrdinal>() FA_FFI_VARLEN_FORWARD_OPERANDS FA_FFI_VARLEN_FORWARD_ATTRS);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnVarlenBackwardCuda, flashattn::python::varlen_backward_cuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Ctx<ffi::DeviceOrdinal>() FA_FFI_VARLEN_BACKWARD_OPERANDS FA_FFI_VARLEN_BACKWARD_ATTRS);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnKvcacheAppendOnlyCuda, flashattn::python::kvcache_append_only_cuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<void*>>()
@@ -745,13 +829,14 @@ nb::object handler_capsule(XLA_FFI_Handler* handler) {
 
 void add_xla_ffi_targets(nb::module_& m) {
   nb::dict targets;
-  nb::dict forward, backward, kvcache, kvcache_append, kvcache_append_only, varlen_forward;
+  nb::dict forward, backward, kvcache, kvcache_append, kvcache_append_only, varlen_forward, varlen_backward;
   forward["cpu"] = handler_capsule(FlashattnForwardCpu);
   backward["cpu"] = handler_capsule(FlashattnBackwardCpu);
   kvcache["cpu"] = handler_capsule(FlashattnKvcacheCpu);
   kvcache_append["cpu"] = handler_capsule(FlashattnKvcacheAppendCpu);
   kvcache_append_only["cpu"] = handler_capsule(FlashattnKvcacheAppendOnlyCpu);
   varlen_forward["cpu"] = handler_capsule(FlashattnVarlenForwardCpu);
+  varlen_backward["cpu"] = handler_capsule(FlashattnVarlenBackwardCpu);
 #if defined(FLASHATTN_WITH_CUDA)
   forward["CUDA"] = handler_capsule(FlashattnForwardCuda);
   backward["CUDA"] = handler_capsule(FlashattnBackwardCuda);
@@ -759,6 +844,7 @@ void add_xla_ffi_targets(nb::module_& m) {
   kvcache_append["CUDA"] = handler_capsule(FlashattnKvcacheAppendCuda);
   kvcache_append_only["CUDA"] = handler_capsule(FlashattnKvcacheAppendOnlyCuda);
   varlen_forward["CUDA"] = handler_capsule(FlashattnVarlenForwardCuda);
+  varlen_backward["CUDA"] = handler_capsule(FlashattnVarlenBackwardCuda);
 #endif
   targets["flashattn_forward"] = forward;
   targets["flashattn_backward"] = backward;
@@ -766,6 +852,7 @@ void add_xla_ffi_targets(nb::module_& m) {
   targets["flashattn_kvcache_append"] = kvcache_append;
   targets["flashattn_kvcache_append_only"] = kvcache_append_only;
   targets["flashattn_varlen_forward"] = varlen_forward;
+  targets["flashattn_varlen_backward"] = varlen_backward;
   m.attr("xla_ffi_targets") = targets;
   m.attr("has_xla_ffi") = true;
 }

@@ -36,8 +36,8 @@ kvcache_append: every sequence's new K/V rows (different counts per sequence) wr
 attending (fa_kvcache_append); returns the updated caches, aliased to the operands as above.
 
 flash_attn_varlen_func: variable-length sequences packed one after the other (cu_seqlens), K/V contiguous or paged
-through a block table (a continuous-batching step after kvcache_append), seqused_k; flashattn.torch's function,
-forward only, no vmap.
+through a block table (a continuous-batching step after kvcache_append), seqused_k; flashattn.torch's function
+without dropout, with a custom VJP for contiguous K/V, no vmap.
 """
 
 import functools
@@ -380,24 +380,77 @@ def _max_length(name, value, cu_seqlens):
     return int(counts.max()) if counts.size else 0
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _varlen_forward(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, attributes):
+class _VarlenConfig(NamedTuple):
+    """Static (hashable) attributes of one varlen call, in the C ABI's terms."""
+
+    softmax_scale: float  # 0: 1/sqrt(D)
+    causal: bool
+    window_left: int
+    window_right: int
+    softcap: float
+    max_seqlen_q: int
+    max_seqlen_k: int
+    has_seqused_k: bool
+    has_block_table: bool
+    has_alibi: bool
+    deterministic: bool
+    backend: int
+
+    def forward_attributes(self):
+        return dict(
+            softmax_scale=np.float32(self.softmax_scale),
+            causal=np.int32(self.causal),
+            window_left=np.int32(self.window_left),
+            window_right=np.int32(self.window_right),
+            softcap=np.float32(self.softcap),
+            max_seqlen_q=np.int32(self.max_seqlen_q),
+            max_seqlen_k=np.int32(self.max_seqlen_k),
+            has_seqused_k=np.int32(self.has_seqused_k),
+            has_block_table=np.int32(self.has_block_table),
+            has_alibi=np.int32(self.has_alibi),
+            backend=np.int32(self.backend),
+        )
+
+    def backward_attributes(self):
+        attributes = self.forward_attributes()
+        del attributes["has_seqused_k"], attributes["has_block_table"]
+        attributes["deterministic"] = np.int32(self.deterministic)
+        return attributes
+
+
+def _varlen_forward_call(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, cfg):
     out_type = jax.ShapeDtypeStruct(q.shape[:2] + (v.shape[-1],), q.dtype)
     lse_type = jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32)
     call = jax.ffi.ffi_call("flashattn_varlen_forward", (out_type, lse_type))
-    return call(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, **dict(attributes))
+    return call(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, **cfg.forward_attributes())
 
 
-def _varlen_forward_fwd(*args):
-    return _varlen_forward(*args), None
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _varlen_attention(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, cfg):
+    return _varlen_forward_call(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, cfg)
 
 
-def _varlen_forward_bwd(attributes, residuals, cotangents):
-    raise UnsupportedError("flash_attn_varlen_func: forward only in flashattn.jax (no gradient; flashattn.torch's has "
-                           "one for contiguous K/V)")
+def _varlen_attention_fwd(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, cfg):
+    out, lse = _varlen_forward_call(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, cfg)
+    return (out, lse), (q, k, v, out, lse, cu_q, cu_k, seqused_k, block_table, slopes)
 
 
-_varlen_forward.defvjp(_varlen_forward_fwd, _varlen_forward_bwd)
+def _varlen_attention_bwd(cfg, residuals, cotangents):
+    q, k, v, out, lse, cu_q, cu_k, seqused_k, block_table, slopes = residuals
+    if cfg.has_block_table:
+        raise UnsupportedError("block_table: paged K/V has no backward pass (as in flash_attn)")
+    if cfg.has_seqused_k:
+        raise UnsupportedError("seqused_k: the backward pass takes every key of cu_seqlens_k (forward only)")
+    dout, _ = cotangents  # the lse output is wrapped in stop_gradient by the caller: its cotangent is 0
+    types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    call = jax.ffi.ffi_call("flashattn_varlen_backward", types)
+    dq, dk, dv = call(q, k, v, out, lse, dout.astype(out.dtype), cu_q, cu_k, slopes, **cfg.backward_attributes())
+    # Integer operands' cotangents are float0; the slopes get none (stop_gradient by the caller, as in flash_attn).
+    float0 = lambda x: np.zeros(x.shape, dtype=jax.dtypes.float0)  # noqa: E731
+    return dq, dk, dv, float0(cu_q), float0(cu_k), float0(seqused_k), float0(block_table), jnp.zeros_like(slopes)
+
+
+_varlen_attention.defvjp(_varlen_attention_fwd, _varlen_attention_bwd)
 
 
 def flash_attn_varlen_func(
@@ -413,13 +466,14 @@ def flash_attn_varlen_func(
     window_size=(-1, -1),
     softcap=0.0,
     alibi_slopes=None,
+    deterministic=False,
     return_attn_probs=False,
     block_table=None,
     *,
     seqused_k=None,
     backend=None,
 ):
-    """Attention of variable-length sequences packed one after the other (forward only).
+    """Attention of variable-length sequences packed one after the other.
 
     flashattn.torch.flash_attn_varlen_func's arguments and semantics, without dropout: q (total_q, Hq, D), k / v
     (total_k, Hk, D / Dv), cu_seqlens_q / cu_seqlens_k (B + 1,) int32 prefix sums (sequence b's rows are
@@ -430,8 +484,9 @@ def flash_attn_varlen_func(
     requests bring different numbers of tokens (on CUDA the decode tokens run in the decode kernels). seqused_k (B,)
     int32: sequence b attends to its first seqused_k[b] keys only. max_seqlen_q / max_seqlen_k are attributes of the
     custom call: Python ints under jax.jit (None reads them from concrete cu_seqlens). Returns out (total_q, Hq, Dv),
-    and with return_attn_probs (out, softmax_lse (Hq, total_q) float32, None). No gradient (jax.grad raises), no
-    jax.vmap.
+    and with return_attn_probs (out, softmax_lse (Hq, total_q) float32, None). jax.grad gives dq, dk, dv for
+    contiguous K/V without seqused_k (deterministic: a reproducible dq accumulation; the slopes get no gradient);
+    with block_table or seqused_k it raises UnsupportedError (forward only, as flashattn.torch). No jax.vmap.
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     if q.ndim != 3:
@@ -449,25 +504,16 @@ def flash_attn_varlen_func(
         if alibi_slopes.dtype != jnp.float32:
             raise InvalidArgumentError(f"alibi_slopes: dtype must be float32, got {alibi_slopes.dtype}")
     left, right = window_pair(window_size)
-    attributes = (
-        ("softmax_scale", np.float32(0.0 if softmax_scale is None else softmax_scale)),
-        ("causal", np.int32(bool(causal))),
-        ("window_left", np.int32(left)),
-        ("window_right", np.int32(right)),
-        ("softcap", np.float32(softcap)),
-        ("max_seqlen_q", np.int32(max_seqlen_q)),
-        ("max_seqlen_k", np.int32(max_seqlen_k)),
-        ("has_seqused_k", np.int32(seqused_k is not None)),
-        ("has_block_table", np.int32(block_table is not None)),
-        ("has_alibi", np.int32(alibi_slopes is not None)),
-        ("backend", np.int32(backend_id(backend))),
-    )
+    cfg = _VarlenConfig(0.0 if softmax_scale is None else float(softmax_scale), bool(causal), left, right,
+                        float(softcap), max_seqlen_q, max_seqlen_k, seqused_k is not None, block_table is not None,
+                        alibi_slopes is not None, bool(deterministic), backend_id(backend))
 
     def present_or(x, dtype):  # absent operands are (0,) placeholders that the handler never reads
         return x if x is not None else jnp.zeros((0,), dtype)
 
-    out, lse = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, present_or(seqused_k, jnp.int32),
-                               present_or(block_table, jnp.int32), present_or(alibi_slopes, jnp.float32), attributes)
+    slopes = jax.lax.stop_gradient(present_or(alibi_slopes, jnp.float32))
+    out, lse = _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, present_or(seqused_k, jnp.int32),
+                                 present_or(block_table, jnp.int32), slopes, cfg)
     return (out, jax.lax.stop_gradient(lse), None) if return_attn_probs else out
 
 

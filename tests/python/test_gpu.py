@@ -641,3 +641,31 @@ def test_jax_varlen_paged_forward_on_gpu(step):
     assert np.isfinite(out).all() and np.isfinite(lse).all()
     assert rel_l2(out, out_cpu) < 2e-2
     assert np.abs(lse - lse_cpu).max() < 2e-2
+
+
+def test_jax_varlen_grad_on_gpu():
+    """jax.jit(jax.grad) of flashattn.jax.flash_attn_varlen_func on the GPU (bf16, GQA, causal, packed sequences of
+    different lengths) against the same gradient on the CPU."""
+    jax, jnp, fj, gpus = jax_on_gpu()
+    rng = np.random.default_rng(17)
+    lengths_q, lengths_k = [100, 1, 0, 257, 64], [100, 300, 5, 257, 30]
+    hq, hk, d = 8, 2, 128
+    cu_q = np.array([0] + list(np.cumsum(lengths_q)), dtype=np.int32)
+    cu_k = np.array([0] + list(np.cumsum(lengths_k)), dtype=np.int32)
+    bf16 = lambda shape: np.asarray(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16))  # noqa: E731
+    q, k, v = bf16((sum(lengths_q), hq, d)), bf16((sum(lengths_k), hk, d)), bf16((sum(lengths_k), hk, d))
+    dout = bf16((sum(lengths_q), hq, d))
+
+    def grads_on(device):
+        put = lambda x: jax.device_put(x, device)  # noqa: E731
+
+        def loss(q, k, v, cq, ck, w):
+            out = fj.flash_attn_varlen_func(q, k, v, cq, ck, max(lengths_q), max(lengths_k), causal=True)
+            return jnp.sum(out.astype(jnp.float32) * w.astype(jnp.float32))
+
+        g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(put(q), put(k), put(v), put(cu_q), put(cu_k), put(dout))
+        return [np.asarray(x.astype(jnp.float32), np.float64) for x in g]
+
+    for name, gpu, cpu in zip(("dq", "dk", "dv"), grads_on(gpus[0]), grads_on(jax.devices("cpu")[0])):
+        assert np.isfinite(gpu).all(), name
+        assert rel_l2(gpu, cpu) < 2e-2, name

@@ -485,6 +485,39 @@ def test_varlen_forward_matches_oracle(rng, backend, paged, variant):
         np.testing.assert_allclose(got_lse, want_lse[0], rtol=1e-5, atol=1e-5, err_msg=f"sequence {s}")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_varlen_jit_grad_matches_oracle(rng, backend, deterministic):
+    """jax.jit(jax.grad) of flash_attn_varlen_func (contiguous K/V, GQA, causal with softcap and ALiBi): dq, dk, dv of
+    every sequence against the float64 oracle's analytic backward; a sequence with more queries than keys (rows with
+    no key: zero gradients) and an empty one among them."""
+    lengths_q, lengths_k = [3, 0, 9, 4, 1], [5, 2, 9, 2, 1]
+    hq, hk, d = 4, 2, 32
+    q = normal(rng, (sum(lengths_q), hq, d))
+    k, v = normal(rng, (sum(lengths_k), hk, d)), normal(rng, (sum(lengths_k), hk, d))
+    dout = normal(rng, (sum(lengths_q), hq, d))
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    slopes = np.asarray([0.1, 0.2, 0.05, 0.3], np.float32)
+
+    def loss(q, k, v):
+        out = fj.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True, softcap=4.0,
+                                        alibi_slopes=slopes, deterministic=deterministic, backend=backend)
+        return jnp.sum(out * dout)
+
+    dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    for s in range(len(lengths_q)):
+        rq, rk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        if lengths_q[s] == 0:
+            assert np.all(f64(dk[rk]) == 0) and np.all(f64(dv[rk]) == 0), f"sequence {s}: keys no query sees"
+            continue
+        _, _, grads = attention(f64(q[rq])[None], f64(k[rk])[None], f64(v[rk])[None], causal=True, softcap=4.0,
+                                alibi_slopes=slopes, dout=f64(dout[rq])[None])
+        for name, actual, expected in zip(("dq", "dk", "dv"), (dq[rq], dk[rk], dv[rk]), grads):
+            err = rel_l2(f64(actual)[None], expected)
+            assert err <= FP32_TOLERANCE, f"sequence {s} {name}: relative L2 error {err:.3g}"
+
+
 def test_kvcache_append_then_varlen_forward_step(rng):
     """A serving step in JAX in two calls: kvcache_append of two prompt chunks and two decode tokens, then one causal
     flash_attn_varlen_func over the paged caches (cu_seqlens_q = cu_seqlens_new), under jax.jit with the caches
@@ -519,8 +552,13 @@ def test_varlen_forward_errors(rng):
         jax.jit(lambda c: fj.flash_attn_varlen_func(q, k, k, c, cu_k))(jnp.asarray(cu_q))
     with pytest.raises(flashattn.InvalidArgumentError, match="cu_seqlens_k: dtype must be int32"):
         fj.flash_attn_varlen_func(q, k, k, cu_q, cu_k.astype(np.float32))
-    with pytest.raises(flashattn.UnsupportedError, match="flash_attn_varlen_func: forward only in flashattn.jax"):
-        jax.grad(lambda x: fj.flash_attn_varlen_func(x, k, k, cu_q, cu_k, 4, 5).sum())(q)
+    table = np.asarray([[0], [1]], np.int32)
+    pool = normal(rng, (2, 8, 1, 32))
+    with pytest.raises(flashattn.UnsupportedError, match="block_table: paged K/V has no backward pass"):
+        jax.grad(lambda x: fj.flash_attn_varlen_func(x, pool, pool, cu_q, cu_k, 4, 5, block_table=table).sum())(q)
+    with pytest.raises(flashattn.UnsupportedError, match="seqused_k: the backward pass takes every key"):
+        jax.grad(lambda x: fj.flash_attn_varlen_func(x, k, k, cu_q, cu_k, 4, 5,
+                                                     seqused_k=np.asarray([1, 1], np.int32)).sum())(q)
     # The library's own rules, raised when the call runs: the message names the argument and the rule.
     with pytest.raises(Exception, match="cu_seqlens_q: sequence 1 has length 4 > max_seqlen_q = 3"):
         jax.block_until_ready(fj.flash_attn_varlen_func(q, k, k, cu_q, cu_k, 3, 5))
