@@ -701,6 +701,10 @@ def test_custom_ops_pass_opcheck(rng):
     cu = torch.tensor([0, 4, 9], dtype=torch.int32)
     torch.library.opcheck(fat._varlen_fwd, (q[0], k[0], v[0], cu, torch.tensor([0, 5, 11], dtype=torch.int32), 5, 6,
                                             None, None, None, None, 0.0, True, -1, 0, 0.0, 0.0, False, ref))
+    seqused = torch.tensor([3, 6], dtype=torch.int32)  # a forward-only argument: no gradient check
+    torch.library.opcheck(fat._varlen_fwd, (q[0].detach(), k[0].detach(), v[0].detach(), cu,
+                                            torch.tensor([0, 5, 11], dtype=torch.int32), 5, 6, None, seqused, None, None,
+                                            0.0, True, -1, 0, 0.0, 0.0, False, ref))
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
