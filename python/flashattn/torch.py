@@ -14,7 +14,7 @@ flash_attn_with_kvcache), with these differences:
   current stream. fp16/bf16 everywhere, and float32 on the CPU.
 - return_attn_probs=True returns (out, softmax_lse, None): the probabilities are never
   materialised (flash_attn returns a debugging tensor S_dmask there).
-- Dropout uses flashattn's Philox keep-mask (docs/DROPOUT.md), seeded from torch's default CPU
+- Dropout uses flashattn's Philox keep-mask (src/core/philox.hpp), seeded from torch's default CPU
   generator: results are reproducible under torch.manual_seed, but the mask differs from
   flash_attn's. Each call with dropout draws a fresh (seed, offset) pair; backward reuses it.
 - flash_attn_with_kvcache: cache_batch_idx works with contiguous caches (as in flash_attn; with
