@@ -22,10 +22,10 @@
 //            above): fa_kvcache_append, the rows written without attending. No vmap.
 //   varlen_forward  q (total_q, Hq, D), k, v (total_k, Hk, D / Dv) or paged (num_blocks, block_size, Hk, D / Dv),
 //            cu_seqlens_q, cu_seqlens_k (B + 1) s32, seqused_k (B) s32, block_table (B, max_blocks) s32,
-//            alibi_slopes (Hq) or (B, Hq) f32 -> out (total_q, Hq, Dv), lse (Hq, total_q) f32: fa_forward with varlen
-//            sequences (no dropout). Optional operands as above. No vmap.
-//   varlen_backward  q, k, v (contiguous), out, lse, dout, cu_seqlens_q, cu_seqlens_k, alibi_slopes -> dq, dk, dv:
-//            fa_backward with varlen sequences (no dropout, no seqused_k, no block table: as fa_backward). No vmap.
+//            alibi_slopes (Hq) or (B, Hq) f32, rng (4) u32 -> out (total_q, Hq, Dv), lse (Hq, total_q) f32: fa_forward
+//            with varlen sequences. Optional operands as above; rng read only when dropout_p > 0. No vmap.
+//   varlen_backward  q, k, v (contiguous), out, lse, dout, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng -> dq, dk,
+//            dv: fa_backward with varlen sequences (no seqused_k, no block table: as fa_backward). No vmap.
 //
 // jax.vmap: flashattn.jax calls these with vmap_method="expand_dims", so under vmap every operand
 // gains leading "vmap" dimensions, each either the full vmapped extent or 1 (not mapped: read by
@@ -493,14 +493,29 @@ ffi::Error kvcache_append_only_cuda(void* stream, int32_t device_ordinal, ffi::A
 struct VarlenAttrs {
   float softmax_scale;
   int32_t causal, window_left, window_right;
-  float softcap;
+  float softcap, dropout_p;
   int32_t max_seqlen_q, max_seqlen_k, has_seqused_k, has_block_table, has_alibi, backend;
 };
+
+// The options of a varlen call (no vmap: the rng words at entry {}).
+template <typename A>
+fa_options varlen_options(const A& a, bool deterministic, const ffi::AnyBuffer& alibi_slopes, const ffi::AnyBuffer& rng,
+                          fa_device_kind device, int device_id, void* stream) {
+  CallOptions o = score_options(a, stream);
+  o.dropout_p = a.dropout_p;
+  if (a.dropout_p > 0.f) read_rng(operand("dropout_rng", rng, kRngRank), {}, device, stream, &o.dropout_seed, &o.dropout_offset);
+  o.deterministic = deterministic;
+  fa_tensor slopes;
+  std::memset(&slopes, 0, sizeof(slopes));
+  if (a.has_alibi) slopes = whole_view("alibi_slopes", alibi_slopes.untyped_data(), alibi_slopes, device, device_id);
+  return to_fa_options(o, slopes, nullptr);
+}
 
 ffi::Error varlen_forward(fa_device_kind device, void* stream, int device_id, ffi::AnyBuffer q, ffi::AnyBuffer k,
                           ffi::AnyBuffer v, ffi::AnyBuffer cu_seqlens_q, ffi::AnyBuffer cu_seqlens_k,
                           ffi::AnyBuffer seqused_k, ffi::AnyBuffer block_table, ffi::AnyBuffer alibi_slopes,
-                          ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, const VarlenAttrs& a) {
+                          ffi::AnyBuffer rng, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse,
+                          const VarlenAttrs& a) {
   try {
     auto whole = [&](const char* name, const ffi::AnyBuffer& b) { return whole_view(name, b.untyped_data(), b, device, device_id); };
     auto result = [&](const char* name, ffi::Result<ffi::AnyBuffer>& b) {
@@ -519,10 +534,7 @@ ffi::Error varlen_forward(fa_device_kind device, void* stream, int device_id, ff
     args.max_seqlen_k = a.max_seqlen_k;
     if (a.has_seqused_k) args.seqused_k = whole("seqused_k", seqused_k);
     if (a.has_block_table) args.block_table = whole("block_table", block_table);
-    fa_tensor slopes;
-    std::memset(&slopes, 0, sizeof(slopes));
-    if (a.has_alibi) slopes = whole("alibi_slopes", alibi_slopes);
-    const fa_options options = to_fa_options(score_options(a, stream), slopes, nullptr);
+    const fa_options options = varlen_options(a, false, alibi_slopes, rng, device, device_id, stream);
     fa_error error{};
     check(fa_forward(&args, &options, &error), error);
   } catch (const CallError& e) {
@@ -534,14 +546,14 @@ ffi::Error varlen_forward(fa_device_kind device, void* stream, int device_id, ff
 struct VarlenBackwardAttrs {
   float softmax_scale;
   int32_t causal, window_left, window_right;
-  float softcap;
+  float softcap, dropout_p;
   int32_t max_seqlen_q, max_seqlen_k, has_alibi, deterministic, backend;
 };
 
 ffi::Error varlen_backward(fa_device_kind device, void* stream, int device_id, ffi::AnyBuffer q, ffi::AnyBuffer k,
                            ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
                            ffi::AnyBuffer cu_seqlens_q, ffi::AnyBuffer cu_seqlens_k, ffi::AnyBuffer alibi_slopes,
-                           ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                           ffi::AnyBuffer rng, ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                            const VarlenBackwardAttrs& a) {
   try {
     auto whole = [&](const char* name, const ffi::AnyBuffer& b) { return whole_view(name, b.untyped_data(), b, device, device_id); };
@@ -563,12 +575,7 @@ ffi::Error varlen_backward(fa_device_kind device, void* stream, int device_id, f
     args.cu_seqlens_k = whole("cu_seqlens_k", cu_seqlens_k);
     args.max_seqlen_q = a.max_seqlen_q;
     args.max_seqlen_k = a.max_seqlen_k;
-    fa_tensor slopes;
-    std::memset(&slopes, 0, sizeof(slopes));
-    if (a.has_alibi) slopes = whole("alibi_slopes", alibi_slopes);
-    CallOptions o = score_options(a, stream);
-    o.deterministic = a.deterministic != 0;
-    const fa_options options = to_fa_options(o, slopes, nullptr);
+    const fa_options options = varlen_options(a, a.deterministic != 0, alibi_slopes, rng, device, device_id, stream);
     fa_error error{};
     check(fa_backward(&args, &options, &error), error);
   } catch (const CallError& e) {
@@ -580,26 +587,26 @@ ffi::Error varlen_backward(fa_device_kind device, void* stream, int device_id, f
 // The varlen handlers' operand and attribute parameters, in FA_FFI_VARLEN_FORWARD_OPERANDS' / _ATTRS' order.
 #define FA_VARLEN_PARAMS                                                                                            \
   ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer cu_seqlens_q, ffi::AnyBuffer cu_seqlens_k,  \
-      ffi::AnyBuffer seqused_k, ffi::AnyBuffer block_table, ffi::AnyBuffer alibi, ffi::Result<ffi::AnyBuffer> out,  \
-      ffi::Result<ffi::AnyBuffer> lse, float softmax_scale, int32_t causal, int32_t window_left,                    \
-      int32_t window_right, float softcap, int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t has_seqused_k,       \
-      int32_t has_block_table, int32_t has_alibi, int32_t backend
+      ffi::AnyBuffer seqused_k, ffi::AnyBuffer block_table, ffi::AnyBuffer alibi, ffi::AnyBuffer rng,               \
+      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> lse, float softmax_scale, int32_t causal,        \
+      int32_t window_left, int32_t window_right, float softcap, float dropout_p, int32_t max_seqlen_q,              \
+      int32_t max_seqlen_k, int32_t has_seqused_k, int32_t has_block_table, int32_t has_alibi, int32_t backend
 #define FA_VARLEN_VALUES                                                                                            \
-  q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi, out, lse,                                     \
-      VarlenAttrs{softmax_scale, causal,         window_left,     window_right, softcap, max_seqlen_q,             \
-                  max_seqlen_k,  has_seqused_k,  has_block_table, has_alibi,    backend}
+  q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, alibi, rng, out, lse,                                \
+      VarlenAttrs{softmax_scale, causal,       window_left,   window_right,    softcap,  dropout_p,                 \
+                  max_seqlen_q,  max_seqlen_k, has_seqused_k, has_block_table, has_alibi, backend}
 
 // ... and FA_FFI_VARLEN_BACKWARD_OPERANDS' / _ATTRS' order.
 #define FA_VARLEN_BACKWARD_PARAMS                                                                                   \
   ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer lse, ffi::AnyBuffer dout, \
-      ffi::AnyBuffer cu_seqlens_q, ffi::AnyBuffer cu_seqlens_k, ffi::AnyBuffer alibi, ffi::Result<ffi::AnyBuffer> dq, \
-      ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv, float softmax_scale, int32_t causal,           \
-      int32_t window_left, int32_t window_right, float softcap, int32_t max_seqlen_q, int32_t max_seqlen_k,          \
-      int32_t has_alibi, int32_t deterministic, int32_t backend
+      ffi::AnyBuffer cu_seqlens_q, ffi::AnyBuffer cu_seqlens_k, ffi::AnyBuffer alibi, ffi::AnyBuffer rng,            \
+      ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,               \
+      float softmax_scale, int32_t causal, int32_t window_left, int32_t window_right, float softcap, float dropout_p, \
+      int32_t max_seqlen_q, int32_t max_seqlen_k, int32_t has_alibi, int32_t deterministic, int32_t backend
 #define FA_VARLEN_BACKWARD_VALUES                                                                                   \
-  q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, alibi, dq, dk, dv,                                           \
-      VarlenBackwardAttrs{softmax_scale, causal,    window_left,   window_right, softcap,                           \
-                          max_seqlen_q,  max_seqlen_k, has_alibi, deterministic, backend}
+  q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, alibi, rng, dq, dk, dv,                                      \
+      VarlenBackwardAttrs{softmax_scale, causal,       window_left, window_right,  softcap, dropout_p,              \
+                          max_seqlen_q,  max_seqlen_k, has_alibi,   deterministic, backend}
 
 ffi::Error varlen_forward_cpu(FA_VARLEN_PARAMS) { return varlen_forward(FA_DEVICE_CPU, nullptr, 0, FA_VARLEN_VALUES); }
 ffi::Error varlen_backward_cpu(FA_VARLEN_BACKWARD_PARAMS) {
@@ -751,24 +758,25 @@ ffi::Error backward_cuda(void* stream, int32_t device_ordinal, ffi::AnyBuffer q,
   .Arg<ffi::AnyBuffer>() /* q */.Arg<ffi::AnyBuffer>() /* k */.Arg<ffi::AnyBuffer>() /* v */           \
       .Arg<ffi::AnyBuffer>() /* cu_seqlens_q */.Arg<ffi::AnyBuffer>() /* cu_seqlens_k */               \
       .Arg<ffi::AnyBuffer>() /* seqused_k */.Arg<ffi::AnyBuffer>() /* block_table */                   \
-      .Arg<ffi::AnyBuffer>() /* alibi_slopes */.Ret<ffi::AnyBuffer>() /* out */.Ret<ffi::AnyBuffer>() /* lse */
+      .Arg<ffi::AnyBuffer>() /* alibi_slopes */.Arg<ffi::AnyBuffer>() /* rng */                        \
+      .Ret<ffi::AnyBuffer>() /* out */.Ret<ffi::AnyBuffer>() /* lse */
 #define FA_FFI_VARLEN_FORWARD_ATTRS                                                                    \
   .Attr<float>("softmax_scale").Attr<int32_t>("causal").Attr<int32_t>("window_left")                   \
-      .Attr<int32_t>("window_right").Attr<float>("softcap").Attr<int32_t>("max_seqlen_q")              \
-      .Attr<int32_t>("max_seqlen_k").Attr<int32_t>("has_seqused_k").Attr<int32_t>("has_block_table")   \
-      .Attr<int32_t>("has_alibi").Attr<int32_t>("backend")
+      .Attr<int32_t>("window_right").Attr<float>("softcap").Attr<float>("dropout_p")                   \
+      .Attr<int32_t>("max_seqlen_q").Attr<int32_t>("max_seqlen_k").Attr<int32_t>("has_seqused_k")      \
+      .Attr<int32_t>("has_block_table").Attr<int32_t>("has_alibi").Attr<int32_t>("backend")
 
 #define FA_FFI_VARLEN_BACKWARD_OPERANDS                                                                \
   .Arg<ffi::AnyBuffer>() /* q */.Arg<ffi::AnyBuffer>() /* k */.Arg<ffi::AnyBuffer>() /* v */           \
       .Arg<ffi::AnyBuffer>() /* out */.Arg<ffi::AnyBuffer>() /* lse */.Arg<ffi::AnyBuffer>() /* dout */ \
       .Arg<ffi::AnyBuffer>() /* cu_seqlens_q */.Arg<ffi::AnyBuffer>() /* cu_seqlens_k */               \
-      .Arg<ffi::AnyBuffer>() /* alibi_slopes */.Ret<ffi::AnyBuffer>() /* dq */                         \
-      .Ret<ffi::AnyBuffer>() /* dk */.Ret<ffi::AnyBuffer>() /* dv */
+      .Arg<ffi::AnyBuffer>() /* alibi_slopes */.Arg<ffi::AnyBuffer>() /* rng */                        \
+      .Ret<ffi::AnyBuffer>() /* dq */.Ret<ffi::AnyBuffer>() /* dk */.Ret<ffi::AnyBuffer>() /* dv */
 #define FA_FFI_VARLEN_BACKWARD_ATTRS                                                                   \
   .Attr<float>("softmax_scale").Attr<int32_t>("causal").Attr<int32_t>("window_left")                   \
-      .Attr<int32_t>("window_right").Attr<float>("softcap").Attr<int32_t>("max_seqlen_q")              \
-      .Attr<int32_t>("max_seqlen_k").Attr<int32_t>("has_alibi").Attr<int32_t>("deterministic")         \
-      .Attr<int32_t>("backend")
+      .Attr<int32_t>("window_right").Attr<float>("softcap").Attr<float>("dropout_p")                   \
+      .Attr<int32_t>("max_seqlen_q").Attr<int32_t>("max_seqlen_k").Attr<int32_t>("has_alibi")          \
+      .Attr<int32_t>("deterministic").Attr<int32_t>("backend")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlashattnVarlenForwardCpu, flashattn::python::varlen_forward_cpu,
                               ffi::Ffi::Bind() FA_FFI_VARLEN_FORWARD_OPERANDS FA_FFI_VARLEN_FORWARD_ATTRS);

@@ -37,7 +37,7 @@ attending (fa_kvcache_append); returns the updated caches, aliased to the operan
 
 flash_attn_varlen_func: variable-length sequences packed one after the other (cu_seqlens), K/V contiguous or paged
 through a block table (a continuous-batching step after kvcache_append), seqused_k; flashattn.torch's function
-without dropout, with a custom VJP for contiguous K/V, no vmap.
+with a custom VJP for contiguous K/V, no vmap.
 """
 
 import functools
@@ -388,6 +388,7 @@ class _VarlenConfig(NamedTuple):
     window_left: int
     window_right: int
     softcap: float
+    dropout_p: float
     max_seqlen_q: int
     max_seqlen_k: int
     has_seqused_k: bool
@@ -403,6 +404,7 @@ class _VarlenConfig(NamedTuple):
             window_left=np.int32(self.window_left),
             window_right=np.int32(self.window_right),
             softcap=np.float32(self.softcap),
+            dropout_p=np.float32(self.dropout_p),
             max_seqlen_q=np.int32(self.max_seqlen_q),
             max_seqlen_k=np.int32(self.max_seqlen_k),
             has_seqused_k=np.int32(self.has_seqused_k),
@@ -418,25 +420,25 @@ class _VarlenConfig(NamedTuple):
         return attributes
 
 
-def _varlen_forward_call(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, cfg):
+def _varlen_forward_call(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, rng, cfg):
     out_type = jax.ShapeDtypeStruct(q.shape[:2] + (v.shape[-1],), q.dtype)
     lse_type = jax.ShapeDtypeStruct((q.shape[1], q.shape[0]), jnp.float32)
     call = jax.ffi.ffi_call("flashattn_varlen_forward", (out_type, lse_type))
-    return call(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, **cfg.forward_attributes())
+    return call(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, rng, **cfg.forward_attributes())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _varlen_attention(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, cfg):
-    return _varlen_forward_call(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _varlen_attention(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, rng, cfg):
+    return _varlen_forward_call(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, rng, cfg)
 
 
-def _varlen_attention_fwd(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, cfg):
-    out, lse = _varlen_forward_call(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, cfg)
-    return (out, lse), (q, k, v, out, lse, cu_q, cu_k, seqused_k, block_table, slopes)
+def _varlen_attention_fwd(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, rng, cfg):
+    out, lse = _varlen_forward_call(q, k, v, cu_q, cu_k, seqused_k, block_table, slopes, rng, cfg)
+    return (out, lse), (q, k, v, out, lse, cu_q, cu_k, seqused_k, block_table, slopes, rng)
 
 
 def _varlen_attention_bwd(cfg, residuals, cotangents):
-    q, k, v, out, lse, cu_q, cu_k, seqused_k, block_table, slopes = residuals
+    q, k, v, out, lse, cu_q, cu_k, seqused_k, block_table, slopes, rng = residuals
     if cfg.has_block_table:
         raise UnsupportedError("block_table: paged K/V has no backward pass (as in flash_attn)")
     if cfg.has_seqused_k:
@@ -444,10 +446,11 @@ def _varlen_attention_bwd(cfg, residuals, cotangents):
     dout, _ = cotangents  # the lse output is wrapped in stop_gradient by the caller: its cotangent is 0
     types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     call = jax.ffi.ffi_call("flashattn_varlen_backward", types)
-    dq, dk, dv = call(q, k, v, out, lse, dout.astype(out.dtype), cu_q, cu_k, slopes, **cfg.backward_attributes())
+    dq, dk, dv = call(q, k, v, out, lse, dout.astype(out.dtype), cu_q, cu_k, slopes, rng, **cfg.backward_attributes())
     # Integer operands' cotangents are float0; the slopes get none (stop_gradient by the caller, as in flash_attn).
     float0 = lambda x: np.zeros(x.shape, dtype=jax.dtypes.float0)  # noqa: E731
-    return dq, dk, dv, float0(cu_q), float0(cu_k), float0(seqused_k), float0(block_table), jnp.zeros_like(slopes)
+    return (dq, dk, dv, float0(cu_q), float0(cu_k), float0(seqused_k), float0(block_table), jnp.zeros_like(slopes),
+            float0(rng))
 
 
 _varlen_attention.defvjp(_varlen_attention_fwd, _varlen_attention_bwd)
@@ -461,6 +464,7 @@ def flash_attn_varlen_func(
     cu_seqlens_k,
     max_seqlen_q=None,
     max_seqlen_k=None,
+    dropout_p=0.0,
     softmax_scale=None,
     causal=False,
     window_size=(-1, -1),
@@ -471,11 +475,12 @@ def flash_attn_varlen_func(
     block_table=None,
     *,
     seqused_k=None,
+    dropout_rng=None,
     backend=None,
 ):
     """Attention of variable-length sequences packed one after the other.
 
-    flashattn.torch.flash_attn_varlen_func's arguments and semantics, without dropout: q (total_q, Hq, D), k / v
+    flashattn.torch.flash_attn_varlen_func's arguments (in its order) and semantics: q (total_q, Hq, D), k / v
     (total_k, Hk, D / Dv), cu_seqlens_q / cu_seqlens_k (B + 1,) int32 prefix sums (sequence b's rows are
     cu_seqlens[b] .. cu_seqlens[b + 1] - 1); masks (causal, window_size, ALiBi) are aligned to each sequence's
     bottom-right corner. With block_table (B, max_blocks) int32, k / v are paged caches (num_blocks, block_size, Hk,
@@ -483,7 +488,8 @@ def flash_attn_varlen_func(
     kvcache_append, one causal call with cu_seqlens_q = cu_seqlens_new serves a continuous-batching step whose
     requests bring different numbers of tokens (on CUDA the decode tokens run in the decode kernels). seqused_k (B,)
     int32: sequence b attends to its first seqused_k[b] keys only. max_seqlen_q / max_seqlen_k are attributes of the
-    custom call: Python ints under jax.jit (None reads them from concrete cu_seqlens). Returns out (total_q, Hq, Dv),
+    custom call: Python ints under jax.jit (None reads them from concrete cu_seqlens). dropout_p > 0 takes dropout_rng,
+    a jax.random key (flashattn's Philox keep mask, regenerated in backward). Returns out (total_q, Hq, Dv),
     and with return_attn_probs (out, softmax_lse (Hq, total_q) float32, None). jax.grad gives dq, dk, dv for
     contiguous K/V without seqused_k (deterministic: a reproducible dq accumulation; the slopes get no gradient);
     with block_table or seqused_k it raises UnsupportedError (forward only, as flashattn.torch). No jax.vmap.
@@ -503,17 +509,24 @@ def flash_attn_varlen_func(
         alibi_slopes = jnp.asarray(alibi_slopes)
         if alibi_slopes.dtype != jnp.float32:
             raise InvalidArgumentError(f"alibi_slopes: dtype must be float32, got {alibi_slopes.dtype}")
+    dropout_p = float(dropout_p)
+    if dropout_p > 0.0 and dropout_rng is None:
+        raise InvalidArgumentError("dropout_rng: a jax.random key is required when dropout_p > 0")
     left, right = window_pair(window_size)
     cfg = _VarlenConfig(0.0 if softmax_scale is None else float(softmax_scale), bool(causal), left, right,
-                        float(softcap), max_seqlen_q, max_seqlen_k, seqused_k is not None, block_table is not None,
-                        alibi_slopes is not None, bool(deterministic), backend_id(backend))
+                        float(softcap), dropout_p, max_seqlen_q, max_seqlen_k, seqused_k is not None,
+                        block_table is not None, alibi_slopes is not None, bool(deterministic), backend_id(backend))
 
     def present_or(x, dtype):  # absent operands are (0,) placeholders that the handler never reads
         return x if x is not None else jnp.zeros((0,), dtype)
 
     slopes = jax.lax.stop_gradient(present_or(alibi_slopes, jnp.float32))
+    if dropout_p > 0.0:
+        rng = jax.random.bits(dropout_rng, (_RNG_WORDS,), jnp.uint32)
+    else:
+        rng = jnp.zeros((_RNG_WORDS,), jnp.uint32)  # placeholder, not read
     out, lse = _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, present_or(seqused_k, jnp.int32),
-                                 present_or(block_table, jnp.int32), slopes, cfg)
+                                 present_or(block_table, jnp.int32), slopes, rng, cfg)
     return (out, jax.lax.stop_gradient(lse), None) if return_attn_probs else out
 
 

@@ -518,6 +518,37 @@ def test_varlen_jit_grad_matches_oracle(rng, backend, deterministic):
             assert err <= FP32_TOLERANCE, f"sequence {s} {name}: relative L2 error {err:.3g}"
 
 
+def test_varlen_dropout_bit_exact_with_grad(rng):
+    """flash_attn_varlen_func with dropout: out and dq, dk, dv of every sequence equal the float64 oracle's with the
+    Philox keep mask of (seed, offset) from the key's words and the sequence's index as the mask's batch index."""
+    lengths_q, lengths_k, p = [5, 12, 1], [7, 12, 3], 0.3
+    hq, hk, d = 4, 2, 32
+    q = normal(rng, (sum(lengths_q), hq, d))
+    k, v = normal(rng, (sum(lengths_k), hk, d)), normal(rng, (sum(lengths_k), hk, d))
+    dout = normal(rng, (sum(lengths_q), hq, d))
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    key = jax.random.PRNGKey(5)
+
+    def loss(q, k, v):
+        out = fj.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), p, causal=True,
+                                        dropout_rng=key, backend="reference")
+        return jnp.sum(out * dout), out
+
+    (_, out), (dq, dk, dv) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    words = [int(w) for w in np.asarray(jax.random.bits(key, (4,), jnp.uint32))]
+    seed, offset = words[0] | (words[1] << 32), words[2] | (words[3] << 32)
+    for s in range(len(lengths_q)):
+        rq, rk = slice(cu_q[s], cu_q[s + 1]), slice(cu_k[s], cu_k[s + 1])
+        want, _, grads = attention(f64(q[rq])[None], f64(k[rk])[None], f64(v[rk])[None], causal=True, dropout_p=p,
+                                   seed=seed, offset=offset, dout=f64(dout[rq])[None], head_index_base=lambda _: s)
+        assert rel_l2(f64(out[rq])[None], want) <= FP32_TOLERANCE, f"sequence {s} out"
+        for name, actual, expected in zip(("dq", "dk", "dv"), (dq[rq], dk[rk], dv[rk]), grads):
+            assert rel_l2(f64(actual)[None], expected) <= FP32_TOLERANCE, f"sequence {s} {name}"
+    with pytest.raises(flashattn.InvalidArgumentError, match="dropout_rng: a jax.random key is required"):
+        fj.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 12, 0.1)
+
+
 def test_kvcache_append_then_varlen_forward_step(rng):
     """A serving step in JAX in two calls: kvcache_append of two prompt chunks and two decode tokens, then one causal
     flash_attn_varlen_func over the paged caches (cu_seqlens_q = cu_seqlens_new), under jax.jit with the caches
