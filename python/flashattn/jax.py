@@ -64,6 +64,19 @@ for _name, _by_platform in _ext.xla_ffi_targets.items():
 _RNG_WORDS = 4  # uint32: seed lo, seed hi, offset lo, offset hi
 
 
+def _score_attributes(cfg):
+    """The attributes every attention target takes (scale, masks, softcap, dropout), typed as the handlers bind them
+    (float -> f32, int / bool -> i32 attributes)."""
+    return dict(
+        softmax_scale=np.float32(cfg.softmax_scale),
+        causal=np.int32(cfg.causal),
+        window_left=np.int32(cfg.window_left),
+        window_right=np.int32(cfg.window_right),
+        softcap=np.float32(cfg.softcap),
+        dropout_p=np.float32(cfg.dropout_p),
+    )
+
+
 class _Config(NamedTuple):
     """Static (hashable) attributes of one attention call, in the C ABI's terms."""
 
@@ -78,17 +91,7 @@ class _Config(NamedTuple):
     backend: int
 
     def attributes(self):
-        # Typed as the handlers bind them (float -> f32, int/bool -> i32 attributes).
-        return dict(
-            softmax_scale=np.float32(self.softmax_scale),
-            causal=np.int32(self.causal),
-            window_left=np.int32(self.window_left),
-            window_right=np.int32(self.window_right),
-            softcap=np.float32(self.softcap),
-            dropout_p=np.float32(self.dropout_p),
-            has_alibi=np.int32(self.has_alibi),
-            backend=np.int32(self.backend),
-        )
+        return dict(_score_attributes(self), has_alibi=np.int32(self.has_alibi), backend=np.int32(self.backend))
 
 
 def _forward_call(q, k, v, slopes, rng, cfg):
@@ -399,12 +402,7 @@ class _VarlenConfig(NamedTuple):
 
     def forward_attributes(self):
         return dict(
-            softmax_scale=np.float32(self.softmax_scale),
-            causal=np.int32(self.causal),
-            window_left=np.int32(self.window_left),
-            window_right=np.int32(self.window_right),
-            softcap=np.float32(self.softcap),
-            dropout_p=np.float32(self.dropout_p),
+            _score_attributes(self),
             max_seqlen_q=np.int32(self.max_seqlen_q),
             max_seqlen_k=np.int32(self.max_seqlen_k),
             has_seqused_k=np.int32(self.has_seqused_k),

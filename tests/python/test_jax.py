@@ -485,6 +485,16 @@ def test_varlen_forward_matches_oracle(rng, backend, paged, variant):
         np.testing.assert_allclose(got_lse, want_lse[0], rtol=1e-5, atol=1e-5, err_msg=f"sequence {s}")
 
 
+def packed_inputs(rng, lengths_q, lengths_k, hq, hk, d):
+    """q, dout (total_q, Hq, D), k, v (total_k, Hk, D) of packed sequences, and their cu_seqlens."""
+    q = normal(rng, (sum(lengths_q), hq, d))
+    k, v = normal(rng, (sum(lengths_k), hk, d)), normal(rng, (sum(lengths_k), hk, d))
+    dout = normal(rng, (sum(lengths_q), hq, d))
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    return q, k, v, dout, cu_q, cu_k
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_varlen_jit_grad_matches_oracle(rng, backend, deterministic):
@@ -493,11 +503,7 @@ def test_varlen_jit_grad_matches_oracle(rng, backend, deterministic):
     no key: zero gradients) and an empty one among them."""
     lengths_q, lengths_k = [3, 0, 9, 4, 1], [5, 2, 9, 2, 1]
     hq, hk, d = 4, 2, 32
-    q = normal(rng, (sum(lengths_q), hq, d))
-    k, v = normal(rng, (sum(lengths_k), hk, d)), normal(rng, (sum(lengths_k), hk, d))
-    dout = normal(rng, (sum(lengths_q), hq, d))
-    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    q, k, v, dout, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, hq, hk, d)
     slopes = np.asarray([0.1, 0.2, 0.05, 0.3], np.float32)
 
     def loss(q, k, v):
@@ -523,11 +529,7 @@ def test_varlen_dropout_bit_exact_with_grad(rng):
     Philox keep mask of (seed, offset) from the key's words and the sequence's index as the mask's batch index."""
     lengths_q, lengths_k, p = [5, 12, 1], [7, 12, 3], 0.3
     hq, hk, d = 4, 2, 32
-    q = normal(rng, (sum(lengths_q), hq, d))
-    k, v = normal(rng, (sum(lengths_k), hk, d)), normal(rng, (sum(lengths_k), hk, d))
-    dout = normal(rng, (sum(lengths_q), hq, d))
-    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
-    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    q, k, v, dout, cu_q, cu_k = packed_inputs(rng, lengths_q, lengths_k, hq, hk, d)
     key = jax.random.PRNGKey(5)
 
     def loss(q, k, v):
