@@ -575,6 +575,8 @@ int command_run(int argc, char** argv) {
   std::printf("forward:  %.3f ms (median of %d, min %.3f ms)  %s  %.1f GB/s  kernel: %s\n", t.median_s * 1e3, t.iterations,
               t.min_s * 1e3, rate(flops / t.median_s).c_str(), p.forward_io_bytes() / t.median_s / 1e9, stats.kernel);
   const int64_t fwd_scratch = stats.scratch_bytes_peak;
+  const std::string fwd_kernel = stats.kernel;
+  const int fwd_splits = stats.num_splits;
   Timing tb;
   int64_t bwd_scratch = 0;
   if (backward) {
@@ -605,7 +607,8 @@ int command_run(int argc, char** argv) {
       << ",\"Hq\":" << c.shape.heads_q << ",\"Hk\":" << c.shape.heads_k << ",\"D\":" << c.shape.head_dim
       << ",\"dtype\":\"" << flashattn::dtype_name(c.shape.dtype) << "\",\"causal\":" << (c.options.causal ? "true" : "false")
       << ",\"backend\":\"" << backend_label(c.backend) << "\",\"forward_ms\":" << t.median_s * 1e3
-      << ",\"forward_tflops\":" << flops / t.median_s / 1e12 << ",\"forward_scratch_bytes\":" << fwd_scratch;
+      << ",\"forward_tflops\":" << flops / t.median_s / 1e12 << ",\"forward_scratch_bytes\":" << fwd_scratch
+      << ",\"forward_kernel\":\"" << fwd_kernel << "\",\"forward_splits\":" << fwd_splits;
     if (backward) f << ",\"backward_ms\":" << tb.median_s * 1e3 << ",\"backward_tflops\":" << 2.5 * flops / tb.median_s / 1e12;
     f << "}\n";
   }

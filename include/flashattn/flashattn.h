@@ -107,7 +107,8 @@ typedef enum fa_backend {
 typedef struct fa_stats {
   int64_t scratch_bytes_peak; /* most memory the call held beyond its arguments (host or device);
                                  -1 where the backend does not track it (cpu_reference) */
-  int32_t num_splits;         /* split-KV splits used (kvcache; CUDA paged varlen forward: its decode call's), else 1 */
+  int32_t num_splits;         /* split-KV splits used: kvcache's; a CUDA forward's where it split (below), else a CUDA
+                                 paged varlen forward's decode call's; else 1 */
   char kernel[128];           /* the backend path / kernel configuration that ran */
 } fa_stats;
 
@@ -131,6 +132,12 @@ typedef struct fa_options {
   fa_stats* stats;         /* optional: filled with what the call used and ran */
 } fa_options;
 
+/* CUDA forward without dropout whose grid would leave SMs idle (query tiles x Hq x B below half of the device's CTA
+   slots, over at least 8 key tiles: a prompt chunk after a long cached prefix, speculative tokens, a short query over a
+   long context) runs split-KV: each query tile's keys are dealt to several CTAs, whose float32 partials one more kernel
+   merges through their LSEs. The call then holds a stream-ordered scratch for the partials from the library's pool
+   (fa_stats.scratch_bytes_peak; capturable in a CUDA graph) and reports the split count (fa_stats.num_splits). The
+   count depends on the shapes and the device only; results differ from an unsplit run by float32 rounding. */
 typedef struct fa_forward_args {
   fa_tensor q, k, v;     /* dense 4-D or varlen 3-D; k/v may be paged caches (see block_table) */
   fa_tensor out;         /* same layout as q, last dim Dv, dtype of q */

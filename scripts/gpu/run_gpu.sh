@@ -41,6 +41,8 @@
 #   FA_STEP=1          the serving step (tools/flashattn step --backend cuda): decodes beside prefill chunks over a
 #                      paged pool, timed as mixed (append + one varlen forward), grouped (fa_kvcache per group) and
 #                      split (append + fa_kvcache over the decodes + varlen forward over the chunks); JSON per point
+#   FA_CHUNK=1         few query rows over many keys (a prompt chunk after a long prefix): ours (tools/flashattn run; the
+#                      split-KV forward) beside torch SDPA's flash and cuDNN backends (bench/chunk_peers.py; FA_CHUNK_ARGS)
 #   FA_EXAMPLES=1      the continuous-batching example on the GPU (examples/continuous_batching --device cuda, in
 #                      bf16: decode steps, chunked prefill, and the mixed step of fa_kvcache_append + fa_forward);
 #                      each run checks itself against the float64 reference and exits non-zero on a mismatch
@@ -133,7 +135,8 @@ fi
 # The card's SM clock, power and throttle reasons every 200 ms while the benchmarks run (clocks.csv): a ratio that
 # moves between runs can then be read against the clock it ran at.
 clock_log=""
-if [[ "${FA_SKIP_BENCH:-0}" != "1" || "${FA_MEMORY:-0}" == "1" || "${FA_DECODE:-0}" == "1" || -n "${FA_ROUNDS:-}" ]] &&
+if [[ "${FA_SKIP_BENCH:-0}" != "1" || "${FA_MEMORY:-0}" == "1" || "${FA_DECODE:-0}" == "1" || "${FA_CHUNK:-0}" == "1" ||
+      -n "${FA_ROUNDS:-}" ]] &&
    command -v nvidia-smi > /dev/null; then
   reasons=clocks_event_reasons.active  # the newer name; older drivers know clocks_throttle_reasons.active
   nvidia-smi --query-gpu=$reasons --format=csv,noheader > /dev/null 2>&1 || reasons=clocks_throttle_reasons.active
@@ -176,6 +179,11 @@ if [[ "${FA_STEP:-0}" == "1" && -x "$build/tools/flashattn" ]]; then
     note "  [$point] exit $?: $(grep -E '^(append|mixed|grouped|split):' "$work/step_$n.log" | awk '{printf "%s %s us  ", $1, $2}')"
     grep -E "^check" "$work/step_$n.log" | tee -a "$summary"
   done
+fi
+if [[ "${FA_CHUNK:-0}" == "1" && -x "$build/tools/flashattn" ]]; then
+  note "== few query rows over many keys: ours beside torch SDPA (bench/chunk_peers.py)"
+  PYTHONUNBUFFERED=1 timeout 300 python3 "$here/bench/chunk_peers.py" --flashattn "$build/tools/flashattn" \
+      --json "$work/chunk.json" ${FA_CHUNK_ARGS:-} 2>&1 | tee -a "$summary"
 fi
 if [[ "${FA_DECODE:-0}" == "1" ]]; then
   # K/V bytes read per second beside a streaming read of the same run, and torch SDPA decode (cuDNN, FA2).

@@ -2,6 +2,7 @@
 // then the launch of the chosen row of the generated kernel table on the tensors' device and stream.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdio>
 
 #include "cuda/common/check.hpp"
@@ -10,7 +11,10 @@
 #include "cuda/cuda_backend.hpp"
 #include "cuda/device_info.hpp"
 #include "cuda/dispatch.hpp"
+#include "cuda/generated/kernel_table.hpp"
+#include "cuda/common/scratch_pool.hpp"
 #include "cuda/sm80/backward_plan.hpp"
+#include "cuda/sm80/forward_split.hpp"
 
 namespace flashattn::cuda {
 namespace {
@@ -31,10 +35,64 @@ void report(const AttentionParams& p, const KernelEntry& entry, int64_t scratch_
 }
 
 // Common front of forward and backward: the tensors' device, its limits, and the table row.
+Status select(KernelKind kind, const AttentionParams& p, DeviceLimits* limits, int* index) {
+  FA_RETURN_IF_ERROR(device_limits(p.device_id, limits));
+  return choose_kernel(kind, p, *limits, index);
+}
 Status select(KernelKind kind, const AttentionParams& p, int* index) {
   DeviceLimits limits;
-  FA_RETURN_IF_ERROR(device_limits(p.device_id, &limits));
-  return choose_kernel(kind, p, limits, index);
+  return select(kind, p, &limits, index);
+}
+
+// Resident CTAs per SM of split row `index` on `device` (the split plan's slots): asked of the runtime once per (row,
+// device), then cached; attributes cannot change while the process runs.
+Status split_ctas_per_sm(int index, const AttentionParams& p, int* ctas) {
+  constexpr int kDevices = 16;
+  static std::atomic<int> cache[generated::kKernelCount > 0 ? generated::kKernelCount : 1][kDevices] = {};
+  const bool cached = p.device_id >= 0 && p.device_id < kDevices;
+  if (cached && (*ctas = cache[index][p.device_id].load(std::memory_order_relaxed)) > 0) return Status();
+  FA_RETURN_IF_ERROR(generated::kKernelLaunch[index].forward_split(p, 0, ctas, p.stream));
+  if (cached) cache[index][p.device_id].store(*ctas, std::memory_order_relaxed);
+  return Status();
+}
+
+// The forward kernel's part of a call: split-KV where the plan splits (forward_split.hpp), else the row's own kernel.
+// Split: the partials in a stream-ordered scratch from the library's pool (capturable), the split kernel, the merge.
+Status run_forward_kernel(const AttentionParams& p, int index, const DeviceLimits& limits, int* splits_used,
+                          int64_t* scratch_bytes, const char** kernel_name) {
+  *splits_used = 1;
+  *scratch_bytes = 0;
+  *kernel_name = kernel_entry(index).name;
+  const int split_index = split_alternative(index, limits);
+  if (split_index >= 0) {
+    const KernelEntry& split_entry = kernel_entry(split_index);
+    DeviceAttributes device;
+    FA_RETURN_IF_ERROR(device_attributes(p.device_id, &device));
+    int ctas = 0;
+    FA_RETURN_IF_ERROR(split_ctas_per_sm(split_index, p, &ctas));
+    const int splits = sm80::forward_split_count(p, split_entry.block_m, split_entry.block_n, device.sm_count, ctas);
+    if (splits > 1) {
+      const sm80::ForwardSplitLayout layout = sm80::forward_split_layout(p, splits);
+      const auto stream = static_cast<cudaStream_t>(p.stream);
+      void* scratch = nullptr;
+      FA_RETURN_IF_ERROR(scratch_alloc(p.device_id, size_t(layout.total_bytes), stream, &scratch));
+      AttentionParams partial = p;  // the split kernel writes the partials where out and lse were
+      partial.out = scratch;
+      partial.lse = reinterpret_cast<float*>(static_cast<char*>(scratch) + layout.o_bytes);
+      const Status launched = [&]() -> Status {
+        FA_RETURN_IF_ERROR(generated::kKernelLaunch[split_index].forward_split(partial, splits, nullptr, p.stream));
+        return sm80::launch_forward_combine(p, splits, static_cast<const float*>(partial.out), partial.lse, p.stream);
+      }();
+      const cudaError_t freed = scratch_free(scratch, stream);
+      FA_RETURN_IF_ERROR(launched);
+      FA_CUDA_RETURN_IF_ERROR(freed);
+      *splits_used = splits;
+      *scratch_bytes = layout.total_bytes;
+      *kernel_name = split_entry.name;
+      return Status();
+    }
+  }
+  return generated::kKernelLaunch[index].forward(p, p.stream);
 }
 
 }  // namespace
@@ -42,7 +100,8 @@ Status select(KernelKind kind, const AttentionParams& p, int* index) {
 Status forward(const AttentionParams& p) {
   FA_RETURN_IF_ERROR(check_forward_support(p));
   int index = -1;
-  FA_RETURN_IF_ERROR(select(KernelKind::kForward, p, &index));
+  DeviceLimits limits;
+  FA_RETURN_IF_ERROR(select(KernelKind::kForward, p, &limits, &index));
   const KernelEntry& entry = kernel_entry(index);
   const KernelLaunch& launch = generated::kKernelLaunch[index];
   if (launch.forward == nullptr) return error(FA_ERROR_INTERNAL, "kernel table row %s has no forward launcher", entry.name);
@@ -53,25 +112,36 @@ Status forward(const AttentionParams& p) {
   // then skips them. Only the paged instantiation knows to skip (forward_kernel.cuh).
   decode::ShortSequences routed;
   if (entry.paged_kv) FA_RETURN_IF_ERROR(decode::run_short_sequences(p, &routed));
-  if (routed.max_q == 0) {
-    report(p, entry, 0);  // the forward allocates nothing beyond out and lse
-    return launch.forward(p, p.stream);
+  const bool all_routed = routed.max_q > 0 && routed.max_q >= p.seqlen_q;  // max_seqlen_q bounds every sequence
+  int splits = 1;
+  int64_t split_bytes = 0;
+  const char* kernel_name = entry.name;
+  if (!all_routed) {
+    AttentionParams rest = p;
+    rest.routed_seqlen_q = uint8_t(routed.max_q);
+    FA_RETURN_IF_ERROR(run_forward_kernel(rest, index, limits, &splits, &split_bytes, &kernel_name));
   }
-  const bool all_routed = routed.max_q >= p.seqlen_q;  // max_seqlen_q bounds every sequence: no row left
   if (p.stats != nullptr) {
-    p.stats->scratch_bytes_peak = routed.scratch_bytes;
-    p.stats->num_splits = routed.num_splits;
-    if (routed.in_place)
+    // Both scratches are held at once only between the decode call's launch and its free: stream order frees the
+    // first before the second is taken, so the peak is the larger.
+    p.stats->scratch_bytes_peak = routed.scratch_bytes > split_bytes ? routed.scratch_bytes : split_bytes;
+    p.stats->num_splits = splits > 1 ? splits : (routed.max_q > 0 ? routed.num_splits : 1);  // forward's, else decode's
+    char forward_part[96];
+    if (splits > 1)
+      std::snprintf(forward_part, sizeof(forward_part), "%s splits=%d + combine", kernel_name, splits);
+    else
+      std::snprintf(forward_part, sizeof(forward_part), "%s", kernel_name);
+    if (routed.max_q == 0)
+      std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s", forward_part);
+    else if (routed.in_place)
       std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s splits=%d (every sequence %d row%s, in place)",
                     routed.kernel, routed.num_splits, p.seqlen_q, p.seqlen_q == 1 ? "" : "s");
     else
       std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s%s%s splits=%d (sequences of <= %d rows)",
-                    all_routed ? "" : entry.name, all_routed ? "" : " + ", routed.kernel, routed.num_splits, routed.max_q);
+                    all_routed ? "" : forward_part, all_routed ? "" : " + ", routed.kernel, routed.num_splits,
+                    routed.max_q);
   }
-  if (all_routed) return Status();
-  AttentionParams rest = p;
-  rest.routed_seqlen_q = uint8_t(routed.max_q);
-  return launch.forward(rest, p.stream);
+  return Status();
 }
 
 // Backward: rules and choice as for forward; the launcher (src/cuda/sm80/backward_launch.cuh) owns its

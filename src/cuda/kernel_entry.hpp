@@ -36,6 +36,8 @@ struct KernelEntry {
                                                   // it holds (choose_kernel skips it; decode_alternative offers it)
   bool paged_kv = false;  // forward: compiled for paged K/V (kPagedKv): taken only for calls with a block_table, which
                           // find it ahead of the bucket's other rows
+  bool split_kv = false;  // forward: compiled for split-KV (kSplitKv): choose_kernel skips it; split_alternative offers
+                          // it where the forward's split plan splits (src/cuda/sm80/forward_split.hpp)
 };
 
 // The launch functions of one row (exactly one is set, by kind). `stream` is a cudaStream_t.
@@ -43,10 +45,14 @@ using ForwardLaunchFn = Status (*)(const AttentionParams& params, void* stream);
 using BackwardLaunchFn = Status (*)(const BackwardParams& params, void* stream);
 // kvcache: params.num_splits resolved by the plan, params.workspace aligned (src/cuda/decode/kvcache.cpp).
 using KvcacheLaunchFn = Status (*)(const KvcacheParams& params, void* stream);
+// forward split-KV rows: params.out / params.lse are the split partials (forward_split.hpp); ctas_per_sm non-null:
+// report the kernel's resident CTAs per SM on params.device_id instead of launching.
+using ForwardSplitLaunchFn = Status (*)(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 struct KernelLaunch {
   ForwardLaunchFn forward;
   BackwardLaunchFn backward;
   KvcacheLaunchFn kvcache;
+  ForwardSplitLaunchFn forward_split;
 };
 
 namespace generated {

@@ -35,7 +35,7 @@ every row is one .cu compiled twice (two architectures). Template only on what c
 import argparse
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT_DIR = os.path.join(HERE, "generated")
@@ -73,6 +73,9 @@ class Tile:
                                     # (forward_kernel.cuh, kCompactEpilogue: short calls gain); speed only
     paged_kv: bool = False  # forward only: the instantiation for paged K/V (forward_kernel.cuh, kPagedKv), taken only
                             # for calls with a block_table, and by them ahead of the bucket's other rows; speed only
+    split_kv: bool = False  # forward only: the instantiation for split-KV calls (forward_kernel.cuh, kSplitKv): never
+                            # taken by dispatch's general pass; the forward's split plan (src/cuda/sm80/forward_split.hpp)
+                            # takes it when a call's CTAs leave SMs idle (few query tiles over many keys); speed only
     decode_role: str = ""  # decode only: "" = the bucket's general row; a role's row is taken only for the calls that
                            # decode_plan.hpp's rule for it accepts (choose_kernel skips it, the decode selection offers
                            # it; speed only): "many_waves" (wants_many_waves_tile: short contiguous caches at many waves
@@ -86,27 +89,36 @@ class Tile:
 # A list is an order of preference: dispatch takes the first tile whose shared memory fits the device.
 # paged_kv rows (no dropout): each bucket's general tile compiled for paged K/V (kPagedKv), listed first, so calls with a
 # block_table take it and no other call does; paged calls with dropout run the general kernels' per-row lookup.
+# split_kv rows (no dropout, split_rows): the general tile compiled for split-KV (kSplitKv), paged and dense, taken only
+# where the forward's split plan splits a call (src/cuda/sm80/forward_split.hpp).
+def split_rows(tile):
+    """The split-KV rows of a bucket (no dropout): its general tile compiled with kSplitKv for paged and dense K/V."""
+    return [replace(tile, paged_kv=True, split_kv=True), replace(tile, split_kv=True)]
+
+
 FORWARD_TILES = {
-    (32, False): [Tile(128, 128, 4, 2, paged_kv=True),
+    (32, False): [*split_rows(Tile(128, 128, 4, 2)), Tile(128, 128, 4, 2, paged_kv=True),
                   Tile(128, 128, 4, 2)],   # 40 KiB; 32 query rows per warp amortise the K fragments
     (32, True): Tile(128, 64, 4, 2),     # 24 KiB; N = 128 spills with Philox's registers
     # D = 64: N = 128 halves the per-tile overhead (barrier, row max, load issue) per key; spill-free since the
     # lazy rescale and whole-tile loads (was 112 bytes). bench/forward_tiles.cu, H200, 2026-11-30 05:07 UTC,
     # S = 16k: 325.5 vs 293.5 (N = 64) TFLOP/s non-causal, 314.2 vs 282.9 causal.
-    (64, False): [Tile(128, 128, 4, 2, paged_kv=True), Tile(128, 128, 4, 2)],   # 80 KiB
+    (64, False): [*split_rows(Tile(128, 128, 4, 2)), Tile(128, 128, 4, 2, paged_kv=True),
+                  Tile(128, 128, 4, 2)],   # 80 KiB
     (64, True): Tile(128, 64, 4, 2),     # 48 KiB; S fragments halve to leave registers for Philox
-    (96, False): [Tile(128, 64, 4, 2, paged_kv=True), Tile(128, 64, 4, 2)],    # 72 KiB
+    (96, False): [*split_rows(Tile(128, 64, 4, 2)), Tile(128, 64, 4, 2, paged_kv=True),
+                  Tile(128, 64, 4, 2)],    # 72 KiB
     (96, True): Tile(128, 64, 4, 2),
     # D = 128, 96 KiB: two CTAs (8 warps) per SM; 372.4 TFLOP/s at S = 16k (s1: 370.2, m64 w4: 297.9, m128 n128 w8:
     # 321.3; H200, 2026-11-30). Calls of at most 1k query rows take the same tile with the compact epilogue
     # (forward_kernel.cuh): bf16 / fp16, S = 512 non-causal +1.8% / +2.5%, causal +3.7% / +4.7%; 1k +0.3% to +1.0%;
     # 2k -1.2% to +0.4%, 16k -1.3% to -1.9% (H200, 2026-12-01 03:38 UTC, bench/flashattn_cuda_bench, 5 alternating
     # runs, medians; bench/results/2026-12-01-0338-h200-fwd-compact-epilogue-ab.json).
-    (128, False): [Tile(128, 64, 4, 2, paged_kv=True), Tile(128, 64, 4, 2, max_seqlen=1024, compact_epilogue=True),
-                   Tile(128, 64, 4, 2)],
+    (128, False): [*split_rows(Tile(128, 64, 4, 2)), Tile(128, 64, 4, 2, paged_kv=True),
+                   Tile(128, 64, 4, 2, max_seqlen=1024, compact_epilogue=True), Tile(128, 64, 4, 2)],
     (128, True): Tile(128, 64, 4, 2),
-    (192, False): [Tile(128, 64, 8, 2, paged_kv=True), Tile(128, 64, 8, 2)],   # 144 KiB; 16 rows per warp keep O at 96
-                                                                                # registers
+    (192, False): [*split_rows(Tile(128, 64, 8, 2)), Tile(128, 64, 8, 2, paged_kv=True),
+                   Tile(128, 64, 8, 2)],   # 144 KiB; 16 rows per warp keep O at 96 registers
     (192, True): Tile(128, 64, 8, 2),
     # D = 256: O is 128 registers per thread, so a warp holds 16 rows x 256 columns, or, in a pair
     # (group_warps = 2), 32 rows x 128 columns: the pair splits the keys of S and the columns of O and trades P
@@ -120,8 +132,8 @@ FORWARD_TILES = {
     # bench/forward_tiles.cu, bf16, 4 alternating runs, medians, causal TFLOP/s 16-row / pairs: S = 512 195.9 / 190.0,
     # 768 220.9 / 219.2, 1k 238.2 / 236.4, 1.5k 252.8 / 256.2, 2k 264.9 / 271.5; non-causal 512 268.5 / 267.5, 1k
     # 296.6 / 303.5; bench/results/2026-12-01-0020-h200-fwd-d256-short-causal.json).
-    (256, False): [Tile(64, 64, 4, 1, group_warps=2, paged_kv=True), Tile(64, 64, 4, 1, causal_max_seqlen=1024),
-                   Tile(64, 64, 4, 1, group_warps=2)],
+    (256, False): [*split_rows(Tile(64, 64, 4, 1, group_warps=2)), Tile(64, 64, 4, 1, group_warps=2, paged_kv=True),
+                   Tile(64, 64, 4, 1, causal_max_seqlen=1024), Tile(64, 64, 4, 1, group_warps=2)],
     (256, True): [Tile(128, 64, 8, 2), Tile(128, 64, 8, 1)],
 }
 
@@ -211,6 +223,7 @@ class Kernel:
         groups = f"g{t.group_warps}" if t.group_warps != 1 else ""
         epilogue = "ce" if t.compact_epilogue else ""
         epilogue += "pk" if t.paged_kv else ""
+        epilogue += "sk" if t.split_kv else ""
         role = DECODE_ROLES[t.decode_role][0]
         cache = "_e4m3" if self.fp8_cache else ""
         return (f"{self.kind}_sm80_{self.dtype}{cache}_d{self.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}"
@@ -271,6 +284,9 @@ def kernels():
                     assert not tile.paged_kv or (kind == "fwd" and not dropout and not tile.max_seqlen and
                                                  not tile.causal_max_seqlen and not tile.compact_epilogue), \
                         f"{kind} d{head_dim}: paged_kv is a forward field of its own rows (no dropout, no other condition)"
+                    assert not tile.split_kv or (kind == "fwd" and not dropout and not tile.max_seqlen and
+                                                 not tile.causal_max_seqlen and not tile.compact_epilogue), \
+                        f"{kind} d{head_dim}: split_kv is a forward field of its own rows (no dropout, no other condition)"
                     assert tile.decode_role in DECODE_ROLES, f"{kind} d{head_dim}: unknown decode_role {tile.decode_role!r}"
                     assert not tile.decode_role or (kind == "dec" and not fp8_cache), f"{kind} d{head_dim}: decode_role is a 16-bit decode field"
                     if fp8_cache:
@@ -293,6 +309,17 @@ def kernel_cu(k):
         config = f"sm80::WithCompactEpilogue<{config}>"
     if t.paged_kv:
         config = f"sm80::WithPagedKv<{config}>"
+    if t.split_kv:  # its own launcher: the split count, and an occupancy query (forward_launch.cuh)
+        config = f"sm80::WithSplitKv<{config}>"
+        return f"""// {BANNER}
+#include "{header}"
+
+namespace flashattn::cuda::generated {{
+Status {k.name}(const {params}& params, int num_splits, int* ctas_per_sm, void* stream) {{
+  return launch_forward_split_sm80<{config}>(params, num_splits, ctas_per_sm, static_cast<cudaStream_t>(stream));
+}}
+}}  // namespace flashattn::cuda::generated
+"""
     return f"""// {BANNER}
 #include "{header}"
 
@@ -311,7 +338,7 @@ def kernel_table_hpp(rows):
              "namespace flashattn::cuda::generated {", "",
              "inline constexpr KernelEntry kKernelTable[] = {",
              "    // kind, dtype, head dim, block_m, block_n, warps, stages, dropout, smem bytes, name, warp keys, group warps, fp8 cache,",
-             "    // causal max seqlen, max seqlen, decode role, paged kv"]
+             "    // causal max seqlen, max seqlen, decode role, paged kv, split kv"]
     for k in rows:
         _, fa_dtype = DTYPES[k.dtype]
         kind = {"fwd": "KernelKind::kForward", "bwd": "KernelKind::kBackward", "dec": "KernelKind::kKvcache"}[k.kind]
@@ -319,7 +346,8 @@ def kernel_table_hpp(rows):
         lines.append(f"    {{{kind}, {fa_dtype}, {k.head_dim}, {t.block_m}, {t.block_n}, {t.warps}, {t.stages}, "
                      f"{'true' if k.dropout else 'false'}, {k.smem_bytes}, \"{k.name}\", {t.warp_keys}, {t.group_warps}, "
                      f"{'true' if k.fp8_cache else 'false'}, {t.causal_max_seqlen}, {t.max_seqlen}, "
-                     f"{DECODE_ROLES[t.decode_role][1]}, {'true' if t.paged_kv else 'false'}}},")
+                     f"{DECODE_ROLES[t.decode_role][1]}, {'true' if t.paged_kv else 'false'}, "
+                     f"{'true' if t.split_kv else 'false'}}},")
     if not rows:
         lines.append("    {}")
     lines += ["};", f"inline constexpr int kKernelCount = {len(rows)};", "",
@@ -334,17 +362,22 @@ def kernel_launchers_cpp(rows):
              "namespace flashattn::cuda::generated {", ""]
     for k in rows:
         _, _, params = KINDS[k.kind]
-        lines.append(f"Status {k.name}(const {params}& params, void* stream);")
+        if k.tile.split_kv:
+            lines.append(f"Status {k.name}(const {params}& params, int num_splits, int* ctas_per_sm, void* stream);")
+        else:
+            lines.append(f"Status {k.name}(const {params}& params, void* stream);")
     lines += ["", "const KernelLaunch kKernelLaunch[] = {"]
     for k in rows:
-        if k.kind == "fwd":
-            lines.append(f"    {{&{k.name}, nullptr, nullptr}},")
+        if k.kind == "fwd" and k.tile.split_kv:
+            lines.append(f"    {{nullptr, nullptr, nullptr, &{k.name}}},")
+        elif k.kind == "fwd":
+            lines.append(f"    {{&{k.name}, nullptr, nullptr, nullptr}},")
         elif k.kind == "bwd":
-            lines.append(f"    {{nullptr, &{k.name}, nullptr}},")
+            lines.append(f"    {{nullptr, &{k.name}, nullptr, nullptr}},")
         else:
-            lines.append(f"    {{nullptr, nullptr, &{k.name}}},")
+            lines.append(f"    {{nullptr, nullptr, &{k.name}, nullptr}},")
     if not rows:
-        lines.append("    {nullptr, nullptr, nullptr}")
+        lines.append("    {nullptr, nullptr, nullptr, nullptr}")
     lines += ["};", "static_assert(sizeof(kKernelLaunch) / sizeof(kKernelLaunch[0]) >= kKernelCount);", "",
               "}  // namespace flashattn::cuda::generated", ""]
     return "\n".join(lines)

@@ -7,6 +7,7 @@
 #include "api/validate.hpp"
 #include "cuda/dispatch.hpp"
 #include "cuda/generated/kernel_table.hpp"
+#include "cuda/sm80/forward_split.hpp"
 
 namespace {
 
@@ -308,6 +309,82 @@ TEST(CudaDispatch, PagedRowIsTakenOnlyForPagedCalls) {
         }
 }
 
+// Split-KV rows (forward_split.hpp): dispatch's general pass never takes one; split_alternative offers each bucket's
+// without dropout, paged for paged rows and dense for dense ones, and none for dropout rows.
+TEST(CudaDispatch, SplitRowsAreOfferedBySplitAlternativeOnly) {
+  namespace gen = flashattn::cuda::generated;
+  static const int32_t kBlockTable = 0;  // never read
+  for (fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
+    for (int d : {32, 64, 96, 128, 192, 256})
+      for (float dropout : {0.f, 0.1f})
+        for (bool paged : {false, true})
+          for (int sq : {1, 128, 4096}) {
+            Case c;
+            c.dtype = dtype;
+            c.d = d;
+            c.dropout = dropout;
+            c.sq = sq;
+            AttentionParams p = params_for(c);
+            if (paged) p.block_table = &kBlockTable;
+            int index = -1;
+            ASSERT_TRUE(choose_kernel(KernelKind::kForward, p, h200(), gen::kKernelTable, gen::kKernelCount, kArchs, &index).ok());
+            const KernelEntry& e = gen::kKernelTable[index];
+            EXPECT_FALSE(e.split_kv) << e.name << ": dispatch took a split row";
+            const int split = flashattn::cuda::split_alternative(index, h200(), gen::kKernelTable, gen::kKernelCount);
+            if (dropout > 0.f) {
+              EXPECT_EQ(split, -1) << e.name;
+              continue;
+            }
+            ASSERT_GE(split, 0) << e.name << ": no split row";
+            const KernelEntry& s = gen::kKernelTable[split];
+            EXPECT_TRUE(s.split_kv) << s.name;
+            EXPECT_EQ(s.paged_kv, paged) << s.name;
+            EXPECT_EQ(s.head_dim, e.head_dim) << s.name;
+            EXPECT_EQ(s.dtype, e.dtype) << s.name;
+          }
+}
+
+// The split plan: splits where the grid fills fewer than half of the CTA slots, up to one wave of slots, at least
+// kMinTilesPerSplit key tiles each, never with dropout; the forced count of the test hook wins (capped).
+TEST(CudaDispatch, ForwardSplitPlan) {
+  namespace sm80 = flashattn::cuda::sm80;
+  auto count = [](int batch, int sq, int sk, int hq, float dropout = 0.f) {
+    Case c;
+    c.batch = batch;
+    c.sq = sq;
+    c.sk = sk;
+    c.hq = hq;
+    c.hk = hq;
+    c.d = 128;
+    c.dropout = dropout;
+    return sm80::forward_split_count(params_for(c), 128, 64, 132, 2);  // an H100 / H200: 132 SMs x 2 CTAs
+  };
+  EXPECT_EQ(count(1, 128, 32768, 32), 8);     // 32 CTAs, 264 slots
+  EXPECT_EQ(count(1, 512, 32768, 32), 2);     // 128 CTAs
+  EXPECT_EQ(count(1, 1024, 32768, 32), 1);    // 256 CTAs: every SM busy
+  EXPECT_EQ(count(1, 16, 32768, 1), 32);      // 1 CTA: capped at kMaxForwardSplits
+  EXPECT_EQ(count(1, 128, 1024, 32), 4);      // 16 key tiles: 4 per split
+  EXPECT_EQ(count(1, 128, 448, 32), 1);       // 7 key tiles: too few to split
+  EXPECT_EQ(count(1, 128, 32768, 32, 0.1f), 1);  // dropout: no split rows
+  EXPECT_EQ(count(2, 100, 130, 4), 1);
+  sm80::set_forward_splits_for_tests(5);
+  EXPECT_EQ(count(16, 4096, 4096, 32), 5);
+  EXPECT_EQ(count(1, 128, 1024, 32, 0.1f), 1);
+  sm80::set_forward_splits_for_tests(100);
+  EXPECT_EQ(count(1, 128, 1024, 32), sm80::kMaxForwardSplits);
+  sm80::set_forward_splits_for_tests(0);
+  EXPECT_EQ(count(1, 128, 32768, 32), 8);
+  // The partials: splits x B x Hq x Sq rows of Dv floats, then their LSEs, each 256-byte aligned.
+  Case c;
+  c.batch = 2, c.sq = 100, c.hq = 4, c.d = 64;
+  const AttentionParams p = params_for(c);
+  const sm80::ForwardSplitLayout layout = sm80::forward_split_layout(p, 3);
+  EXPECT_EQ(layout.o_bytes, (3 * 2 * 4 * 100 * 64 * 4 + 255) / 256 * 256);
+  EXPECT_EQ(layout.lse_bytes, (3 * 2 * 4 * 100 * 4 + 255) / 256 * 256);
+  EXPECT_EQ(layout.total_bytes, layout.o_bytes + layout.lse_bytes);
+  EXPECT_EQ(sm80::split_partial_row(p, 2, 1, 3, 99), ((2 * 2 + 1) * 4 + 3) * 100 + 99);
+}
+
 TEST(CudaDispatch, GeneratedTableIsConsistent) {
   namespace gen = flashattn::cuda::generated;
   ASSERT_GT(gen::kKernelCount, 0);
@@ -331,10 +408,13 @@ TEST(CudaDispatch, GeneratedTableIsConsistent) {
     EXPECT_TRUE(e.causal_max_seqlen_q == 0 || e.max_seqlen_q == 0) << e.name << ": one call condition per row";
     EXPECT_TRUE(!e.paged_kv || (e.kind == KernelKind::kForward && !e.dropout && e.causal_max_seqlen_q == 0 && e.max_seqlen_q == 0))
         << e.name << ": a paged row is a forward row without dropout or another condition";
+    EXPECT_TRUE(!e.split_kv || (e.kind == KernelKind::kForward && !e.dropout && e.causal_max_seqlen_q == 0 && e.max_seqlen_q == 0))
+        << e.name << ": a split row is a forward row without dropout or another condition";
     // A conditional row (short causal, short call, a decode role) is taken only for some calls: dispatch then reads on.
     EXPECT_TRUE(e.decode_role == DecodeRole::kGeneral || (e.kind == KernelKind::kKvcache && !e.fp8_cache)) << e.name;
     auto conditional = [](const KernelEntry& k) {
-      return k.causal_max_seqlen_q > 0 || k.max_seqlen_q > 0 || k.decode_role != DecodeRole::kGeneral || k.paged_kv;
+      return k.causal_max_seqlen_q > 0 || k.max_seqlen_q > 0 || k.decode_role != DecodeRole::kGeneral || k.paged_kv ||
+             k.split_kv;
     };
     bool general_follows = false;  // a conditional row needs a general row after it (any other call)
     for (int s = 0; s < gen::kKernelCount; ++s) {

@@ -18,6 +18,7 @@
 #include "api/validate.hpp"
 #include "core/philox.hpp"
 #include "cpu/reference/reference.hpp"
+#include "cuda/sm80/forward_split.hpp"
 #include "testing.hpp"
 
 #if defined(FLASHATTN_WITH_CUDA)
@@ -727,6 +728,201 @@ TEST(CudaForward, VarlenPagedShortSequencesInACudaGraph) {
     cudaStreamDestroy(stream);
   }
 #endif
+}
+
+// ---- split-KV (src/cuda/sm80/forward_split.hpp) ----
+
+// The library's split count forced for one scope (its test hook), the plan's restored after.
+struct ForcedForwardSplits {
+  explicit ForcedForwardSplits(int splits) { flashattn::cuda::sm80::set_forward_splits_for_tests(splits); }
+  ~ForcedForwardSplits() { flashattn::cuda::sm80::set_forward_splits_for_tests(0); }
+};
+
+// check_against_oracle, then the call once more for its fa_stats: a split call (splits > 1) runs a split row ("sk") and
+// the merge, and reports its split count.
+void check_split_call(const std::string& what, const Call& call, int splits) {
+  Call checked = call;
+  check_against_oracle(what, checked);
+  fa_stats stats{};
+  Call again = call;
+  const Status s = run_gpu(again, &stats);
+  ASSERT_TRUE(s.ok()) << what << ": " << s.to_string();
+  const std::string kernel = stats.kernel;
+  if (splits > 1) {
+    EXPECT_NE(kernel.find("sk splits=" + std::to_string(splits) + " + combine"), std::string::npos) << what << " ran " << kernel;
+    EXPECT_EQ(stats.num_splits, splits) << what;
+    EXPECT_GT(stats.scratch_bytes_peak, 0) << what;
+  } else {
+    EXPECT_EQ(kernel.find("combine"), std::string::npos) << what << " ran " << kernel;
+  }
+}
+
+// Every split count gives the oracle's result: 1 (no split), 2, 3, 5 and 32 (more splits than key tiles: empty shares,
+// whose rows weigh nothing), every head-dim bucket, causal or not (the diagonal tile in the last share), windows that
+// leave rows without a key in a share or in all of them (O = 0, LSE = -inf), softcap with ALiBi, varlen with empty
+// sequences, seqused_k, paged caches (slot ids and per-row lookups), and a paged varlen serving step whose short
+// sequences run in the decode kernels (the merge must leave their rows alone). Outputs poisoned.
+TEST(CudaForward, SplitKvMatchesOracleAtEveryCount) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_split_kv");
+  for (int splits : {1, 2, 3, 5, 32}) {
+    ForcedForwardSplits forced(splits);
+    const std::string n = " splits=" + std::to_string(splits);
+    for (int d : {32, 64, 96, 128, 192, 256})
+      for (int causal : {0, 1}) {
+        const fa_dtype dtype = (d / 32 + causal) % 2 == 0 ? FA_BFLOAT16 : FA_FLOAT16;
+        Call c = make_call(problem(2, 130, 700, 4, 2, d, dtype), rng);
+        c.options.causal = causal;
+        check_split_call(std::string(short_name(dtype)) + " D=" + std::to_string(d) + (causal ? " causal" : "") + n, c, splits);
+      }
+    for (const auto& w : {std::pair<int, int>{32, 16}, std::pair<int, int>{200, 0}, std::pair<int, int>{-1, 5}}) {
+      Call c = make_call(problem(2, 400, 650, 2, 1, 128, FA_FLOAT16), rng);  // Sq < Sk
+      c.options.window_left = w.first;
+      c.options.window_right = w.second;
+      check_split_call("window (" + std::to_string(w.first) + ", " + std::to_string(w.second) + ")" + n, c, splits);
+    }
+    {
+      Call c = make_call(problem(1, 700, 300, 2, 2, 64, FA_BFLOAT16), rng);
+      c.options.causal = 1;  // rows 0..399 see no key at all
+      check_split_call("causal Sq > Sk: fully masked rows" + n, c, splits);
+    }
+    {
+      Call c = make_call(problem(2, 140, 600, 4, 2, 256, FA_FLOAT16), rng);
+      c.alibi = HostTensor({2, 4}, FA_FLOAT32);
+      c.alibi.fill_uniform(rng, 0.01, 0.5);
+      c.options.softcap = 20.f;
+      c.options.causal = 1;
+      check_split_call("alibi (B, Hq) + softcap causal D=256" + n, c, splits);
+    }
+    {
+      fa_test::Problem p = problem(5, 0, 0, 4, 2, 128, FA_BFLOAT16);
+      p.varlen_q = {1, 130, 0, 257, 64};
+      p.varlen_k = {17, 1000, 40, 300, 0};
+      Call c = make_call(p, rng);
+      c.options.causal = 1;
+      check_split_call("varlen causal" + n, c, splits);
+    }
+    {
+      Call c = make_call(problem(3, 90, 900, 2, 1, 64, FA_FLOAT16), rng);
+      c.seqused_k = HostTensor({3}, FA_INT32);
+      c.seqused_k.set_int(0, 900);
+      c.seqused_k.set_int(1, 77);
+      c.seqused_k.set_int(2, 0);
+      check_split_call("seqused_k" + n, c, splits);
+    }
+    for (int block_size : {16, 5}) {
+      Call c;
+      c.q = HostTensor({3, 70, 4, 128}, FA_BFLOAT16);
+      c.q.fill_normal(rng);
+      make_paged_cache(c, rng, 3, 800, block_size, 2, 128, FA_BFLOAT16, /*repeat=*/true);
+      c.out = HostTensor({3, 70, 4, 128}, FA_BFLOAT16);
+      c.lse = HostTensor({3, 4, 70}, FA_FLOAT32);
+      c.seqused_k = HostTensor({3}, FA_INT32);
+      c.seqused_k.set_int(0, 800);
+      c.seqused_k.set_int(1, 1);
+      c.seqused_k.set_int(2, 431);
+      c.options.causal = 1;
+      check_split_call("paged block_size=" + std::to_string(block_size) + n, c, splits);
+    }
+    {
+      // decode tokens (1 row: the decode kernels at G = 4) beside chunks of 37 and 120 rows (the split forward kernel)
+      Call c = varlen_paged_call(rng, {1, 37, 0, 120, 1}, {3000, 600, 9, 900, 1}, 8, 2, 128, 16, FA_BFLOAT16, 2);
+      c.options.causal = 1;
+      check_split_call("paged varlen step with decode tokens" + n, c, splits);
+    }
+  }
+}
+
+// The plan splits where the unsplit grid leaves SMs idle (B = 1, Hq = 32: 32 CTAs for Sq = 128), not where it fills the
+// device (Sq = 2048 over 16 sequences); dropout never splits. The split call also captures into a CUDA graph (its
+// partials from the library's pool), each replay bit-identical to the eager call.
+TEST(CudaForward, SplitKvPlanAndCudaGraph) {
+  SKIP_WITHOUT_GPU();
+#if defined(FLASHATTN_WITH_CUDA)
+  auto rng = fa_test::make_rng("cuda_forward_split_plan");
+  Call c = make_call(problem(1, 128, 4096, 32, 8, 128, FA_BFLOAT16), rng);
+  c.options.causal = 1;
+  {
+    Call checked = c;
+    check_against_oracle("B = 1, Sq = 128, Sk = 4096, Hq = 32 / Hk = 8", checked);
+  }
+  Call eager = c;
+  fa_stats stats{};
+  ASSERT_TRUE(run_gpu(eager, &stats).ok());
+  EXPECT_GT(stats.num_splits, 1) << stats.kernel;
+  EXPECT_NE(std::string(stats.kernel).find("combine"), std::string::npos) << stats.kernel;
+  {
+    Call big = make_call(problem(16, 2048, 2048, 8, 8, 128, FA_BFLOAT16), rng);
+    fa_stats big_stats{};
+    ASSERT_TRUE(run_gpu(big, &big_stats).ok());
+    EXPECT_EQ(big_stats.num_splits, 1) << big_stats.kernel;
+    Call dropout = make_call(problem(1, 128, 4096, 32, 8, 128, FA_BFLOAT16), rng);
+    dropout.options.dropout_p = 0.1f;
+    fa_stats dropout_stats{};
+    ASSERT_TRUE(run_gpu(dropout, &dropout_stats).ok());
+    EXPECT_EQ(dropout_stats.num_splits, 1) << dropout_stats.kernel;
+  }
+  DeviceCall d(c);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  fa_options o = d.options();
+  o.stream = stream;
+  ASSERT_TRUE(flashattn::forward(d.args(), o).ok());  // an eager call first: kernel attributes are set outside the capture
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const Status s = flashattn::forward(d.args(), o);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int replay = 0; replay < 2; ++replay) {
+    c.out.poison();
+    c.lse.poison();
+    d.upload_again(c.out);
+    d.upload_again(c.lse);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    d.download(c.out);
+    d.download(c.lse);
+    EXPECT_EQ(std::memcmp(c.out.data(), eager.out.data(), size_t(c.out.storage_bytes())), 0) << "replay " << replay;
+    EXPECT_EQ(std::memcmp(c.lse.data(), eager.lse.data(), size_t(c.lse.storage_bytes())), 0) << "replay " << replay;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+#endif
+}
+
+// A bad block id in a split call: the shares that meet it are NaN, and the merge makes every row of that sequence NaN
+// (as the unsplit kernel does), the other sequences' rows finite.
+TEST(CudaForward, SplitKvBadBlockIdGivesNan) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_split_bad_id");
+  ForcedForwardSplits forced(4);
+  const int batch = 3, hq = 4, hk = 2, sq = 70, d = 128;
+  for (int block_size : {16, 5}) {
+    Call c;
+    c.q = HostTensor({batch, sq, hq, d}, FA_BFLOAT16);
+    c.q.fill_normal(rng);
+    make_paged_cache(c, rng, batch, 1000, block_size, hk, d, FA_BFLOAT16, false);
+    c.out = HostTensor({batch, sq, hq, d}, FA_BFLOAT16);
+    c.lse = HostTensor({batch, hq, sq}, FA_FLOAT32);
+    const int max_blocks = int(c.block_table.shape()[1]);
+    c.block_table.set_int(max_blocks + 100 / block_size, 1 << 20);  // keys around 100 of sequence 1: its first share
+    fa_stats stats{};
+    ASSERT_TRUE(run_gpu(c, &stats).ok());
+    ASSERT_EQ(stats.num_splits, 4) << stats.kernel;
+    const std::vector<double> out = c.out.to_double(), lse = c.lse.to_double();
+    for (int b = 0; b < batch; ++b)
+      for (int h = 0; h < hq; ++h)
+        for (int i = 0; i < sq; ++i) {
+          const double l = lse[(int64_t(b) * hq + h) * sq + i];
+          const double o = out[((int64_t(b) * sq + i) * hq + h) * d + 5];
+          EXPECT_EQ(std::isnan(l), b == 1) << "block_size " << block_size << " b " << b << " h " << h << " i " << i;
+          EXPECT_EQ(std::isnan(o), b == 1) << "block_size " << block_size << " b " << b << " h " << h << " i " << i;
+        }
+  }
 }
 
 TEST(CudaForward, StridedTensors) {

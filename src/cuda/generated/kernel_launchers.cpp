@@ -4,43 +4,67 @@
 
 namespace flashattn::cuda::generated {
 
+Status fwd_sm80_f16_d32_m128n128w4s2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
+Status fwd_sm80_f16_d32_m128n128w4s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_f16_d32_m128n128w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d32_m128n128w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d32_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_f16_d64_m128n128w4s2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
+Status fwd_sm80_f16_d64_m128n128w4s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_f16_d64_m128n128w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d64_m128n128w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d64_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_f16_d96_m128n64w4s2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
+Status fwd_sm80_f16_d96_m128n64w4s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_f16_d96_m128n64w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d96_m128n64w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d96_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_f16_d128_m128n64w4s2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
+Status fwd_sm80_f16_d128_m128n64w4s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2ce(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_f16_d192_m128n64w8s2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
+Status fwd_sm80_f16_d192_m128n64w8s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_f16_d192_m128n64w8s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d192_m128n64w8s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d192_m128n64w8s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_f16_d256_m64n64w4s1g2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
+Status fwd_sm80_f16_d256_m64n64w4s1g2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_f16_d256_m64n64w4s1g2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d256_m64n64w4s1(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d256_m64n64w4s1g2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d256_m128n64w8s2_dropout(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d256_m128n64w8s1_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_bf16_d32_m128n128w4s2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
+Status fwd_sm80_bf16_d32_m128n128w4s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_bf16_d32_m128n128w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d32_m128n128w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d32_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_bf16_d64_m128n128w4s2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
+Status fwd_sm80_bf16_d64_m128n128w4s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_bf16_d64_m128n128w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d64_m128n128w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d64_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_bf16_d96_m128n64w4s2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
+Status fwd_sm80_bf16_d96_m128n64w4s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_bf16_d96_m128n64w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d96_m128n64w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d96_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_bf16_d128_m128n64w4s2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
+Status fwd_sm80_bf16_d128_m128n64w4s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2ce(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_bf16_d192_m128n64w8s2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
+Status fwd_sm80_bf16_d192_m128n64w8s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_bf16_d192_m128n64w8s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d192_m128n64w8s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d192_m128n64w8s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_bf16_d256_m64n64w4s1g2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
+Status fwd_sm80_bf16_d256_m64n64w4s1g2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_bf16_d256_m64n64w4s1g2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d256_m64n64w4s1(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d256_m64n64w4s1g2(const AttentionParams& params, void* stream);
@@ -98,98 +122,122 @@ Status dec_sm80_bf16_e4m3_d128_m16n128w4s3(const KvcacheParams& params, void* st
 Status dec_sm80_bf16_e4m3_d256_m16n64w4s3(const KvcacheParams& params, void* stream);
 
 const KernelLaunch kKernelLaunch[] = {
-    {&fwd_sm80_f16_d32_m128n128w4s2pk, nullptr, nullptr},
-    {&fwd_sm80_f16_d32_m128n128w4s2, nullptr, nullptr},
-    {&fwd_sm80_f16_d32_m128n64w4s2_dropout, nullptr, nullptr},
-    {&fwd_sm80_f16_d64_m128n128w4s2pk, nullptr, nullptr},
-    {&fwd_sm80_f16_d64_m128n128w4s2, nullptr, nullptr},
-    {&fwd_sm80_f16_d64_m128n64w4s2_dropout, nullptr, nullptr},
-    {&fwd_sm80_f16_d96_m128n64w4s2pk, nullptr, nullptr},
-    {&fwd_sm80_f16_d96_m128n64w4s2, nullptr, nullptr},
-    {&fwd_sm80_f16_d96_m128n64w4s2_dropout, nullptr, nullptr},
-    {&fwd_sm80_f16_d128_m128n64w4s2pk, nullptr, nullptr},
-    {&fwd_sm80_f16_d128_m128n64w4s2ce, nullptr, nullptr},
-    {&fwd_sm80_f16_d128_m128n64w4s2, nullptr, nullptr},
-    {&fwd_sm80_f16_d128_m128n64w4s2_dropout, nullptr, nullptr},
-    {&fwd_sm80_f16_d192_m128n64w8s2pk, nullptr, nullptr},
-    {&fwd_sm80_f16_d192_m128n64w8s2, nullptr, nullptr},
-    {&fwd_sm80_f16_d192_m128n64w8s2_dropout, nullptr, nullptr},
-    {&fwd_sm80_f16_d256_m64n64w4s1g2pk, nullptr, nullptr},
-    {&fwd_sm80_f16_d256_m64n64w4s1, nullptr, nullptr},
-    {&fwd_sm80_f16_d256_m64n64w4s1g2, nullptr, nullptr},
-    {&fwd_sm80_f16_d256_m128n64w8s2_dropout, nullptr, nullptr},
-    {&fwd_sm80_f16_d256_m128n64w8s1_dropout, nullptr, nullptr},
-    {&fwd_sm80_bf16_d32_m128n128w4s2pk, nullptr, nullptr},
-    {&fwd_sm80_bf16_d32_m128n128w4s2, nullptr, nullptr},
-    {&fwd_sm80_bf16_d32_m128n64w4s2_dropout, nullptr, nullptr},
-    {&fwd_sm80_bf16_d64_m128n128w4s2pk, nullptr, nullptr},
-    {&fwd_sm80_bf16_d64_m128n128w4s2, nullptr, nullptr},
-    {&fwd_sm80_bf16_d64_m128n64w4s2_dropout, nullptr, nullptr},
-    {&fwd_sm80_bf16_d96_m128n64w4s2pk, nullptr, nullptr},
-    {&fwd_sm80_bf16_d96_m128n64w4s2, nullptr, nullptr},
-    {&fwd_sm80_bf16_d96_m128n64w4s2_dropout, nullptr, nullptr},
-    {&fwd_sm80_bf16_d128_m128n64w4s2pk, nullptr, nullptr},
-    {&fwd_sm80_bf16_d128_m128n64w4s2ce, nullptr, nullptr},
-    {&fwd_sm80_bf16_d128_m128n64w4s2, nullptr, nullptr},
-    {&fwd_sm80_bf16_d128_m128n64w4s2_dropout, nullptr, nullptr},
-    {&fwd_sm80_bf16_d192_m128n64w8s2pk, nullptr, nullptr},
-    {&fwd_sm80_bf16_d192_m128n64w8s2, nullptr, nullptr},
-    {&fwd_sm80_bf16_d192_m128n64w8s2_dropout, nullptr, nullptr},
-    {&fwd_sm80_bf16_d256_m64n64w4s1g2pk, nullptr, nullptr},
-    {&fwd_sm80_bf16_d256_m64n64w4s1, nullptr, nullptr},
-    {&fwd_sm80_bf16_d256_m64n64w4s1g2, nullptr, nullptr},
-    {&fwd_sm80_bf16_d256_m128n64w8s2_dropout, nullptr, nullptr},
-    {&fwd_sm80_bf16_d256_m128n64w8s1_dropout, nullptr, nullptr},
-    {nullptr, &bwd_sm80_f16_d32_m64n128w4s2k32, nullptr},
-    {nullptr, &bwd_sm80_f16_d32_m64n128w8s2_dropout, nullptr},
-    {nullptr, &bwd_sm80_f16_d64_m64n128w4s2k32, nullptr},
-    {nullptr, &bwd_sm80_f16_d64_m64n128w8s2_dropout, nullptr},
-    {nullptr, &bwd_sm80_f16_d96_m64n128w8s2, nullptr},
-    {nullptr, &bwd_sm80_f16_d96_m64n128w8s2_dropout, nullptr},
-    {nullptr, &bwd_sm80_f16_d128_m64n128w8s2k32, nullptr},
-    {nullptr, &bwd_sm80_f16_d128_m64n128w8s2k32_dropout, nullptr},
-    {nullptr, &bwd_sm80_f16_d192_m64n64w8s2k32, nullptr},
-    {nullptr, &bwd_sm80_f16_d192_m64n64w8s2k32_dropout, nullptr},
-    {nullptr, &bwd_sm80_f16_d256_m64n64w8s2k32, nullptr},
-    {nullptr, &bwd_sm80_f16_d256_m32n64w8s2, nullptr},
-    {nullptr, &bwd_sm80_f16_d256_m64n64w8s2k32_dropout, nullptr},
-    {nullptr, &bwd_sm80_f16_d256_m32n64w8s2_dropout, nullptr},
-    {nullptr, &bwd_sm80_bf16_d32_m64n128w4s2k32, nullptr},
-    {nullptr, &bwd_sm80_bf16_d32_m64n128w8s2_dropout, nullptr},
-    {nullptr, &bwd_sm80_bf16_d64_m64n128w4s2k32, nullptr},
-    {nullptr, &bwd_sm80_bf16_d64_m64n128w8s2_dropout, nullptr},
-    {nullptr, &bwd_sm80_bf16_d96_m64n128w8s2, nullptr},
-    {nullptr, &bwd_sm80_bf16_d96_m64n128w8s2_dropout, nullptr},
-    {nullptr, &bwd_sm80_bf16_d128_m64n128w8s2k32, nullptr},
-    {nullptr, &bwd_sm80_bf16_d128_m64n128w8s2k32_dropout, nullptr},
-    {nullptr, &bwd_sm80_bf16_d192_m64n64w8s2k32, nullptr},
-    {nullptr, &bwd_sm80_bf16_d192_m64n64w8s2k32_dropout, nullptr},
-    {nullptr, &bwd_sm80_bf16_d256_m64n64w8s2k32, nullptr},
-    {nullptr, &bwd_sm80_bf16_d256_m32n64w8s2, nullptr},
-    {nullptr, &bwd_sm80_bf16_d256_m64n64w8s2k32_dropout, nullptr},
-    {nullptr, &bwd_sm80_bf16_d256_m32n64w8s2_dropout, nullptr},
-    {nullptr, nullptr, &dec_sm80_f16_d32_m16n128w4s4},
-    {nullptr, nullptr, &dec_sm80_f16_d64_m16n128w4s3},
-    {nullptr, nullptr, &dec_sm80_f16_d96_m16n64w4s4},
-    {nullptr, nullptr, &dec_sm80_f16_d128_m16n64w4s2mw},
-    {nullptr, nullptr, &dec_sm80_f16_d128_m16n128w4s2lc},
-    {nullptr, nullptr, &dec_sm80_f16_d128_m16n64w4s3},
-    {nullptr, nullptr, &dec_sm80_f16_d192_m16n64w4s2},
-    {nullptr, nullptr, &dec_sm80_f16_d256_m16n64w4s2},
-    {nullptr, nullptr, &dec_sm80_bf16_d32_m16n128w4s4},
-    {nullptr, nullptr, &dec_sm80_bf16_d64_m16n128w4s3},
-    {nullptr, nullptr, &dec_sm80_bf16_d96_m16n64w4s4},
-    {nullptr, nullptr, &dec_sm80_bf16_d128_m16n64w4s2mw},
-    {nullptr, nullptr, &dec_sm80_bf16_d128_m16n128w4s2lc},
-    {nullptr, nullptr, &dec_sm80_bf16_d128_m16n64w4s3},
-    {nullptr, nullptr, &dec_sm80_bf16_d192_m16n64w4s2},
-    {nullptr, nullptr, &dec_sm80_bf16_d256_m16n64w4s2},
-    {nullptr, nullptr, &dec_sm80_f16_e4m3_d64_m16n128w4s4},
-    {nullptr, nullptr, &dec_sm80_f16_e4m3_d128_m16n128w4s3},
-    {nullptr, nullptr, &dec_sm80_f16_e4m3_d256_m16n64w4s3},
-    {nullptr, nullptr, &dec_sm80_bf16_e4m3_d64_m16n128w4s4},
-    {nullptr, nullptr, &dec_sm80_bf16_e4m3_d128_m16n128w4s3},
-    {nullptr, nullptr, &dec_sm80_bf16_e4m3_d256_m16n64w4s3},
+    {nullptr, nullptr, nullptr, &fwd_sm80_f16_d32_m128n128w4s2pksk},
+    {nullptr, nullptr, nullptr, &fwd_sm80_f16_d32_m128n128w4s2sk},
+    {&fwd_sm80_f16_d32_m128n128w4s2pk, nullptr, nullptr, nullptr},
+    {&fwd_sm80_f16_d32_m128n128w4s2, nullptr, nullptr, nullptr},
+    {&fwd_sm80_f16_d32_m128n64w4s2_dropout, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, &fwd_sm80_f16_d64_m128n128w4s2pksk},
+    {nullptr, nullptr, nullptr, &fwd_sm80_f16_d64_m128n128w4s2sk},
+    {&fwd_sm80_f16_d64_m128n128w4s2pk, nullptr, nullptr, nullptr},
+    {&fwd_sm80_f16_d64_m128n128w4s2, nullptr, nullptr, nullptr},
+    {&fwd_sm80_f16_d64_m128n64w4s2_dropout, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, &fwd_sm80_f16_d96_m128n64w4s2pksk},
+    {nullptr, nullptr, nullptr, &fwd_sm80_f16_d96_m128n64w4s2sk},
+    {&fwd_sm80_f16_d96_m128n64w4s2pk, nullptr, nullptr, nullptr},
+    {&fwd_sm80_f16_d96_m128n64w4s2, nullptr, nullptr, nullptr},
+    {&fwd_sm80_f16_d96_m128n64w4s2_dropout, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, &fwd_sm80_f16_d128_m128n64w4s2pksk},
+    {nullptr, nullptr, nullptr, &fwd_sm80_f16_d128_m128n64w4s2sk},
+    {&fwd_sm80_f16_d128_m128n64w4s2pk, nullptr, nullptr, nullptr},
+    {&fwd_sm80_f16_d128_m128n64w4s2ce, nullptr, nullptr, nullptr},
+    {&fwd_sm80_f16_d128_m128n64w4s2, nullptr, nullptr, nullptr},
+    {&fwd_sm80_f16_d128_m128n64w4s2_dropout, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, &fwd_sm80_f16_d192_m128n64w8s2pksk},
+    {nullptr, nullptr, nullptr, &fwd_sm80_f16_d192_m128n64w8s2sk},
+    {&fwd_sm80_f16_d192_m128n64w8s2pk, nullptr, nullptr, nullptr},
+    {&fwd_sm80_f16_d192_m128n64w8s2, nullptr, nullptr, nullptr},
+    {&fwd_sm80_f16_d192_m128n64w8s2_dropout, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, &fwd_sm80_f16_d256_m64n64w4s1g2pksk},
+    {nullptr, nullptr, nullptr, &fwd_sm80_f16_d256_m64n64w4s1g2sk},
+    {&fwd_sm80_f16_d256_m64n64w4s1g2pk, nullptr, nullptr, nullptr},
+    {&fwd_sm80_f16_d256_m64n64w4s1, nullptr, nullptr, nullptr},
+    {&fwd_sm80_f16_d256_m64n64w4s1g2, nullptr, nullptr, nullptr},
+    {&fwd_sm80_f16_d256_m128n64w8s2_dropout, nullptr, nullptr, nullptr},
+    {&fwd_sm80_f16_d256_m128n64w8s1_dropout, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d32_m128n128w4s2pksk},
+    {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d32_m128n128w4s2sk},
+    {&fwd_sm80_bf16_d32_m128n128w4s2pk, nullptr, nullptr, nullptr},
+    {&fwd_sm80_bf16_d32_m128n128w4s2, nullptr, nullptr, nullptr},
+    {&fwd_sm80_bf16_d32_m128n64w4s2_dropout, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d64_m128n128w4s2pksk},
+    {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d64_m128n128w4s2sk},
+    {&fwd_sm80_bf16_d64_m128n128w4s2pk, nullptr, nullptr, nullptr},
+    {&fwd_sm80_bf16_d64_m128n128w4s2, nullptr, nullptr, nullptr},
+    {&fwd_sm80_bf16_d64_m128n64w4s2_dropout, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d96_m128n64w4s2pksk},
+    {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d96_m128n64w4s2sk},
+    {&fwd_sm80_bf16_d96_m128n64w4s2pk, nullptr, nullptr, nullptr},
+    {&fwd_sm80_bf16_d96_m128n64w4s2, nullptr, nullptr, nullptr},
+    {&fwd_sm80_bf16_d96_m128n64w4s2_dropout, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d128_m128n64w4s2pksk},
+    {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d128_m128n64w4s2sk},
+    {&fwd_sm80_bf16_d128_m128n64w4s2pk, nullptr, nullptr, nullptr},
+    {&fwd_sm80_bf16_d128_m128n64w4s2ce, nullptr, nullptr, nullptr},
+    {&fwd_sm80_bf16_d128_m128n64w4s2, nullptr, nullptr, nullptr},
+    {&fwd_sm80_bf16_d128_m128n64w4s2_dropout, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d192_m128n64w8s2pksk},
+    {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d192_m128n64w8s2sk},
+    {&fwd_sm80_bf16_d192_m128n64w8s2pk, nullptr, nullptr, nullptr},
+    {&fwd_sm80_bf16_d192_m128n64w8s2, nullptr, nullptr, nullptr},
+    {&fwd_sm80_bf16_d192_m128n64w8s2_dropout, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d256_m64n64w4s1g2pksk},
+    {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d256_m64n64w4s1g2sk},
+    {&fwd_sm80_bf16_d256_m64n64w4s1g2pk, nullptr, nullptr, nullptr},
+    {&fwd_sm80_bf16_d256_m64n64w4s1, nullptr, nullptr, nullptr},
+    {&fwd_sm80_bf16_d256_m64n64w4s1g2, nullptr, nullptr, nullptr},
+    {&fwd_sm80_bf16_d256_m128n64w8s2_dropout, nullptr, nullptr, nullptr},
+    {&fwd_sm80_bf16_d256_m128n64w8s1_dropout, nullptr, nullptr, nullptr},
+    {nullptr, &bwd_sm80_f16_d32_m64n128w4s2k32, nullptr, nullptr},
+    {nullptr, &bwd_sm80_f16_d32_m64n128w8s2_dropout, nullptr, nullptr},
+    {nullptr, &bwd_sm80_f16_d64_m64n128w4s2k32, nullptr, nullptr},
+    {nullptr, &bwd_sm80_f16_d64_m64n128w8s2_dropout, nullptr, nullptr},
+    {nullptr, &bwd_sm80_f16_d96_m64n128w8s2, nullptr, nullptr},
+    {nullptr, &bwd_sm80_f16_d96_m64n128w8s2_dropout, nullptr, nullptr},
+    {nullptr, &bwd_sm80_f16_d128_m64n128w8s2k32, nullptr, nullptr},
+    {nullptr, &bwd_sm80_f16_d128_m64n128w8s2k32_dropout, nullptr, nullptr},
+    {nullptr, &bwd_sm80_f16_d192_m64n64w8s2k32, nullptr, nullptr},
+    {nullptr, &bwd_sm80_f16_d192_m64n64w8s2k32_dropout, nullptr, nullptr},
+    {nullptr, &bwd_sm80_f16_d256_m64n64w8s2k32, nullptr, nullptr},
+    {nullptr, &bwd_sm80_f16_d256_m32n64w8s2, nullptr, nullptr},
+    {nullptr, &bwd_sm80_f16_d256_m64n64w8s2k32_dropout, nullptr, nullptr},
+    {nullptr, &bwd_sm80_f16_d256_m32n64w8s2_dropout, nullptr, nullptr},
+    {nullptr, &bwd_sm80_bf16_d32_m64n128w4s2k32, nullptr, nullptr},
+    {nullptr, &bwd_sm80_bf16_d32_m64n128w8s2_dropout, nullptr, nullptr},
+    {nullptr, &bwd_sm80_bf16_d64_m64n128w4s2k32, nullptr, nullptr},
+    {nullptr, &bwd_sm80_bf16_d64_m64n128w8s2_dropout, nullptr, nullptr},
+    {nullptr, &bwd_sm80_bf16_d96_m64n128w8s2, nullptr, nullptr},
+    {nullptr, &bwd_sm80_bf16_d96_m64n128w8s2_dropout, nullptr, nullptr},
+    {nullptr, &bwd_sm80_bf16_d128_m64n128w8s2k32, nullptr, nullptr},
+    {nullptr, &bwd_sm80_bf16_d128_m64n128w8s2k32_dropout, nullptr, nullptr},
+    {nullptr, &bwd_sm80_bf16_d192_m64n64w8s2k32, nullptr, nullptr},
+    {nullptr, &bwd_sm80_bf16_d192_m64n64w8s2k32_dropout, nullptr, nullptr},
+    {nullptr, &bwd_sm80_bf16_d256_m64n64w8s2k32, nullptr, nullptr},
+    {nullptr, &bwd_sm80_bf16_d256_m32n64w8s2, nullptr, nullptr},
+    {nullptr, &bwd_sm80_bf16_d256_m64n64w8s2k32_dropout, nullptr, nullptr},
+    {nullptr, &bwd_sm80_bf16_d256_m32n64w8s2_dropout, nullptr, nullptr},
+    {nullptr, nullptr, &dec_sm80_f16_d32_m16n128w4s4, nullptr},
+    {nullptr, nullptr, &dec_sm80_f16_d64_m16n128w4s3, nullptr},
+    {nullptr, nullptr, &dec_sm80_f16_d96_m16n64w4s4, nullptr},
+    {nullptr, nullptr, &dec_sm80_f16_d128_m16n64w4s2mw, nullptr},
+    {nullptr, nullptr, &dec_sm80_f16_d128_m16n128w4s2lc, nullptr},
+    {nullptr, nullptr, &dec_sm80_f16_d128_m16n64w4s3, nullptr},
+    {nullptr, nullptr, &dec_sm80_f16_d192_m16n64w4s2, nullptr},
+    {nullptr, nullptr, &dec_sm80_f16_d256_m16n64w4s2, nullptr},
+    {nullptr, nullptr, &dec_sm80_bf16_d32_m16n128w4s4, nullptr},
+    {nullptr, nullptr, &dec_sm80_bf16_d64_m16n128w4s3, nullptr},
+    {nullptr, nullptr, &dec_sm80_bf16_d96_m16n64w4s4, nullptr},
+    {nullptr, nullptr, &dec_sm80_bf16_d128_m16n64w4s2mw, nullptr},
+    {nullptr, nullptr, &dec_sm80_bf16_d128_m16n128w4s2lc, nullptr},
+    {nullptr, nullptr, &dec_sm80_bf16_d128_m16n64w4s3, nullptr},
+    {nullptr, nullptr, &dec_sm80_bf16_d192_m16n64w4s2, nullptr},
+    {nullptr, nullptr, &dec_sm80_bf16_d256_m16n64w4s2, nullptr},
+    {nullptr, nullptr, &dec_sm80_f16_e4m3_d64_m16n128w4s4, nullptr},
+    {nullptr, nullptr, &dec_sm80_f16_e4m3_d128_m16n128w4s3, nullptr},
+    {nullptr, nullptr, &dec_sm80_f16_e4m3_d256_m16n64w4s3, nullptr},
+    {nullptr, nullptr, &dec_sm80_bf16_e4m3_d64_m16n128w4s4, nullptr},
+    {nullptr, nullptr, &dec_sm80_bf16_e4m3_d128_m16n128w4s3, nullptr},
+    {nullptr, nullptr, &dec_sm80_bf16_e4m3_d256_m16n64w4s3, nullptr},
 };
 static_assert(sizeof(kKernelLaunch) / sizeof(kKernelLaunch[0]) >= kKernelCount);
 

@@ -46,6 +46,7 @@
 #include "cuda/common/kernel_config.cuh"
 #include "cuda/common/ptx.cuh"
 #include "cuda/common/smem_tile.cuh"
+#include "cuda/sm80/forward_split.hpp"
 
 namespace flashattn::cuda::sm80 {
 
@@ -245,6 +246,23 @@ struct WithPagedKv : Base {
   static constexpr bool kPagedKv = true;
 };
 
+// A config may set `static constexpr bool kSplitKv = true` (WithSplitKv below): the instantiation for split-KV calls
+// (flash-decoding for the forward: a call whose CTAs would leave SMs idle, e.g. a chunk of 128 prompt tokens over 32k
+// cached keys, is 32 CTAs of 32k keys each on 132 SMs). The grid's x is then query tiles x splits; split s of a query tile
+// takes an even share of that tile's key tiles, and the epilogue writes, instead of out and lse, the share's partial
+// result in float32: O / rowsum, and the LSE in log2 units, at params.out / params.lse laid out as forward_split.hpp
+// says (the launcher points them at the split partials). forward_combine.cu then merges the shares through their LSEs.
+// No dropout (the manifest gives it no such rows). The other kernels' machine code is unchanged by it (every step sits
+// under `if constexpr (kSplitKv)`). Affects speed only (the merge changes rounding).
+template <typename C, typename = void>
+struct SplitKvOf : std::false_type {};
+template <typename C>
+struct SplitKvOf<C, std::void_t<decltype(C::kSplitKv)>> : std::bool_constant<C::kSplitKv> {};
+template <typename Base>
+struct WithSplitKv : Base {
+  static constexpr bool kSplitKv = true;
+};
+
 // A config may set `static constexpr int kMinBlocksPerSm` (launch bounds: ptxas then caps registers at
 // 64K / (kThreads * kMinBlocksPerSm)); default 1, i.e. up to 255 registers.
 template <typename C, typename = void>
@@ -278,7 +296,9 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
   constexpr bool kFullTileLoads = FullTileLoadsOf<C>::value;
   constexpr bool kSumByMma = SumByMmaOf<C>::value;
   constexpr bool kCompactEpilogue = CompactEpilogueOf<C>::value;
+  constexpr bool kSplitKv = SplitKvOf<C>::value;
   static_assert(!(kSumByMma && C::kDropout), "the row sum is of the undropped P: with dropout it needs the FADDs");
+  static_assert(!(kSplitKv && C::kDropout), "split-KV rows have no dropout");
   using QTile = SwizzledTile<kBlockM, kHeadDim>;
   using KVTile = SwizzledTile<kBlockN, kHeadDim>;
   using PTile = SwizzledTile<kGroupRows, kBlockN>;  // P of one warp group (warp groups only)
@@ -303,8 +323,12 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
   const int quad_row = lane >> 2;  // accumulator row (and row + 8) of this thread in an m16 tile
   const int quad_col = lane & 3;   // accumulator columns 2 quad_col, 2 quad_col + 1 of an n8 tile
 
-  // Heaviest query tiles first (causal): the tail of the grid is then made of short CTAs.
-  const int m_block = int(gridDim.x) - 1 - int(blockIdx.x);
+  // Heaviest query tiles first (causal): the tail of the grid is then made of short CTAs. kSplitKv: x = query tile x
+  // splits + split (the launcher's grid is query tiles x splits wide).
+  const int tile_linear = int(gridDim.x) - 1 - int(blockIdx.x);
+  const int num_splits = kSplitKv ? int(gridDim.x) / ((params.seqlen_q + kBlockM - 1) / kBlockM) : 1;
+  const int m_block = kSplitKv ? tile_linear / num_splits : tile_linear;
+  const int split = kSplitKv ? tile_linear % num_splits : 0;
   const int h = blockIdx.y;
   const int b = blockIdx.z;
   const SequenceExtent ext = sequence_extent(params, b);
@@ -322,8 +346,13 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
   const WindowMask mask(params.window_left, params.window_right, ext.seqlen_q, ext.seqlen_k);
   const int key_begin = mask.key_begin(row_begin);
   const int key_end = mask.key_end(row_begin + rows_valid, ext.seqlen_k);
-  const int n_begin = key_begin / kBlockN;
-  const int n_end = key_end > key_begin ? (key_end + kBlockN - 1) / kBlockN : n_begin;
+  const int tile_n_begin = key_begin / kBlockN;
+  const int tile_n_end = key_end > key_begin ? (key_end + kBlockN - 1) / kBlockN : tile_n_begin;
+  // kSplitKv: this CTA's share, tiles [split x share, (split + 1) x share) of the query tile's, counted from its first; a
+  // share past the last tile is empty (its rows' partials become O = 0, LSE = -inf, which the merge weighs 0).
+  const int split_share = kSplitKv ? (tile_n_end - tile_n_begin + num_splits - 1) / num_splits : 0;
+  const int n_begin = kSplitKv ? min(tile_n_end, tile_n_begin + split * split_share) : tile_n_begin;
+  const int n_end = kSplitKv ? min(tile_n_end, n_begin + split_share) : tile_n_end;
   const int num_tiles = n_end - n_begin;
 
   const Element* q_gmem = static_cast<const Element*>(params.q);
@@ -862,6 +891,35 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
   // Warp groups: the partial sums share one max per row (see softmax_and_pv), so they add. The barrier in it
   // also means every warp of the group has done its last read of the group's Q rows (overwritten below).
   if constexpr (kGroupWarps > 1) group_reduce(sums, /*is_max=*/false);
+  if constexpr (kSplitKv) {
+    // The share's partial result, float32 (forward_split.hpp's layout): O / rowsum straight from the accumulators (a
+    // quad's 4 threads store a row's 8 consecutive columns of an n8 tile: whole 32-byte sectors), and the LSE in log2
+    // units. A row that saw no key of this share: O = 0, LSE = -inf; a poisoned CTA (bad block id): NaN, which the
+    // merge carries into out and lse.
+    float* const o_partial = static_cast<float*>(params.out);
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = query_row(mt, half);
+        if (i >= ext.seqlen_q) continue;
+        const float sum = sums[mt][half];
+        const bool no_visible_key = sum == 0.f;
+        const float inv = poisoned ? NAN : (no_visible_key ? 0.f : 1.f / sum);
+        const int64_t partial_row = split_partial_row(params, split, b, h, i);
+        if (part == 0 && quad_col == 0)
+          params.lse[partial_row] =
+              poisoned ? NAN : (no_visible_key ? -INFINITY : row_max[mt][half] * score_log2_scale + log2f(sum));
+        float* const o_row = o_partial + partial_row * params.head_dim_v;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          const int col = part * kWarpCols + dt * 8 + 2 * quad_col;
+          if (col < params.head_dim_v)
+            *reinterpret_cast<float2*>(o_row + col) = make_float2(o_acc[mt][dt][2 * half] * inv, o_acc[mt][dt][2 * half + 1] * inv);
+        }
+      }
+    return;
+  }
 #pragma unroll
   for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll

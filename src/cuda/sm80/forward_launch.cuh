@@ -22,27 +22,55 @@ constexpr int forward_smem_bytes() {
   return (C::kBlockM + 2 * C::kStages * C::kBlockN) * C::kHeadDim * 2 + sm80::forward_exchange_smem_bytes<C>();
 }
 
+// Raises the kernel's shared-memory limit to kSmem, once per device (bit d of the kernel's own `configured`): it is per
+// device and sticks, so a call costs one launch and no extra driver round trips.
+template <typename C>
+Status configure_forward_kernel(const void* kernel, int smem, int device_id) {
+  static std::atomic<uint64_t> configured{0};
+  const uint64_t device_bit = device_id < 64 ? (uint64_t(1) << device_id) : 0;
+  if (device_bit != 0 && (configured.load(std::memory_order_relaxed) & device_bit) != 0) return Status();
+  const cudaError_t attribute = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (attribute == cudaErrorInvalidDeviceFunction || attribute == cudaErrorNoKernelImageForDevice) {
+    cudaGetLastError();  // clear it: the call did not run
+    return error(FA_ERROR_NOT_COMPILED, "q: the forward kernel (D %d, %s) has no image for cuda:%d in this build",
+                 C::kHeadDim, ElementTraits<typename C::Element>::kName, device_id);
+  }
+  FA_CUDA_RETURN_IF_ERROR(attribute);
+  configured.fetch_or(device_bit, std::memory_order_relaxed);
+  return Status();
+}
+
 // Grid: (query tiles, Hq, B). Allocates nothing; writes only out and lse. Dispatch has checked the
 // CUDA rules (dtype, D <= kHeadDim, alignment) and the shared-memory limit.
 template <typename C>
 Status launch_forward_sm80(const AttentionParams& p, cudaStream_t stream) {
   constexpr int kSmem = forward_smem_bytes<C>();
   const auto kernel = &sm80::forward_kernel<C>;
-  // Raising the kernel's shared-memory limit is per device and sticks: done once per device (bit d of
-  // `configured`), so that a call costs one launch and no extra driver round trips.
-  static std::atomic<uint64_t> configured{0};
-  const uint64_t device_bit = p.device_id < 64 ? (uint64_t(1) << p.device_id) : 0;
-  if (device_bit == 0 || (configured.load(std::memory_order_relaxed) & device_bit) == 0) {
-    const cudaError_t attribute = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (attribute == cudaErrorInvalidDeviceFunction || attribute == cudaErrorNoKernelImageForDevice) {
-      cudaGetLastError();  // clear it: the call did not run
-      return error(FA_ERROR_NOT_COMPILED, "q: the forward kernel (D %d, %s) has no image for cuda:%d in this build",
-                   C::kHeadDim, ElementTraits<typename C::Element>::kName, p.device_id);
-    }
-    FA_CUDA_RETURN_IF_ERROR(attribute);
-    configured.fetch_or(device_bit, std::memory_order_relaxed);
-  }
+  FA_RETURN_IF_ERROR(configure_forward_kernel<C>(reinterpret_cast<const void*>(kernel), kSmem, p.device_id));
   const dim3 grid((p.seqlen_q + C::kBlockM - 1) / C::kBlockM, p.heads_q, p.batch);
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return Status();
+  kernel<<<grid, C::kThreads, kSmem, stream>>>(p);
+  FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status();
+}
+
+// A split-KV row (kSplitKv): grid (query tiles x num_splits, Hq, B), p.out / p.lse pointing at the float32 partials
+// (forward_split.hpp's layout; the caller allocates them and merges). ctas_per_sm non-null: the kernel's resident CTAs
+// per SM on p.device_id (the split plan's slots), nothing launched.
+template <typename C>
+Status launch_forward_split_sm80(const AttentionParams& p, int num_splits, int* ctas_per_sm, cudaStream_t stream) {
+  static_assert(sm80::SplitKvOf<C>::value, "a split-KV row");
+  constexpr int kSmem = forward_smem_bytes<C>();
+  const auto kernel = &sm80::forward_kernel<C>;
+  FA_RETURN_IF_ERROR(configure_forward_kernel<C>(reinterpret_cast<const void*>(kernel), kSmem, p.device_id));
+  if (ctas_per_sm != nullptr) {
+    FA_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, kernel, C::kThreads, kSmem));
+    return Status();
+  }
+  const int64_t tiles = (int64_t(p.seqlen_q) + C::kBlockM - 1) / C::kBlockM;
+  if (num_splits < 1 || tiles * num_splits > int64_t(INT32_MAX))
+    return error(FA_ERROR_INTERNAL, "forward split: %d splits of %lld query tiles", num_splits, (long long)tiles);
+  const dim3 grid(uint32_t(tiles * num_splits), p.heads_q, p.batch);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return Status();
   kernel<<<grid, C::kThreads, kSmem, stream>>>(p);
   FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
