@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <string>
 
 #include "cuda/common/check.hpp"
 #include "cuda/common/device_guard.hpp"
@@ -126,19 +127,16 @@ Status forward(const AttentionParams& p) {
     // first before the second is taken, so the peak is the larger.
     p.stats->scratch_bytes_peak = routed.scratch_bytes > split_bytes ? routed.scratch_bytes : split_bytes;
     p.stats->num_splits = splits > 1 ? splits : (routed.max_q > 0 ? routed.num_splits : 1);  // forward's, else decode's
-    char forward_part[96];
-    if (splits > 1)
-      std::snprintf(forward_part, sizeof(forward_part), "%s splits=%d + combine", kernel_name, splits);
-    else
-      std::snprintf(forward_part, sizeof(forward_part), "%s", kernel_name);
+    std::string forward_part = kernel_name;
+    if (splits > 1) forward_part += " splits=" + std::to_string(splits) + " + combine";
     if (routed.max_q == 0)
-      std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s", forward_part);
+      std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s", forward_part.c_str());
     else if (routed.in_place)
       std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s splits=%d (every sequence %d row%s, in place)",
                     routed.kernel, routed.num_splits, p.seqlen_q, p.seqlen_q == 1 ? "" : "s");
     else
       std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s%s%s splits=%d (sequences of <= %d rows)",
-                    all_routed ? "" : forward_part, all_routed ? "" : " + ", routed.kernel, routed.num_splits,
+                    all_routed ? "" : forward_part.c_str(), all_routed ? "" : " + ", routed.kernel, routed.num_splits,
                     routed.max_q);
   }
   return Status();

@@ -918,69 +918,69 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
             *reinterpret_cast<float2*>(o_row + col) = make_float2(o_acc[mt][dt][2 * half] * inv, o_acc[mt][dt][2 * half + 1] * inv);
         }
       }
-    return;
-  }
+  } else {  // out and lse
 #pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
+    for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float sum = sums[mt][half];
-      // sum == 0 only when the row saw no visible key: O = 0 and LSE = -inf, never NaN. A NaN sum
-      // means a NaN input reached the row: it propagates to O and LSE (the NaN/Inf policy).
-      const bool no_visible_key = sum == 0.f;
-      const float inv = poisoned ? NAN : (no_visible_key ? 0.f : keep_scale / sum);
+      for (int half = 0; half < 2; ++half) {
+        const float sum = sums[mt][half];
+        // sum == 0 only when the row saw no visible key: O = 0 and LSE = -inf, never NaN. A NaN sum
+        // means a NaN input reached the row: it propagates to O and LSE (the NaN/Inf policy).
+        const bool no_visible_key = sum == 0.f;
+        const float inv = poisoned ? NAN : (no_visible_key ? 0.f : keep_scale / sum);
 #pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        o_acc[mt][dt][2 * half] *= inv;
-        o_acc[mt][dt][2 * half + 1] *= inv;
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          o_acc[mt][dt][2 * half] *= inv;
+          o_acc[mt][dt][2 * half + 1] *= inv;
+        }
+        const int i = query_row(mt, half);
+        if (params.lse != nullptr && part == 0 && quad_col == 0 && i < ext.seqlen_q)
+          params.lse[kCompactEpilogue ? lse_tile + int64_t(i - row_begin) * params.lse_row_stride : lse_offset(params, b, ext, i, h)] =
+              poisoned ? NAN : (no_visible_key ? -INFINITY : (row_max[mt][half] * score_log2_scale + log2f(sum)) * kLn2);
       }
-      const int i = query_row(mt, half);
-      if (params.lse != nullptr && part == 0 && quad_col == 0 && i < ext.seqlen_q)
-        params.lse[kCompactEpilogue ? lse_tile + int64_t(i - row_begin) * params.lse_row_stride : lse_offset(params, b, ext, i, h)] =
-            poisoned ? NAN : (no_visible_key ? -INFINITY : (row_max[mt][half] * score_log2_scale + log2f(sum)) * kLn2);
-    }
-  // Each warp group reads only its own Q rows (A operands), so after its last ldmatrix it may overwrite
-  // them; each warp writes (and then stores) only its own columns of them.
-  constexpr int kWarpChunks = kWarpCols / 8;  // 16-byte chunks of a row of this warp's O columns
+    // Each warp group reads only its own Q rows (A operands), so after its last ldmatrix it may overwrite
+    // them; each warp writes (and then stores) only its own columns of them.
+    constexpr int kWarpChunks = kWarpCols / 8;  // 16-byte chunks of a row of this warp's O columns
 #pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
+    for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = group * kGroupRows + mt * 16 + quad_row + 8 * half;
+      for (int half = 0; half < 2; ++half) {
+        const int row = group * kGroupRows + mt * 16 + quad_row + 8 * half;
 #pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        const uint32_t packed = ElementTraits<Element>::pack(o_acc[mt][dt][2 * half], o_acc[mt][dt][2 * half + 1]);
-        *reinterpret_cast<uint32_t*>(smem + QTile::chunk_offset(row, part * kWarpChunks + dt) + quad_col * 4) = packed;
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          const uint32_t packed = ElementTraits<Element>::pack(o_acc[mt][dt][2 * half], o_acc[mt][dt][2 * half + 1]);
+          *reinterpret_cast<uint32_t*>(smem + QTile::chunk_offset(row, part * kWarpChunks + dt) + quad_col * 4) = packed;
+        }
       }
-    }
-  __syncwarp();
-  Element* out_gmem = static_cast<Element*>(params.out);
-  constexpr int kOutChunksPerLane = kGroupRows * kWarpChunks / 32;
-  static_assert((kGroupRows * kWarpChunks) % 32 == 0, "whole 16-byte chunks per lane");
-  if constexpr (kCompactEpilogue) {
-    Element* const out_tile = out_gmem + q_offset(params, params.out_batch_stride, params.out_row_stride,
-                                                  params.out_head_stride, b, ext, row_begin, h);
+    __syncwarp();
+    Element* out_gmem = static_cast<Element*>(params.out);
+    constexpr int kOutChunksPerLane = kGroupRows * kWarpChunks / 32;
+    static_assert((kGroupRows * kWarpChunks) % 32 == 0, "whole 16-byte chunks per lane");
+    if constexpr (kCompactEpilogue) {
+      Element* const out_tile = out_gmem + q_offset(params, params.out_batch_stride, params.out_row_stride,
+                                                    params.out_head_stride, b, ext, row_begin, h);
 #pragma unroll 1
-    for (int k = 0; k < kOutChunksPerLane; ++k) {
-      const int id = lane + 32 * k;  // consecutive lanes store consecutive chunks of a row: coalesced
-      const int row = group * kGroupRows + id / kWarpChunks;
-      const int chunk = part * kWarpChunks + id % kWarpChunks;
-      if (row < rows_valid && chunk < d_chunks)
-        *reinterpret_cast<uint4*>(out_tile + int64_t(row) * params.out_row_stride + chunk * 8) =
-            *reinterpret_cast<const uint4*>(smem + QTile::chunk_offset(row, chunk));
-    }
-  } else {  // the same stores, unrolled, each addressed from scratch: the long-call kernels keep the code they were
-            // measured with (see kCompactEpilogue)
+      for (int k = 0; k < kOutChunksPerLane; ++k) {
+        const int id = lane + 32 * k;  // consecutive lanes store consecutive chunks of a row: coalesced
+        const int row = group * kGroupRows + id / kWarpChunks;
+        const int chunk = part * kWarpChunks + id % kWarpChunks;
+        if (row < rows_valid && chunk < d_chunks)
+          *reinterpret_cast<uint4*>(out_tile + int64_t(row) * params.out_row_stride + chunk * 8) =
+              *reinterpret_cast<const uint4*>(smem + QTile::chunk_offset(row, chunk));
+      }
+    } else {  // the same stores, unrolled, each addressed from scratch: the long-call kernels keep the code they were
+              // measured with (see kCompactEpilogue)
 #pragma unroll
-    for (int k = 0; k < kOutChunksPerLane; ++k) {
-      const int id = lane + 32 * k;
-      const int row = group * kGroupRows + id / kWarpChunks;
-      const int chunk = part * kWarpChunks + id % kWarpChunks;
-      if (row < rows_valid && chunk < d_chunks) {
-        const uint4 value = *reinterpret_cast<const uint4*>(smem + QTile::chunk_offset(row, chunk));
-        const int64_t offset = q_offset(params, params.out_batch_stride, params.out_row_stride, params.out_head_stride, b,
-                                        ext, row_begin + row, h);
-        *reinterpret_cast<uint4*>(out_gmem + offset + chunk * 8) = value;
+      for (int k = 0; k < kOutChunksPerLane; ++k) {
+        const int id = lane + 32 * k;
+        const int row = group * kGroupRows + id / kWarpChunks;
+        const int chunk = part * kWarpChunks + id % kWarpChunks;
+        if (row < rows_valid && chunk < d_chunks) {
+          const uint4 value = *reinterpret_cast<const uint4*>(smem + QTile::chunk_offset(row, chunk));
+          const int64_t offset = q_offset(params, params.out_batch_stride, params.out_row_stride, params.out_head_stride, b,
+                                          ext, row_begin + row, h);
+          *reinterpret_cast<uint4*>(out_gmem + offset + chunk * 8) = value;
+        }
       }
     }
   }
