@@ -81,18 +81,24 @@ __device__ __forceinline__ RotaryPair rotary_pair(const KvcacheParams& p, int q)
   return RotaryPair{e, e + 1, false};
 }
 
-// (x0, x1) -> (x0 c - x1 s, x0 s + x1 c). The products of two 16-bit floats are exact in fp32, so each result
-// is the exact value rounded once to fp32, as the float64 reference computes it before its own fp32 rounding:
-// appended keys come out bit-identical to the reference's.
+// The rotation of a pair (x0, x1) by the angle of table row `position`, column q: (x0 c - x1 s, x0 s + x1 c). The
+// products of two 16-bit floats are exact in fp32, so each result is the exact value rounded once to fp32, as the
+// float64 reference computes it before its own fp32 rounding: appended keys come out bit-identical to the reference's.
+// rotated_first / rotated_second are its two halves (the append kernel rotates element by element: decode_aux.cu).
+template <typename Element>
+__device__ __forceinline__ float2 rotary_cos_sin(const KvcacheParams& p, int position, int q) {
+  const float c = float(static_cast<const Element*>(p.rotary_cos)[int64_t(position) * p.rotary_cos_row_stride + q]);
+  const float s = float(static_cast<const Element*>(p.rotary_sin)[int64_t(position) * p.rotary_sin_row_stride + q]);
+  return make_float2(c, s);
+}
+__device__ __forceinline__ float rotated_first(float x0, float x1, float2 cs) { return fmaf(x0, cs.x, -(x1 * cs.y)); }
+__device__ __forceinline__ float rotated_second(float x0, float x1, float2 cs) { return fmaf(x0, cs.y, x1 * cs.x); }
 template <typename Element>
 __device__ __forceinline__ void rotate_pair(const KvcacheParams& p, int position, int q, float* x0, float* x1) {
-  const Element* cos_table = static_cast<const Element*>(p.rotary_cos);
-  const Element* sin_table = static_cast<const Element*>(p.rotary_sin);
-  const float c = float(cos_table[int64_t(position) * p.rotary_cos_row_stride + q]);
-  const float s = float(sin_table[int64_t(position) * p.rotary_sin_row_stride + q]);
+  const float2 cs = rotary_cos_sin<Element>(p, position, q);
   const float a = *x0, b = *x1;
-  *x0 = fmaf(a, c, -(b * s));
-  *x1 = fmaf(a, s, b * c);
+  *x0 = rotated_first(a, b, cs);
+  *x1 = rotated_second(a, b, cs);
 }
 
 }  // namespace flashattn::cuda::decode

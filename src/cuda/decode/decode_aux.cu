@@ -88,8 +88,7 @@ __device__ __forceinline__ AppendChunk load_append_chunk(const DecodeArgs& args,
 }
 
 // Element e of a K row at position j after rotary (core semantics: src/cpu/reference/reference.cpp), x = its value:
-// the pair (first, second) of rotary_pair becomes (first c - second s, first s + second c), each rounded once to
-// fp32 (the products of two 16-bit values are exact), as rotate_pair computes it.
+// the half of rotate_pair's rotation (cache_rows.cuh) that gives element e, its partner read from the row.
 template <typename Element>
 __device__ __forceinline__ float rotated_key(const KvcacheParams& p, const Element* k_row, int j, int e, float x) {
   const int half = p.rotary_dim / 2;
@@ -100,10 +99,9 @@ __device__ __forceinline__ float rotated_key(const KvcacheParams& p, const Eleme
   } else {
     first = e < half, q = first ? e : e - half, partner = first ? e + half : e - half;
   }
-  const float c = float(static_cast<const Element*>(p.rotary_cos)[int64_t(j) * p.rotary_cos_row_stride + q]);
-  const float s = float(static_cast<const Element*>(p.rotary_sin)[int64_t(j) * p.rotary_sin_row_stride + q]);
+  const float2 cs = rotary_cos_sin<Element>(p, j, q);
   const float y = float(k_row[partner]);
-  return first ? fmaf(x, c, -(y * s)) : fmaf(y, s, x * c);
+  return first ? rotated_first(x, y, cs) : rotated_second(y, x, cs);
 }
 
 template <typename Element, bool kFp8>
