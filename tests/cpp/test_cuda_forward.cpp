@@ -537,14 +537,19 @@ TEST(CudaForward, VarlenQueriesOverPagedKv) {
 // poisoned: lengths 0, 1, T, T + 1 and a chunk beside long caches (split-KV), key counts below the query count (rows
 // with no key), G = 1, 4, 8 and 32, block sizes 16 and 5, causal or not, a window, softcap with ALiBi, and a call whose
 // sequences are all short (the forward kernel does not run). The kernel name says which kernels ran.
-// check_against_oracle, then the call once more for its fa_stats, which must name a decode kernel.
-fa_stats checked_stats(const std::string& what, const Call& call) {
+// check_against_oracle, then the call once more for its fa_stats.
+fa_stats oracle_then_stats(const std::string& what, const Call& call) {
   Call checked = call;
   check_against_oracle(what, checked);
   fa_stats stats{};
   Call again = call;
   const Status s = run_gpu(again, &stats);
   EXPECT_TRUE(s.ok()) << what << ": " << s.to_string();
+  return stats;
+}
+// ... whose fa_stats must name a decode kernel.
+fa_stats checked_stats(const std::string& what, const Call& call) {
+  const fa_stats stats = oracle_then_stats(what, call);
   EXPECT_NE(std::string(stats.kernel).find("dec_"), std::string::npos) << what << " ran " << stats.kernel;
   return stats;
 }
@@ -679,6 +684,42 @@ TEST(CudaForward, VarlenPagedShortSequenceBadBlockIdGivesNan) {
   EXPECT_EQ(err.nan, 0);
 }
 
+#if defined(FLASHATTN_WITH_CUDA)
+// Captures the call into a CUDA graph on a stream of its own (after one eager call there: kernel attributes are set
+// outside the capture) and replays it twice over poisoned out and lse: each replay must write `eager`'s bytes.
+void expect_graph_replays_match(Call& c, const Call& eager) {
+  DeviceCall d(c);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  fa_options o = d.options();
+  o.stream = stream;
+  ASSERT_TRUE(flashattn::forward(d.args(), o).ok());
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const Status s = flashattn::forward(d.args(), o);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int replay = 0; replay < 2; ++replay) {
+    c.out.poison();
+    c.lse.poison();
+    d.upload_again(c.out);
+    d.upload_again(c.lse);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    d.download(c.out);
+    d.download(c.lse);
+    EXPECT_EQ(std::memcmp(c.out.data(), eager.out.data(), size_t(c.out.storage_bytes())), 0) << "replay " << replay;
+    EXPECT_EQ(std::memcmp(c.lse.data(), eager.lse.data(), size_t(c.lse.storage_bytes())), 0) << "replay " << replay;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+#endif
+
 // The routed call (gather, decode call, scatter, forward; its scratch from the library's pool) and the in-place decode
 // step (key counts, decode call) capture into a CUDA graph on a stream of their own, and each replay writes the eager
 // call's out and lse, bit for bit, over poisoned ones.
@@ -697,35 +738,7 @@ TEST(CudaForward, VarlenPagedShortSequencesInACudaGraph) {
     ASSERT_TRUE(run_gpu(eager, &stats).ok());
     ASSERT_NE(std::string(stats.kernel).find("dec_"), std::string::npos) << stats.kernel;
     ASSERT_EQ(std::string(stats.kernel).find("in place") != std::string::npos, in_place) << stats.kernel;
-    DeviceCall d(c);
-    cudaStream_t stream = nullptr;
-    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-    fa_options o = d.options();
-    o.stream = stream;
-    ASSERT_TRUE(flashattn::forward(d.args(), o).ok());  // an eager call first: kernel attributes are set outside the capture
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-    const Status s = flashattn::forward(d.args(), o);
-    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-    ASSERT_TRUE(s.ok()) << s.to_string();
-    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-    for (int replay = 0; replay < 2; ++replay) {
-      c.out.poison();
-      c.lse.poison();
-      d.upload_again(c.out);
-      d.upload_again(c.lse);
-      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      d.download(c.out);
-      d.download(c.lse);
-      EXPECT_EQ(std::memcmp(c.out.data(), eager.out.data(), size_t(c.out.storage_bytes())), 0) << "replay " << replay;
-      EXPECT_EQ(std::memcmp(c.lse.data(), eager.lse.data(), size_t(c.lse.storage_bytes())), 0) << "replay " << replay;
-    }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    cudaStreamDestroy(stream);
+    expect_graph_replays_match(c, eager);
   }
 #endif
 }
@@ -741,12 +754,7 @@ struct ForcedForwardSplits {
 // check_against_oracle, then the call once more for its fa_stats: a split call (splits > 1) runs a split row ("sk") and
 // the merge, and reports its split count.
 void check_split_call(const std::string& what, const Call& call, int splits) {
-  Call checked = call;
-  check_against_oracle(what, checked);
-  fa_stats stats{};
-  Call again = call;
-  const Status s = run_gpu(again, &stats);
-  ASSERT_TRUE(s.ok()) << what << ": " << s.to_string();
+  const fa_stats stats = oracle_then_stats(what, call);
   const std::string kernel = stats.kernel;
   if (splits > 1) {
     EXPECT_NE(kernel.find("sk splits=" + std::to_string(splits) + " + combine"), std::string::npos) << what << " ran " << kernel;
@@ -862,35 +870,7 @@ TEST(CudaForward, SplitKvPlanAndCudaGraph) {
     ASSERT_TRUE(run_gpu(dropout, &dropout_stats).ok());
     EXPECT_EQ(dropout_stats.num_splits, 1) << dropout_stats.kernel;
   }
-  DeviceCall d(c);
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  fa_options o = d.options();
-  o.stream = stream;
-  ASSERT_TRUE(flashattn::forward(d.args(), o).ok());  // an eager call first: kernel attributes are set outside the capture
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  cudaGraph_t graph = nullptr;
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  const Status s = flashattn::forward(d.args(), o);
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  ASSERT_TRUE(s.ok()) << s.to_string();
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  for (int replay = 0; replay < 2; ++replay) {
-    c.out.poison();
-    c.lse.poison();
-    d.upload_again(c.out);
-    d.upload_again(c.lse);
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    d.download(c.out);
-    d.download(c.lse);
-    EXPECT_EQ(std::memcmp(c.out.data(), eager.out.data(), size_t(c.out.storage_bytes())), 0) << "replay " << replay;
-    EXPECT_EQ(std::memcmp(c.lse.data(), eager.lse.data(), size_t(c.lse.storage_bytes())), 0) << "replay " << replay;
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
+  expect_graph_replays_match(c, eager);
 #endif
 }
 
