@@ -8,12 +8,12 @@
 
 #include "cuda/common/check.hpp"
 #include "cuda/common/device_guard.hpp"
+#include "cuda/common/scratch_pool.hpp"
 #include "cuda/decode/kvcache.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/device_info.hpp"
 #include "cuda/dispatch.hpp"
 #include "cuda/generated/kernel_table.hpp"
-#include "cuda/common/scratch_pool.hpp"
 #include "cuda/sm80/backward_plan.hpp"
 #include "cuda/sm80/forward_split.hpp"
 
