@@ -13,6 +13,7 @@
 #include "cuda/cuda_backend.hpp"
 #include "cuda/device_info.hpp"
 #include "cuda/dispatch.hpp"
+#include "cuda/forward_run.hpp"
 #include "cuda/generated/kernel_table.hpp"
 #include "cuda/sm80/backward_plan.hpp"
 #include "cuda/sm80/forward_split.hpp"
@@ -57,46 +58,58 @@ Status split_ctas_per_sm(int index, const AttentionParams& p, int* ctas) {
   return Status();
 }
 
-// The forward kernel's part of a call: split-KV where the plan splits (forward_split.hpp), else the row's own kernel.
-// Split: the partials in a stream-ordered scratch from the library's pool (capturable), the split kernel, the merge.
-Status run_forward_kernel(const AttentionParams& p, int index, const DeviceLimits& limits, int* splits_used,
-                          int64_t* scratch_bytes, const char** kernel_name) {
-  *splits_used = 1;
-  *scratch_bytes = 0;
-  *kernel_name = kernel_entry(index).name;
-  const int split_index = split_alternative(index, limits);
-  if (split_index >= 0) {
-    const KernelEntry& split_entry = kernel_entry(split_index);
+}  // namespace
+
+Status plan_forward_kernel(const AttentionParams& p, int forced_splits, ForwardKernelPlan* plan) {
+  *plan = ForwardKernelPlan{};
+  DeviceLimits limits;
+  FA_RETURN_IF_ERROR(select(KernelKind::kForward, p, &limits, &plan->index));
+  if (generated::kKernelLaunch[plan->index].forward == nullptr)
+    return error(FA_ERROR_INTERNAL, "kernel table row %s has no forward launcher", kernel_entry(plan->index).name);
+  const int split_index = split_alternative(plan->index, limits);
+  if (split_index < 0) return Status();
+  const KernelEntry& split_entry = kernel_entry(split_index);
+  int splits = 1;
+  if (forced_splits > 0) {
+    splits = forced_splits < sm80::kMaxForwardSplits ? forced_splits : sm80::kMaxForwardSplits;
+  } else {
     DeviceAttributes device;
     FA_RETURN_IF_ERROR(device_attributes(p.device_id, &device));
     int ctas = 0;
     FA_RETURN_IF_ERROR(split_ctas_per_sm(split_index, p, &ctas));
-    const int splits = sm80::forward_split_count(p, split_entry.block_m, split_entry.block_n, device.sm_count, ctas);
-    if (splits > 1) {
-      const sm80::ForwardSplitLayout layout = sm80::forward_split_layout(p, splits);
-      const auto stream = static_cast<cudaStream_t>(p.stream);
-      void* scratch = nullptr;
-      FA_RETURN_IF_ERROR(scratch_alloc(p.device_id, size_t(layout.total_bytes), stream, &scratch));
-      AttentionParams partial = p;  // the split kernel writes the partials where out and lse were
-      partial.out = scratch;
-      partial.lse = reinterpret_cast<float*>(static_cast<char*>(scratch) + layout.o_bytes);
-      const Status launched = [&]() -> Status {
-        FA_RETURN_IF_ERROR(generated::kKernelLaunch[split_index].forward_split(partial, splits, nullptr, p.stream));
-        return sm80::launch_forward_combine(p, splits, static_cast<const float*>(partial.out), partial.lse, p.stream);
-      }();
-      const cudaError_t freed = scratch_free(scratch, stream);
-      FA_RETURN_IF_ERROR(launched);
-      FA_CUDA_RETURN_IF_ERROR(freed);
-      *splits_used = splits;
-      *scratch_bytes = layout.total_bytes;
-      *kernel_name = split_entry.name;
-      return Status();
-    }
+    splits = sm80::forward_split_count(p, split_entry.block_m, split_entry.block_n, device.sm_count, ctas);
   }
-  return generated::kKernelLaunch[index].forward(p, p.stream);
+  if (splits > 1) {
+    plan->split_index = split_index;
+    plan->splits = splits;
+    plan->scratch_bytes = sm80::forward_split_layout(p, splits).total_bytes;
+  }
+  return Status();
 }
 
-}  // namespace
+// Split: the partials in `scratch` or a stream-ordered allocation from the library's pool (capturable), the split
+// kernel, the merge.
+Status run_forward_kernel(const AttentionParams& p, const ForwardKernelPlan& plan, void* scratch) {
+  if (plan.splits <= 1) return generated::kKernelLaunch[plan.index].forward(p, p.stream);
+  const sm80::ForwardSplitLayout layout = sm80::forward_split_layout(p, plan.splits);
+  const auto stream = static_cast<cudaStream_t>(p.stream);
+  void* owned = nullptr;
+  if (scratch == nullptr) {
+    FA_RETURN_IF_ERROR(scratch_alloc(p.device_id, size_t(layout.total_bytes), stream, &owned));
+    scratch = owned;
+  }
+  AttentionParams partial = p;  // the split kernel writes the partials where out and lse were
+  partial.out = scratch;
+  partial.lse = reinterpret_cast<float*>(static_cast<char*>(scratch) + layout.o_bytes);
+  const Status launched = [&]() -> Status {
+    FA_RETURN_IF_ERROR(generated::kKernelLaunch[plan.split_index].forward_split(partial, plan.splits, nullptr, p.stream));
+    return sm80::launch_forward_combine(p, plan.splits, static_cast<const float*>(partial.out), partial.lse, p.stream);
+  }();
+  const cudaError_t freed = owned != nullptr ? scratch_free(owned, stream) : cudaSuccess;
+  FA_RETURN_IF_ERROR(launched);
+  FA_CUDA_RETURN_IF_ERROR(freed);
+  return Status();
+}
 
 Status forward(const AttentionParams& p) {
   FA_RETURN_IF_ERROR(check_forward_support(p));
@@ -120,7 +133,12 @@ Status forward(const AttentionParams& p) {
   if (!all_routed) {
     AttentionParams rest = p;
     rest.routed_seqlen_q = uint8_t(routed.max_q);
-    FA_RETURN_IF_ERROR(run_forward_kernel(rest, index, limits, &splits, &split_bytes, &kernel_name));
+    ForwardKernelPlan plan;
+    FA_RETURN_IF_ERROR(plan_forward_kernel(rest, 0, &plan));
+    FA_RETURN_IF_ERROR(run_forward_kernel(rest, plan, nullptr));
+    splits = plan.splits;
+    split_bytes = plan.scratch_bytes;
+    if (plan.splits > 1) kernel_name = kernel_entry(plan.split_index).name;
   }
   if (p.stats != nullptr) {
     // Both scratches are held at once only between the decode call's launch and its free: stream order frees the

@@ -27,6 +27,7 @@
 #include "core/dtype.hpp"
 #include "cpu/reference/reference.hpp"
 #include "cuda/decode/decode_plan.hpp"
+#include "cuda/sm80/forward_split.hpp"
 #include "testing.hpp"
 
 #if defined(FLASHATTN_WITH_CUDA)
@@ -488,8 +489,9 @@ void check_tensors(const std::string& what, const KvCase& c, const KvTensors& pr
   fa_stats stats{};
   const Status s = backend == FA_BACKEND_CUDA ? run_gpu(c, t, &stats) : run_host(backend, c, t, &stats);
   ASSERT_TRUE(s.ok()) << what << " [" << c.to_string() << "]: " << s.to_string();
-  if (c.num_splits > 0) {
-    EXPECT_EQ(stats.num_splits, c.num_splits);
+  if (c.num_splits > 0) {  // (the forward route takes at most sm80::kMaxForwardSplits)
+    const bool route = c.seqlen_q >= flashattn::cuda::decode::kForwardRouteMinRows && !c.fp8 && c.rotary == 0 && c.leftpad.empty();
+    EXPECT_EQ(stats.num_splits, route ? std::min(c.num_splits, flashattn::cuda::sm80::kMaxForwardSplits) : c.num_splits);
   }
   expect_matches(what, c, t, e, stats.kernel);
 }
@@ -1544,8 +1546,12 @@ void break_indices(const KvCase& c, KvTensors& t) {
 // gives NaN for the broken sequences, and the right result for the others.
 TEST(CudaKvcache, InvalidIndicesDefaultMode) {
   SKIP_WITHOUT_GPU();
+  // Sq = 1: the decode kernels; Sq = 64: the forward route (decode_plan.hpp, wants_forward_route)
+  for (const int seqlen_q : {1, 64})
   for (const int splits : {1, 4}) {
+    SCOPED_TRACE("Sq " + std::to_string(seqlen_q) + " splits " + std::to_string(splits));
     KvCase c = invalid_case();
+    c.seqlen_q = seqlen_q;
     c.num_splits = splits;
     auto rng = fa_test::make_rng("invalid");
     const KvTensors valid = make_kv(c, rng);
@@ -1571,11 +1577,69 @@ TEST(CudaKvcache, InvalidIndicesDefaultMode) {
       ASSERT_TRUE(std::isnan(bad.out.get(per_seq + x))) << "sequence 1 (bad block id) not NaN at " << x;
       ASSERT_TRUE(std::isnan(bad.out.get(2 * per_seq + x))) << "sequence 2 (overflow) not NaN at " << x;
     }
-    for (int h = 0; h < c.heads_q; ++h) {
-      EXPECT_EQ(bad.lse.get(h), good.lse.get(h));
-      EXPECT_TRUE(std::isnan(bad.lse.get(c.heads_q + h)));
-      EXPECT_TRUE(std::isnan(bad.lse.get(2 * c.heads_q + h)));
+    const int64_t lse_per_seq = int64_t(c.heads_q) * c.seqlen_q;  // lse (B, Hq, Sq)
+    for (int64_t x = 0; x < lse_per_seq; ++x) {
+      EXPECT_EQ(bad.lse.get(x), good.lse.get(x));
+      EXPECT_TRUE(std::isnan(bad.lse.get(lse_per_seq + x)));
+      EXPECT_TRUE(std::isnan(bad.lse.get(2 * lse_per_seq + x)));
     }
+  }
+}
+
+// fa_kvcache calls of at least kForwardRouteMinRows (64) query rows over a 16-bit cache without rotary or left padding
+// run the forward kernel over the cache (decode_plan.hpp, wants_forward_route: append, key counts, the forward with
+// split-KV where it splits, NaN for bad lengths). Against the float64 oracle with the appended bytes: contiguous (and
+// strided) and paged caches (block sizes 1, 3, 16, 256, heads-major blocks), appends of Sq and of fewer rows, causal with
+// a sequence of fewer keys than queries (rows without keys), windows, softcap with ALiBi, num_splits 1, 3 and 40 (the
+// forward takes at most 32), MHA / GQA / MQA, head dims 64 and 256, fp16; the kernel name says the route ran.
+TEST(CudaKvcache, ForwardRouteManyQueryRows) {
+  SKIP_WITHOUT_GPU();
+  struct Variant {
+    int block_size, heads_k, seqlen_q, seqlen_new;
+    bool causal;
+    int window_left;
+    bool softcap_alibi;
+    int num_splits, head_dim;
+    fa_dtype dtype;
+    bool heads_major;
+    int row_pad;
+  };
+  const Variant variants[] = {
+      {0, 2, 64, 64, true, -1, false, 0, 128, FA_BFLOAT16, false, 0},
+      {16, 2, 100, 100, true, -1, false, 0, 128, FA_BFLOAT16, false, 0},
+      {16, 1, 130, 3, true, 50, false, 0, 128, FA_FLOAT16, false, 0},
+      {3, 8, 64, 0, false, -1, true, 0, 128, FA_BFLOAT16, false, 0},
+      {256, 2, 257, 257, true, -1, true, 3, 64, FA_BFLOAT16, false, 0},
+      {1, 2, 64, 64, true, -1, false, 1, 128, FA_FLOAT16, false, 0},
+      {16, 2, 80, 80, true, -1, false, 40, 256, FA_BFLOAT16, true, 0},
+      {0, 4, 96, 96, false, 100, false, 0, 128, FA_FLOAT16, false, 8},
+  };
+  for (const Variant& v : variants) {
+    KvCase c;
+    c.batch = 3;
+    c.heads_q = 8;
+    c.heads_k = v.heads_k;
+    c.seqlen_q = v.seqlen_q;
+    c.seqlen_new = v.seqlen_new;
+    c.cached = {900, 0, 333};  // sequence 1: no cached keys (causal: its first rows see none)
+    c.capacity = 1200;
+    c.block_size = v.block_size;
+    c.heads_major_blocks = v.heads_major;
+    c.cache_row_pad = v.row_pad;
+    c.causal = v.causal;
+    c.window_left = v.window_left;
+    if (v.softcap_alibi) c.softcap = 20.f, c.alibi = true;
+    c.num_splits = v.num_splits;
+    c.head_dim = v.head_dim;
+    c.dtype = v.dtype;
+    const std::string what = "forward route " + c.to_string();
+    check_case(what, c);
+    auto rng = fa_test::make_rng(what);
+    KvTensors t = make_kv(c, rng);
+    fa_stats stats{};
+    ASSERT_TRUE(run_gpu(c, t, &stats).ok()) << what;
+    EXPECT_NE(std::string(stats.kernel).find("forward route"), std::string::npos) << what << " ran " << stats.kernel;
+    if (v.num_splits > 0) EXPECT_EQ(stats.num_splits, std::min(v.num_splits, 32)) << what;
   }
 }
 
@@ -1803,9 +1867,9 @@ TEST(CudaKvcache, CacheBatchIdxNeedsPowerOfTwoCapacity) {
 }
 
 // Plan once, then run with the planned workspace: no allocation, and the call captures into a CUDA graph that
-// replays correctly after the inputs (cache_seqlens, q, new rows) change in place.
-TEST(CudaKvcache, PlanWorkspaceAndCudaGraph) {
-  SKIP_WITHOUT_GPU();
+// replays correctly after the inputs (cache_seqlens, q, new rows) change in place. forward_route: 64 query rows and
+// appended rows, no rotary (decode_plan.hpp, wants_forward_route: the forward kernel, split-KV, over the cache).
+void check_plan_workspace_and_graph(bool forward_route) {
   KvCase c;
   c.batch = 2;
   c.heads_q = 32;
@@ -1815,7 +1879,13 @@ TEST(CudaKvcache, PlanWorkspaceAndCudaGraph) {
   c.seqlen_new = 1;
   c.block_size = 16;
   c.rotary = 1;
-  auto rng = fa_test::make_rng("graph");
+  if (forward_route) {
+    c.seqlen_q = c.seqlen_new = 64;
+    c.cached = {8000 - 64, 3000};
+    c.rotary = 0;
+    c.causal = true;
+  }
+  auto rng = fa_test::make_rng(forward_route ? "graph route" : "graph");
   KvTensors t = make_kv(c, rng);
   const KvTensors pristine = t;
   DeviceKv d(t);
@@ -1908,6 +1978,16 @@ TEST(CudaKvcache, PlanWorkspaceAndCudaGraph) {
   EXPECT_EQ(stats.scratch_bytes_peak, plan.workspace_bytes);
   cudaStreamDestroy(stream);
   cudaFree(workspace);
+}
+
+TEST(CudaKvcache, PlanWorkspaceAndCudaGraph) {
+  SKIP_WITHOUT_GPU();
+  check_plan_workspace_and_graph(false);
+}
+
+TEST(CudaKvcache, PlanWorkspaceAndCudaGraphOfTheForwardRoute) {
+  SKIP_WITHOUT_GPU();
+  check_plan_workspace_and_graph(true);
 }
 
 // What the CUDA kvcache does not do is an error naming the argument, before any device work.

@@ -444,6 +444,24 @@ bool uniform_short_sequences(const AttentionParams& p, int max_q);
 // counts (seqused_k, or a copy of cu_seqlens_k's differences), as short_sequence_call otherwise.
 KvcacheParams uniform_sequence_call(const AttentionParams& p, const int32_t* cache_seqlens);
 
+// ---- fa_kvcache through the forward kernel ----
+// The decode kernels tile G x Sq packed rows in 16-row m-blocks, each streaming the sequence's keys: with many query rows
+// a K/V tile is read once per 16 rows, and the forward kernel (128-row tiles, split-KV where the grid leaves SMs idle,
+// src/cuda/sm80/forward_split.hpp) is the faster. Measured (H100, 2026-12-06 09:00 UTC, bf16, D = 128, causal, B = 1 and
+// 4, Hq 32 with Hk 32 / 8 / 4, 4k and 32k keys; bench/results/2026-12-06-0830-h100-split-kv-forward.txt, call 6): from
+// Sq = 64 the forward is the faster at every point (1.1-2.3x; Sq = 128 over 32k at Hk 8: 0.218 ms against 0.493); at
+// Sq = 32 it depends on the cache (4k: the decode kernels up to 1.1x; 32k: the forward 1.2x); at Sq <= 16 the decode
+// kernels lead (up to 2.4x). So an fa_kvcache call of at least kForwardRouteMinRows query rows over a 16-bit cache without
+// rotary or left padding runs: the append (as the decode path's), the key counts (cache_seqlens + S_new; a bad entry
+// reads nothing), the forward kernel over the cache with those counts as seqused_k, and NaN for the sequences whose
+// cache_seqlens entry was bad (kvcache.cpp, run_forward_route). Its num_splits is the forward's split count (at most 32).
+// Affects speed (and rounding) only.
+constexpr int kForwardRouteMinRows = 64;
+inline bool wants_forward_route(const KvcacheParams& p) {
+  return p.seqlen_q >= kForwardRouteMinRows && p.kv_dtype == p.dtype && p.rotary_dim == 0 && p.cache_leftpad == nullptr &&
+         p.dropout_p == 0.f;
+}
+
 // Tests only (not part of the API): every later make_decode_args sets DecodeArgs::speculative_tiles to `mode` (0 off,
 // 1 on, 2 / 3 wrong guesses: decode_work.hpp) instead of kSpeculativeTiles; -1 restores the library's. A process-wide
 // switch, so that the oracle tests can run the kernels' wrong-guess paths through the public API.

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <cstdio>
 
 #include "cuda/common/check.hpp"
@@ -15,6 +16,7 @@
 #include "cuda/decode/short_sequences.hpp"
 #include "cuda/device_info.hpp"
 #include "cuda/dispatch.hpp"
+#include "cuda/forward_run.hpp"
 #include "cuda/generated/kernel_table.hpp"
 
 namespace flashattn::cuda::decode {
@@ -139,9 +141,84 @@ Status check_indices(const DecodeArgs& args, cudaStream_t stream, const int32_t*
                b, column, id, p.num_blocks);
 }
 
+// The forward route (decode_plan.hpp, wants_forward_route): the forward's params over the cache (q / out / lse dense,
+// K / V the contiguous or paged cache of capacity p.seqlen_k, the key counts as seqused_k), its kernel plan (p.num_splits
+// > 0: that many splits), and its workspace: key counts and bad flags (B int32 each, 256-byte aligned), then the split
+// partials, from the caller's pointer aligned up to 256 bytes (as make_decode_args aligns the decode partials).
+struct ForwardRoute {
+  AttentionParams params;
+  ForwardKernelPlan plan;
+  int64_t counts_bytes = 0;
+  int64_t workspace_bytes = 0;
+};
+Status plan_forward_route(const KvcacheParams& p, ForwardRoute* r) {
+  FA_RETURN_IF_ERROR(check_kvcache_support(p));
+  r->params = static_cast<const AttentionParams&>(p);
+  r->params.seqused_k = nullptr;  // set at run time: the key counts in the workspace
+  r->params.stats = nullptr;
+  FA_RETURN_IF_ERROR(plan_forward_kernel(r->params, p.num_splits, &r->plan));
+  r->counts_bytes = (int64_t(p.batch) * 4 + 255) / 256 * 256;
+  r->workspace_bytes = 256 + 2 * r->counts_bytes + r->plan.scratch_bytes;  // + 256: the caller's pointer aligned up
+  return Status();
+}
+
+Status run_forward_route(const KvcacheParams& p) {
+  ForwardRoute r;
+  FA_RETURN_IF_ERROR(plan_forward_route(p, &r));
+  if (p.workspace != nullptr && p.workspace_bytes < r.workspace_bytes)
+    return error(FA_ERROR_INVALID_ARGUMENT,
+                 "workspace: %lld bytes is less than the %lld bytes fa_plan_kvcache reports for num_splits = %d",
+                 (long long)p.workspace_bytes, (long long)r.workspace_bytes, r.plan.splits);
+  DeviceGuard guard(p.device_id);
+  FA_CUDA_RETURN_IF_ERROR(guard.status());
+  const auto stream = static_cast<cudaStream_t>(p.stream);
+  DecodePlan append_plan{};
+  append_plan.num_splits = 1;  // no decode attention: the args carry the cache addressing (page_shift) only
+  const DecodeArgs args = make_decode_args(p, append_plan, nullptr);
+  if (p.check_indices) FA_RETURN_IF_ERROR(check_indices(args, stream));
+  void* owned = nullptr;
+  void* workspace = p.workspace;
+  if (workspace == nullptr) {  // the library's pool, as the decode path's partials
+    FA_RETURN_IF_ERROR(scratch_alloc(p.device_id, size_t(r.workspace_bytes), stream, &owned));
+    workspace = owned;
+  }
+  const auto address = reinterpret_cast<uintptr_t>(workspace);
+  char* base = static_cast<char*>(workspace) + (256 - address % 256) % 256;  // any caller pointer: aligned up
+  int32_t* counts = reinterpret_cast<int32_t*>(base);
+  int32_t* bad = reinterpret_cast<int32_t*>(base + r.counts_bytes);
+  r.params.seqused_k = counts;
+  const Status launched = [&]() -> Status {
+    if (p.k_new != nullptr) FA_RETURN_IF_ERROR(launch_append(args, stream));  // before anyone reads the cache
+    FA_RETURN_IF_ERROR(launch_route_key_counts(p, counts, bad, stream));
+    FA_RETURN_IF_ERROR(run_forward_kernel(r.params, r.plan, r.plan.scratch_bytes > 0 ? base + 2 * r.counts_bytes : nullptr));
+    return launch_route_poison_bad(p, bad, stream);
+  }();
+  const cudaError_t freed = owned != nullptr ? scratch_free(owned, stream) : cudaSuccess;
+  FA_RETURN_IF_ERROR(launched);
+  FA_CUDA_RETURN_IF_ERROR(freed);
+  if (p.stats != nullptr) {
+    p.stats->scratch_bytes_peak = owned != nullptr ? r.workspace_bytes : 0;
+    p.stats->num_splits = r.plan.splits;
+    const KernelEntry& e = kernel_entry(r.plan.splits > 1 ? r.plan.split_index : r.plan.index);
+    if (r.plan.splits > 1)
+      std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s splits=%d + combine (fa_kvcache, forward route)",
+                    e.name, r.plan.splits);
+    else
+      std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s (fa_kvcache, forward route)", e.name);
+  }
+  return Status();
+}
+
 }  // namespace
 
 Status plan_kvcache(const KvcacheParams& p, fa_kvcache_plan* plan) {
+  if (wants_forward_route(p)) {
+    ForwardRoute r;
+    FA_RETURN_IF_ERROR(plan_forward_route(p, &r));
+    plan->num_splits = r.plan.splits;
+    plan->workspace_bytes = r.workspace_bytes;
+    return Status();
+  }
   Selection s;
   FA_RETURN_IF_ERROR(select(p, &s));
   plan->num_splits = s.plan.num_splits;
@@ -150,6 +227,7 @@ Status plan_kvcache(const KvcacheParams& p, fa_kvcache_plan* plan) {
 }
 
 Status run_kvcache(const KvcacheParams& p) {
+  if (wants_forward_route(p)) return run_forward_route(p);
   Selection s;
   FA_RETURN_IF_ERROR(select(p, &s));
   const KernelEntry& entry = kernel_entry(s.index);

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "cuda/common/check.hpp"
@@ -81,6 +82,39 @@ __global__ void __launch_bounds__(kCopyThreads) key_counts_kernel(const __grid_c
   if (b < p.batch) key_counts[b] = sequence_extent(p, b).seqlen_k;
 }
 
+__global__ void __launch_bounds__(kCopyThreads) route_key_counts_kernel(const __grid_constant__ KvcacheParams p,
+                                                                        int32_t* key_counts, int32_t* bad) {
+  const int b = int(blockIdx.x) * kCopyThreads + int(threadIdx.x);
+  if (b >= p.batch) return;
+  const int32_t cached = p.cache_seqlens[b];
+  const bool ok = cached >= 0 && int64_t(cached) + p.seqlen_new <= int64_t(p.seqlen_k);  // seqlen_k: the capacity
+  key_counts[b] = ok ? cached + p.seqlen_new : 0;
+  bad[b] = ok ? 0 : 1;
+}
+
+// Grid: (chunks of a sequence's rows, B); a block of a good sequence returns at once.
+__global__ void __launch_bounds__(kCopyThreads) route_poison_kernel(const __grid_constant__ KvcacheParams p, const int32_t* bad) {
+  const int b = blockIdx.y;
+  if (bad[b] == 0) return;
+  const int64_t values = int64_t(p.seqlen_q) * p.heads_q * p.head_dim_v;
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  const uint16_t nan16 = p.dtype == FA_BFLOAT16 ? uint16_t(0x7fc0) : uint16_t(0x7e00);  // quiet NaN of bf16 / fp16
+  uint16_t* out = static_cast<uint16_t*>(p.out);
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < values; idx += step) {
+    const int x = int(idx % p.head_dim_v);
+    const int64_t rest = idx / p.head_dim_v;
+    const int h = int(rest % p.heads_q);
+    const int i = int(rest / p.heads_q);
+    out[int64_t(b) * p.out_batch_stride + int64_t(i) * p.out_row_stride + int64_t(h) * p.out_head_stride + x] = nan16;
+  }
+  if (p.lse == nullptr) return;
+  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < int64_t(p.seqlen_q) * p.heads_q; idx += step) {
+    const int i = int(idx % p.seqlen_q);
+    const int h = int(idx / p.seqlen_q);
+    p.lse[int64_t(b) * p.lse_batch_stride + int64_t(h) * p.lse_head_stride + int64_t(i) * p.lse_row_stride] = NAN;
+  }
+}
+
 unsigned copy_blocks(int64_t chunks) {
   return unsigned(std::clamp<int64_t>((chunks + kCopyThreads - 1) / kCopyThreads, 1, kMaxCopyBlocks));
 }
@@ -99,6 +133,22 @@ Status launch_sequence_key_counts(const AttentionParams& p, int32_t* key_counts,
   if (p.batch == 0) return Status();
   key_counts_kernel<<<unsigned((p.batch + kCopyThreads - 1) / kCopyThreads), kCopyThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       p, key_counts);
+  FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status();
+}
+
+Status launch_route_key_counts(const KvcacheParams& p, int32_t* key_counts, int32_t* bad, void* stream) {
+  if (p.batch == 0) return Status();
+  route_key_counts_kernel<<<unsigned((p.batch + kCopyThreads - 1) / kCopyThreads), kCopyThreads, 0,
+                            static_cast<cudaStream_t>(stream)>>>(p, key_counts, bad);
+  FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Status();
+}
+
+Status launch_route_poison_bad(const KvcacheParams& p, const int32_t* bad, void* stream) {
+  if (p.batch == 0 || p.seqlen_q == 0) return Status();
+  const dim3 grid(copy_blocks(int64_t(p.seqlen_q) * p.heads_q * p.head_dim_v / 8), unsigned(p.batch));
+  route_poison_kernel<<<grid, kCopyThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, bad);
   FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status();
 }

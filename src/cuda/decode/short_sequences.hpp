@@ -29,4 +29,11 @@ Status launch_sequence_key_counts(const AttentionParams& p, int32_t* key_counts,
 // else.
 Status launch_scatter_short_sequences(const AttentionParams& p, const ShortSequenceRows& rows, void* stream);
 
+// fa_kvcache's forward route (decode_plan.hpp, wants_forward_route): key_counts[b] = cache_seqlens[b] + S_new and
+// bad[b] = 0 for a sequence whose cache_seqlens entry is in [0, capacity - S_new]; else key_counts[b] = 0 (the forward
+// reads none of its keys) and bad[b] = 1.
+Status launch_route_key_counts(const KvcacheParams& p, int32_t* key_counts, int32_t* bad, void* stream);
+// Then NaN in every out and lse row of the sequences with bad[b] set (the decode kernels' rule for a bad length).
+Status launch_route_poison_bad(const KvcacheParams& p, const int32_t* bad, void* stream);
+
 }  // namespace flashattn::cuda::decode

@@ -1,0 +1,25 @@
+// The forward kernel's part of a CUDA call, planned and run apart (src/cuda/backend.cpp): fa_forward runs it after the
+// routed short sequences, and fa_kvcache's forward route (decode_plan.hpp, wants_forward_route) runs it over the cache.
+// CUDA builds only.
+#pragma once
+
+#include <cstdint>
+
+#include "core/params.hpp"
+#include "core/status.hpp"
+
+namespace flashattn::cuda {
+
+struct ForwardKernelPlan {
+  int index = -1;            // the kernel table row dispatch chose
+  int split_index = -1;      // its split-KV row, when the call splits
+  int splits = 1;            // 1: the row's own kernel; else the split kernel and the merge (sm80/forward_split.hpp)
+  int64_t scratch_bytes = 0;  // the split partials (0 unsplit)
+};
+
+// forced_splits > 0: that many splits (capped at sm80::kMaxForwardSplits) where the bucket has a split row; 0: the plan's.
+Status plan_forward_kernel(const AttentionParams& params, int forced_splits, ForwardKernelPlan* plan);
+// scratch: plan.scratch_bytes of device memory, or null (then a stream-ordered allocation from the library's pool).
+Status run_forward_kernel(const AttentionParams& params, const ForwardKernelPlan& plan, void* scratch);
+
+}  // namespace flashattn::cuda
