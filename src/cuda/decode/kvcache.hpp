@@ -8,8 +8,9 @@
 // softcap, ALiBi), GQA / MQA packed (one CTA reads a K/V head once for all its query heads), rotary
 // (interleaved or halves) on q and k_new in the kernels. Calls of >= 64 query rows over a 16-bit cache without rotary
 // or left padding run the forward kernel over the cache instead (decode_plan.hpp, wants_forward_route).
-// Caches: contiguous (B, S_cache, Hk, D), any strides with 16-byte alignment, or paged with any block_size >= 1: power-of-two sizes (1, 16, 32, 64, 128,
-// 256, ...) address rows with shifts, other sizes with divisions (correct, slower per row).
+// Caches: contiguous (B, S_cache, Hk, D), any strides with 16-byte alignment, or paged with any block_size >= 1:
+// power-of-two sizes (1, 16, 32, 64, 128, 256, ...) address rows with shifts, other sizes with divisions (correct,
+// slower per row).
 //
 // Index checks. cache_seqlens and block_table (or cache_batch_idx, which validate.cpp makes a one-column block table)
 // live in device memory, which the host cannot read without a synchronisation, so the default path checks them on
