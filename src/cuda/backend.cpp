@@ -66,7 +66,7 @@ Status plan_forward_kernel(const AttentionParams& p, int forced_splits, ForwardK
   FA_RETURN_IF_ERROR(select(KernelKind::kForward, p, &limits, &plan->index));
   if (generated::kKernelLaunch[plan->index].forward == nullptr)
     return error(FA_ERROR_INTERNAL, "kernel table row %s has no forward launcher", kernel_entry(plan->index).name);
-  const int split_index = split_alternative(plan->index, limits);
+  const int split_index = split_alternative(plan->index, p, limits);
   if (split_index < 0) return Status();
   const KernelEntry& split_entry = kernel_entry(split_index);
   int splits = 1;
@@ -123,9 +123,10 @@ Status forward(const AttentionParams& p) {
   FA_CUDA_RETURN_IF_ERROR(guard.status());
   // A paged varlen call (a serving step): its short sequences (decode tokens) run in the decode kernels, which pack a
   // K/V head's query heads and split long key ranges (decode_plan.hpp, short_sequence_max_q); the forward kernel
-  // then skips them. Only the paged instantiation knows to skip (forward_kernel.cuh).
+  // then skips them. Only the paged instantiation knows to skip (forward_kernel.cuh). A call that is not varlen, of
+  // at most T query rows (a decode step over a dense or paged cache), runs in the decode kernels whole, in place.
   decode::ShortSequences routed;
-  if (entry.paged_kv) FA_RETURN_IF_ERROR(decode::run_short_sequences(p, &routed));
+  if (entry.paged_kv || !p.is_varlen()) FA_RETURN_IF_ERROR(decode::run_short_sequences(p, &routed));
   const bool all_routed = routed.max_q > 0 && routed.max_q >= p.seqlen_q;  // max_seqlen_q bounds every sequence
   int splits = 1;
   int64_t split_bytes = 0;

@@ -185,21 +185,22 @@ int decode_alternative(int index, DecodeRole role, const DeviceLimits& device, c
   return -1;
 }
 
-int split_alternative(int index, const DeviceLimits& device, const KernelEntry* table, int count) {
+int split_alternative(int index, const AttentionParams& p, const DeviceLimits& device, const KernelEntry* table, int count) {
   if (index < 0 || index >= count) return -1;
   const KernelEntry& g = table[index];
   if (g.kind != KernelKind::kForward || g.dropout) return -1;
   for (int r = 0; r < count; ++r) {
     const KernelEntry& e = table[r];
     if (e.split_kv && e.kind == g.kind && e.dtype == g.dtype && e.head_dim == g.head_dim && !e.dropout &&
-        e.paged_kv == g.paged_kv && e.smem_bytes <= device.smem_per_block_optin)
+        e.paged_kv == g.paged_kv && (e.max_seqlen_q == 0 || p.seqlen_q <= e.max_seqlen_q) &&
+        e.smem_bytes <= device.smem_per_block_optin)
       return r;
   }
   return -1;
 }
 
-int split_alternative(int index, const DeviceLimits& device) {
-  return split_alternative(index, device, generated::kKernelTable, generated::kKernelCount);
+int split_alternative(int index, const AttentionParams& p, const DeviceLimits& device) {
+  return split_alternative(index, p, device, generated::kKernelTable, generated::kKernelCount);
 }
 
 int decode_alternative(int index, DecodeRole role, const DeviceLimits& device) {

@@ -46,10 +46,11 @@ Status choose_kernel(KernelKind kind, const AttentionParams& p, const DeviceLimi
 // decode selection takes it in place of row `index` where decode_plan.hpp's rule for the role holds.
 int decode_alternative(int index, DecodeRole role, const DeviceLimits& device);
 int decode_alternative(int index, DecodeRole role, const DeviceLimits& device, const KernelEntry* table, int count);
-// The split-KV row (KernelEntry::split_kv) of forward row `index`'s bucket: same dtype, head dim and paged_kv, no
-// dropout, fitting the device; -1 when there is none (the call then runs unsplit). choose_kernel never takes such a row.
-int split_alternative(int index, const DeviceLimits& device);
-int split_alternative(int index, const DeviceLimits& device, const KernelEntry* table, int count);
+// The split-KV row (KernelEntry::split_kv) of forward row `index`'s bucket for call `p`: same dtype, head dim and
+// paged_kv, no dropout, fitting the device, the first in the manifest's order whose max_seqlen_q (0: any) admits
+// p.seqlen_q; -1 when there is none (the call then runs unsplit). choose_kernel never takes such a row.
+int split_alternative(int index, const AttentionParams& p, const DeviceLimits& device);
+int split_alternative(int index, const AttentionParams& p, const DeviceLimits& device, const KernelEntry* table, int count);
 
 const KernelEntry& kernel_entry(int index);  // a row of the generated table
 std::string compiled_arch_list();            // FLASHATTN_CUDA_ARCHS of this build ("" without CUDA)

@@ -32,6 +32,7 @@ struct KernelEntry {
   int causal_max_seqlen_q = 0;  // forward: > 0 = taken only for causal calls of at most this many query rows
                                 // (dispatch skips it otherwise); 0 = any call
   int max_seqlen_q = 0;  // forward: > 0 = taken only for calls (any mask) of at most this many query rows; 0 = any
+                         // (a split_kv row: split_alternative's choice for split calls of at most this many rows)
   DecodeRole decode_role = DecodeRole::kGeneral;  // kvcache: a role's row is taken only where decode_plan.hpp's rule for
                                                   // it holds (choose_kernel skips it; decode_alternative offers it)
   bool paged_kv = false;  // forward: compiled for paged K/V (kPagedKv): taken only for calls with a block_table, which

@@ -68,7 +68,9 @@ class Tile:
     causal_max_seqlen: int = 0  # forward only: > 0 = this row is taken only for causal calls of at most this many
                                 # query rows (a short-causal alternative listed before the general row); speed only
     max_seqlen: int = 0  # forward only: > 0 = this row is taken only for calls (any mask) of at most this many
-                         # query rows (a short-call alternative listed before the general row); speed only
+                         # query rows (a short-call alternative listed before the general row; on a split_kv row: the
+                         # split plan's choice for calls of at most that many rows, before the bucket's other split
+                         # row); speed only
     compact_epilogue: bool = False  # forward only: the epilogue's stores in a rolled loop from one base
                                     # (forward_kernel.cuh, kCompactEpilogue: short calls gain); speed only
     paged_kv: bool = False  # forward only: the instantiation for paged K/V (forward_kernel.cuh, kPagedKv), taken only
@@ -90,10 +92,15 @@ class Tile:
 # paged_kv rows (no dropout): each bucket's general tile compiled for paged K/V (kPagedKv), listed first, so calls with a
 # block_table take it and no other call does; paged calls with dropout run the general kernels' per-row lookup.
 # split_kv rows (no dropout, split_rows): the general tile compiled for split-KV (kSplitKv), paged and dense, taken only
-# where the forward's split plan splits a call (src/cuda/sm80/forward_split.hpp).
-def split_rows(tile):
-    """The split-KV rows of a bucket (no dropout): its general tile compiled with kSplitKv for paged and dense K/V."""
-    return [replace(tile, paged_kv=True, split_kv=True), replace(tile, split_kv=True)]
+# where the forward's split plan splits a call (src/cuda/sm80/forward_split.hpp). D = 128 has 64-row split rows too,
+# for split calls of at most 64 query rows (speculative tokens, short chunks over a long prefix): the 128-row tile gives
+# such a call's rows to 2 of its 4 warps (a warp skips the math of rows past the end), so an SM ran 4 warps of MMAs;
+# 16 rows per warp keep all 8 busy.
+def split_rows(tile, max_seqlen=0):
+    """Split-KV rows (no dropout): `tile` compiled with kSplitKv for paged and dense K/V; max_seqlen > 0: taken only for
+    split calls of at most that many query rows (listed before the bucket's general split rows)."""
+    return [replace(tile, paged_kv=True, split_kv=True, max_seqlen=max_seqlen),
+            replace(tile, split_kv=True, max_seqlen=max_seqlen)]
 
 
 FORWARD_TILES = {
@@ -114,7 +121,8 @@ FORWARD_TILES = {
     # (forward_kernel.cuh): bf16 / fp16, S = 512 non-causal +1.8% / +2.5%, causal +3.7% / +4.7%; 1k +0.3% to +1.0%;
     # 2k -1.2% to +0.4%, 16k -1.3% to -1.9% (H200, 2026-12-01 03:38 UTC, bench/flashattn_cuda_bench, 5 alternating
     # runs, medians; bench/results/2026-12-01-0338-h200-fwd-compact-epilogue-ab.json).
-    (128, False): [*split_rows(Tile(128, 64, 4, 2)), Tile(128, 64, 4, 2, paged_kv=True),
+    (128, False): [*split_rows(Tile(64, 64, 4, 2), max_seqlen=64), *split_rows(Tile(128, 64, 4, 2)),
+                   Tile(128, 64, 4, 2, paged_kv=True),
                    Tile(128, 64, 4, 2, max_seqlen=1024, compact_epilogue=True), Tile(128, 64, 4, 2)],
     (128, True): Tile(128, 64, 4, 2),
     (192, False): [*split_rows(Tile(128, 64, 8, 2)), Tile(128, 64, 8, 2, paged_kv=True),
@@ -281,12 +289,12 @@ def kernels():
                     assert (tile.max_seqlen == 0 and not tile.compact_epilogue) or kind == "fwd", \
                         f"{kind} d{head_dim}: max_seqlen and compact_epilogue are forward tile fields"
                     assert tile.max_seqlen == 0 or tile.causal_max_seqlen == 0, f"{kind} d{head_dim}: one call condition per row"
-                    assert not tile.paged_kv or (kind == "fwd" and not dropout and not tile.max_seqlen and
+                    assert not tile.paged_kv or (kind == "fwd" and not dropout and (not tile.max_seqlen or tile.split_kv) and
                                                  not tile.causal_max_seqlen and not tile.compact_epilogue), \
                         f"{kind} d{head_dim}: paged_kv is a forward field of its own rows (no dropout, no other condition)"
-                    assert not tile.split_kv or (kind == "fwd" and not dropout and not tile.max_seqlen and
-                                                 not tile.causal_max_seqlen and not tile.compact_epilogue), \
-                        f"{kind} d{head_dim}: split_kv is a forward field of its own rows (no dropout, no other condition)"
+                    assert not tile.split_kv or (kind == "fwd" and not dropout and not tile.causal_max_seqlen and
+                                                 not tile.compact_epilogue), \
+                        f"{kind} d{head_dim}: split_kv is a forward field of its own rows (no dropout; max_seqlen only)"
                     assert tile.decode_role in DECODE_ROLES, f"{kind} d{head_dim}: unknown decode_role {tile.decode_role!r}"
                     assert not tile.decode_role or (kind == "dec" and not fp8_cache), f"{kind} d{head_dim}: decode_role is a 16-bit decode field"
                     if fp8_cache:

@@ -310,7 +310,8 @@ TEST(CudaDispatch, PagedRowIsTakenOnlyForPagedCalls) {
 }
 
 // Split-KV rows (forward_split.hpp): dispatch's general pass never takes one; split_alternative offers each bucket's
-// without dropout, paged for paged rows and dense for dense ones, and none for dropout rows.
+// without dropout, paged for paged rows and dense for dense ones, and none for dropout rows; at D = 128 the 64-row
+// split tile for calls of at most 64 query rows and the 128-row one above.
 TEST(CudaDispatch, SplitRowsAreOfferedBySplitAlternativeOnly) {
   namespace gen = flashattn::cuda::generated;
   static const int32_t kBlockTable = 0;  // never read
@@ -318,7 +319,7 @@ TEST(CudaDispatch, SplitRowsAreOfferedBySplitAlternativeOnly) {
     for (int d : {32, 64, 96, 128, 192, 256})
       for (float dropout : {0.f, 0.1f})
         for (bool paged : {false, true})
-          for (int sq : {1, 128, 4096}) {
+          for (int sq : {1, 64, 65, 128, 4096}) {
             Case c;
             c.dtype = dtype;
             c.d = d;
@@ -330,7 +331,7 @@ TEST(CudaDispatch, SplitRowsAreOfferedBySplitAlternativeOnly) {
             ASSERT_TRUE(choose_kernel(KernelKind::kForward, p, h200(), gen::kKernelTable, gen::kKernelCount, kArchs, &index).ok());
             const KernelEntry& e = gen::kKernelTable[index];
             EXPECT_FALSE(e.split_kv) << e.name << ": dispatch took a split row";
-            const int split = flashattn::cuda::split_alternative(index, h200(), gen::kKernelTable, gen::kKernelCount);
+            const int split = flashattn::cuda::split_alternative(index, p, h200(), gen::kKernelTable, gen::kKernelCount);
             if (dropout > 0.f) {
               EXPECT_EQ(split, -1) << e.name;
               continue;
@@ -341,6 +342,8 @@ TEST(CudaDispatch, SplitRowsAreOfferedBySplitAlternativeOnly) {
             EXPECT_EQ(s.paged_kv, paged) << s.name;
             EXPECT_EQ(s.head_dim, e.head_dim) << s.name;
             EXPECT_EQ(s.dtype, e.dtype) << s.name;
+            EXPECT_TRUE(s.max_seqlen_q == 0 || sq <= s.max_seqlen_q) << s.name << " Sq " << sq;
+            if (d == 128) EXPECT_EQ(s.block_m, sq <= 64 ? 64 : 128) << s.name << " Sq " << sq;
           }
 }
 
@@ -406,10 +409,11 @@ TEST(CudaDispatch, GeneratedTableIsConsistent) {
     }
     EXPECT_TRUE((e.causal_max_seqlen_q == 0 && e.max_seqlen_q == 0) || e.kind == KernelKind::kForward) << e.name;
     EXPECT_TRUE(e.causal_max_seqlen_q == 0 || e.max_seqlen_q == 0) << e.name << ": one call condition per row";
-    EXPECT_TRUE(!e.paged_kv || (e.kind == KernelKind::kForward && !e.dropout && e.causal_max_seqlen_q == 0 && e.max_seqlen_q == 0))
-        << e.name << ": a paged row is a forward row without dropout or another condition";
-    EXPECT_TRUE(!e.split_kv || (e.kind == KernelKind::kForward && !e.dropout && e.causal_max_seqlen_q == 0 && e.max_seqlen_q == 0))
-        << e.name << ": a split row is a forward row without dropout or another condition";
+    EXPECT_TRUE(!e.paged_kv || (e.kind == KernelKind::kForward && !e.dropout && e.causal_max_seqlen_q == 0 &&
+                                (e.max_seqlen_q == 0 || e.split_kv)))
+        << e.name << ": a paged row is a forward row without dropout or another condition (a split row's max_seqlen_q aside)";
+    EXPECT_TRUE(!e.split_kv || (e.kind == KernelKind::kForward && !e.dropout && e.causal_max_seqlen_q == 0))
+        << e.name << ": a split row is a forward row without dropout or a causal condition";
     // A conditional row (short causal, short call, a decode role) is taken only for some calls: dispatch then reads on.
     EXPECT_TRUE(e.decode_role == DecodeRole::kGeneral || (e.kind == KernelKind::kKvcache && !e.fp8_cache)) << e.name;
     auto conditional = [](const KernelEntry& k) {

@@ -13,6 +13,7 @@
 #include <memory>
 #include <numeric>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "api/validate.hpp"
@@ -646,6 +647,73 @@ TEST(CudaForward, VarlenPagedDecodeStepRunsInPlace) {
       }
 }
 
+// A call that is not varlen, of Sq <= T = max(1, 16 / G) query rows (a decode step through fa_forward over a dense or
+// paged cache, as torch SDPA users make it): the whole call in the decode kernels, in place (decode_plan.hpp,
+// short_sequence_max_q). Sq = 1 and T at G = 1, 4 and 8, keys 3000 (split-KV) and 5, fewer keys than queries (causal
+// rows without keys), seqused_k with an empty sequence, a window, softcap with ALiBi, D = 64 fp16, a paged cache; and
+// Sq = T + 1, which stays in the forward kernel. Outputs poisoned, every row against the float64 oracle.
+TEST(CudaForward, ShortDenseCallsRunInTheDecodeKernels) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_short_dense");
+  struct Heads {
+    int hq, hk;
+  };
+  for (const Heads heads : {Heads{8, 8}, Heads{16, 4}, Heads{32, 4}}) {
+    const int t = std::max(1, 16 / (heads.hq / heads.hk));
+    for (const int rows : {1, t, t + 1})
+      for (const int keys : {3000, 5, 2})
+        for (int variant = 0; variant < 4; ++variant) {
+          if (keys == 2 && variant != 0) continue;  // Sq > Sk: the causal case only
+          const int d = variant == 3 ? 64 : 128;
+          const fa_dtype dtype = variant == 3 ? FA_FLOAT16 : FA_BFLOAT16;
+          Call c = make_call(problem(3, rows, keys, heads.hq, heads.hk, d, dtype), rng);
+          c.options.causal = variant != 1 ? 1 : 0;
+          if (variant == 1) c.options.window_left = 100, c.options.window_right = 0;
+          if (variant == 2) {
+            c.options.softcap = 15.f;
+            c.alibi = HostTensor({3, heads.hq}, FA_FLOAT32);
+            c.alibi.fill_uniform(rng, 0.01, 0.3);
+            c.seqused_k = HostTensor({3}, FA_INT32);
+            c.seqused_k.set_int(0, keys);
+            c.seqused_k.set_int(1, 0);
+            c.seqused_k.set_int(2, keys / 2);
+          }
+          const std::string what = "Hq " + std::to_string(heads.hq) + " / Hk " + std::to_string(heads.hk) + ", Sq " +
+                                   std::to_string(rows) + ", Sk " + std::to_string(keys) +
+                                   (variant == 0   ? " causal"
+                                    : variant == 1 ? " window (100, 0)"
+                                    : variant == 2 ? " causal softcap alibi seqused_k"
+                                                   : " causal D=64 f16");
+          const std::string kernel = oracle_then_stats(what, c).kernel;
+          if (rows <= t) {
+            EXPECT_NE(kernel.find("dec_"), std::string::npos) << what << " ran " << kernel;
+            EXPECT_NE(kernel.find(", in place"), std::string::npos) << what << " ran " << kernel;
+            EXPECT_EQ(kernel.find("fwd_"), std::string::npos) << what << " ran " << kernel;
+          } else {
+            EXPECT_NE(kernel.find("fwd_"), std::string::npos) << what << " ran " << kernel;
+            EXPECT_EQ(kernel.find("dec_"), std::string::npos) << what << " ran " << kernel;
+          }
+        }
+  }
+  for (const int block_size : {16, 5}) {  // a paged cache, not varlen: the decode kernels' paged copies
+    Call c;
+    c.q = HostTensor({3, 2, 16, 128}, FA_BFLOAT16);
+    c.q.fill_normal(rng);
+    make_paged_cache(c, rng, 3, 900, block_size, 4, 128, FA_BFLOAT16, /*repeat=*/true);
+    c.out = HostTensor({3, 2, 16, 128}, FA_BFLOAT16);
+    c.lse = HostTensor({3, 16, 2}, FA_FLOAT32);
+    c.seqused_k = HostTensor({3}, FA_INT32);
+    c.seqused_k.set_int(0, 900);
+    c.seqused_k.set_int(1, 1);
+    c.seqused_k.set_int(2, 433);
+    c.options.causal = 1;
+    const std::string what = "paged block_size=" + std::to_string(block_size) + ", Sq 2, Hq 16 / Hk 4";
+    const std::string kernel = oracle_then_stats(what, c).kernel;
+    EXPECT_NE(kernel.find("dec_"), std::string::npos) << what << " ran " << kernel;
+    EXPECT_NE(kernel.find(", in place"), std::string::npos) << what << " ran " << kernel;
+  }
+}
+
 // A bad block id in a short (routed) sequence's device block table: that sequence's rows are NaN, the others exact.
 TEST(CudaForward, VarlenPagedShortSequenceBadBlockIdGivesNan) {
   SKIP_WITHOUT_GPU();
@@ -753,11 +821,13 @@ struct ForcedForwardSplits {
 
 // check_against_oracle, then the call once more for its fa_stats: a split call (splits > 1) runs a split row ("sk") and
 // the merge, and reports its split count.
-void check_split_call(const std::string& what, const Call& call, int splits) {
+// tile: when not empty, the split kernel's name must hold it (e.g. "_m64n64": the 64-row split rows of D = 128).
+void check_split_call(const std::string& what, const Call& call, int splits, const std::string& tile = "") {
   const fa_stats stats = oracle_then_stats(what, call);
   const std::string kernel = stats.kernel;
   if (splits > 1) {
     EXPECT_NE(kernel.find("sk splits=" + std::to_string(splits) + " + combine"), std::string::npos) << what << " ran " << kernel;
+    if (!tile.empty()) EXPECT_NE(kernel.find(tile), std::string::npos) << what << " ran " << kernel << ", not a " << tile << " tile";
     EXPECT_EQ(stats.num_splits, splits) << what;
     EXPECT_GT(stats.scratch_bytes_peak, 0) << what;
   } else {
@@ -768,8 +838,9 @@ void check_split_call(const std::string& what, const Call& call, int splits) {
 // Every split count gives the oracle's result: 1 (no split), 2, 3, 5 and 32 (more splits than key tiles: empty shares,
 // whose rows weigh nothing), every head-dim bucket, causal or not (the diagonal tile in the last share), windows that
 // leave rows without a key in a share or in all of them (O = 0, LSE = -inf), softcap with ALiBi, varlen with empty
-// sequences, seqused_k, paged caches (slot ids and per-row lookups), and a paged varlen serving step whose short
-// sequences run in the decode kernels (the merge must leave their rows alone). Outputs poisoned.
+// sequences, seqused_k, paged caches (slot ids and per-row lookups), a paged varlen serving step whose short
+// sequences run in the decode kernels (the merge must leave their rows alone), and D = 128's 64-row split rows (calls
+// of at most 64 query rows: dense, varlen, paged). Outputs poisoned.
 TEST(CudaForward, SplitKvMatchesOracleAtEveryCount) {
   SKIP_WITHOUT_GPU();
   auto rng = fa_test::make_rng("cuda_forward_split_kv");
@@ -837,6 +908,32 @@ TEST(CudaForward, SplitKvMatchesOracleAtEveryCount) {
       Call c = varlen_paged_call(rng, {1, 37, 0, 120, 1}, {3000, 600, 9, 900, 1}, 8, 2, 128, 16, FA_BFLOAT16, 2);
       c.options.causal = 1;
       check_split_call("paged varlen step with decode tokens" + n, c, splits);
+    }
+    // D = 128, at most 64 query rows: the 64-row split rows (16 rows per warp); a partial tile, one row, varlen, paged.
+    // (Sq <= 8 at G = 2 would run in the decode kernels: not varlen, short_sequence_max_q; the varlen case has 1 row)
+    for (const auto& [sq, causal, dtype] : {std::tuple<int, int, fa_dtype>{64, 1, FA_BFLOAT16}, {33, 0, FA_FLOAT16},
+                                            {9, 1, FA_BFLOAT16}}) {
+      Call c = make_call(problem(2, sq, 700, 4, 2, 128, dtype), rng);
+      c.options.causal = causal;
+      check_split_call("64-row split tile Sq=" + std::to_string(sq) + (causal ? " causal" : "") + n, c, splits, "_m64n64");
+    }
+    {
+      fa_test::Problem p = problem(4, 0, 0, 4, 1, 128, FA_FLOAT16);
+      p.varlen_q = {1, 64, 0, 17};
+      p.varlen_k = {500, 900, 3, 64};
+      Call c = make_call(p, rng);
+      c.options.causal = 1;
+      check_split_call("64-row split tile varlen causal" + n, c, splits, "_m64n64");
+    }
+    {
+      Call c;
+      c.q = HostTensor({2, 50, 4, 128}, FA_BFLOAT16);
+      c.q.fill_normal(rng);
+      make_paged_cache(c, rng, 2, 640, 16, 2, 128, FA_BFLOAT16, /*repeat=*/true);
+      c.out = HostTensor({2, 50, 4, 128}, FA_BFLOAT16);
+      c.lse = HostTensor({2, 4, 50}, FA_FLOAT32);
+      c.options.causal = 1;
+      check_split_call("64-row split tile paged" + n, c, splits, "_m64n64");
     }
   }
 }

@@ -1546,7 +1546,7 @@ void break_indices(const KvCase& c, KvTensors& t) {
 // gives NaN for the broken sequences, and the right result for the others.
 TEST(CudaKvcache, InvalidIndicesDefaultMode) {
   SKIP_WITHOUT_GPU();
-  // Sq = 1: the decode kernels; Sq = 64: the forward route (decode_plan.hpp, wants_forward_route)
+  // Sq = 1: the decode kernels; Sq = 64: the forward route (decode_plan.hpp, wants_forward_route, from 48 rows)
   for (const int seqlen_q : {1, 64})
   for (const int splits : {1, 4}) {
     SCOPED_TRACE("Sq " + std::to_string(seqlen_q) + " splits " + std::to_string(splits));
@@ -1586,7 +1586,7 @@ TEST(CudaKvcache, InvalidIndicesDefaultMode) {
   }
 }
 
-// fa_kvcache calls of at least kForwardRouteMinRows (64) query rows over a 16-bit cache without rotary or left padding
+// fa_kvcache calls of at least kForwardRouteMinRows (48) query rows over a 16-bit cache without rotary or left padding
 // run the forward kernel over the cache (decode_plan.hpp, wants_forward_route: append, key counts, the forward with
 // split-KV where it splits, NaN for bad lengths). Against the float64 oracle with the appended bytes: contiguous (and
 // strided) and paged caches (block sizes 1, 3, 16, 256, heads-major blocks), appends of Sq and of fewer rows, causal with
@@ -1606,6 +1606,8 @@ TEST(CudaKvcache, ForwardRouteManyQueryRows) {
   };
   const Variant variants[] = {
       {0, 2, 64, 64, true, -1, false, 0, 128, FA_BFLOAT16, false, 0},
+      {16, 2, 48, 48, true, -1, false, 0, 128, FA_FLOAT16, false, 0},
+      {0, 8, 48, 5, false, -1, false, 0, 128, FA_BFLOAT16, false, 0},
       {16, 2, 100, 100, true, -1, false, 0, 128, FA_BFLOAT16, false, 0},
       {16, 1, 130, 3, true, 50, false, 0, 128, FA_FLOAT16, false, 0},
       {3, 8, 64, 0, false, -1, true, 0, 128, FA_BFLOAT16, false, 0},

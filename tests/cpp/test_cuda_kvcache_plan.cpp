@@ -922,8 +922,8 @@ TEST(CudaKvcacheFp8Layout, FragmentOrdersMatchAModelOfTheMma) {
   for (int c = 0; c < 32; ++c) EXPECT_EQ(seen[size_t(c)], 1) << "fp8_o_column must reach each head column once: " << c;
 }
 
-// The paged varlen forward's short sequences (decode_plan.hpp): T = max(1, 16 / G) capped by max_seqlen_q, only for
-// paged varlen calls without dropout; every DECODE_TILES row packs 16 rows (the rule's premise); the decode call's
+// The forward's short sequences (decode_plan.hpp): T = max(1, 16 / G) capped by max_seqlen_q, for paged varlen calls
+// without dropout, or for a whole call that is not varlen of at most T rows; every DECODE_TILES row packs 16 rows (the rule's premise); the decode call's
 // padded q / out / lse are dense (B, T, Hq, D) and (B, Hq, T) and carry the forward's cache and attention variant.
 TEST(CudaKvcachePlan, ShortSequencesOfAPagedVarlenForward) {
   alignas(256) static char fake[256];
@@ -965,7 +965,18 @@ TEST(CudaKvcachePlan, ShortSequencesOfAPagedVarlenForward) {
   EXPECT_EQ(decode::short_sequence_max_q(no), 0);  // varlen, not paged
   no = p;
   no.cu_seqlens_q = no.cu_seqlens_k = nullptr;
-  EXPECT_EQ(decode::short_sequence_max_q(no), 0);  // paged, not varlen: fa_kvcache's shape
+  EXPECT_EQ(decode::short_sequence_max_q(no), 0);  // paged, not varlen, 300 rows: not short
+  // Not varlen, Sq <= T: the whole call (paged or dense K/V), Sq rows per sequence; Sq > T or a cu_seqlens_k: none.
+  for (const bool paged : {true, false})
+    for (int sq = 1; sq <= 6; ++sq) {
+      flashattn::AttentionParams whole = no;
+      if (!paged) whole.block_table = nullptr;
+      whole.seqlen_q = sq;
+      EXPECT_EQ(decode::short_sequence_max_q(whole), sq <= 4 ? sq : 0) << "Sq " << sq << (paged ? " paged" : " dense");
+      EXPECT_EQ(decode::uniform_short_sequences(whole, decode::short_sequence_max_q(whole)), sq <= 4) << "Sq " << sq;
+      whole.cu_seqlens_k = index;
+      EXPECT_EQ(decode::short_sequence_max_q(whole), 0) << "Sq " << sq << ": keys varlen, queries not";
+    }
   no = p;
   no.dropout_p = 0.1f;
   EXPECT_EQ(decode::short_sequence_max_q(no), 0);
@@ -1065,4 +1076,17 @@ TEST(CudaKvcachePlan, ShortSequencesOfAPagedVarlenForward) {
   EXPECT_EQ(in_place.num_splits, 0);
   EXPECT_EQ(in_place.routed_seqlen_q, 0);
   EXPECT_TRUE(decode::check_kvcache_support(in_place).ok()) << decode::check_kvcache_support(in_place).message();
+  // Not varlen (a dense (B, Sq, ...) call): the forward's own batch strides, untouched.
+  flashattn::AttentionParams dense = step;
+  dense.cu_seqlens_q = dense.cu_seqlens_k = nullptr;
+  dense.block_table = nullptr;
+  dense.q_batch_stride = dense.out_batch_stride = 7 * 32 * 128;
+  dense.lse_batch_stride = 99;
+  const KvcacheParams whole = decode::uniform_sequence_call(dense, index);
+  EXPECT_EQ(whole.q_batch_stride, 7 * 32 * 128);
+  EXPECT_EQ(whole.out_batch_stride, 7 * 32 * 128);
+  EXPECT_EQ(whole.lse_batch_stride, 99);
+  EXPECT_EQ(whole.k_batch_stride, p.k_batch_stride);
+  EXPECT_EQ(whole.block_table, nullptr);
+  EXPECT_TRUE(decode::check_kvcache_support(whole).ok()) << decode::check_kvcache_support(whole).message();
 }

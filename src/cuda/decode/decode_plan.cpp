@@ -290,9 +290,13 @@ std::atomic<int> g_speculation_for_tests{-1};  // set_speculation_for_tests
 void set_speculation_for_tests(int mode) { g_speculation_for_tests.store(mode, std::memory_order_relaxed); }
 
 int short_sequence_max_q(const AttentionParams& p) {
-  if (!p.is_paged() || !p.is_varlen() || p.dropout_p > 0.f || p.seqlen_q < 1 || p.batch < 1 || p.heads_k < 1) return 0;
+  if (p.dropout_p > 0.f || p.seqlen_q < 1 || p.batch < 1 || p.heads_k < 1) return 0;
   const int group = p.heads_q / p.heads_k;
   const int max_q = std::min(std::max(1, kShortSequencePackedRows / group), p.seqlen_q);
+  // Not varlen (dense or paged K/V, every sequence Sq rows): all or nothing, in place (uniform_short_sequences).
+  if (!p.is_varlen())
+    return p.cu_seqlens_k == nullptr && p.seqlen_q <= std::max(1, kShortSequencePackedRows / group) ? max_q : 0;
+  if (!p.is_paged()) return 0;  // varlen dense K/V: sequence b's keys start at cu_seqlens_k[b], no cache's batch stride
   // Some sequence has at most max_q rows only if the other B - 1 (each at most max_seqlen_q) leave it room.
   if (int64_t(p.varlen_total_q) > int64_t(p.batch - 1) * p.seqlen_q + max_q) return 0;
   return max_q;
@@ -334,11 +338,12 @@ KvcacheParams short_sequence_call(const AttentionParams& p, int max_q, void* q, 
 }
 
 bool uniform_short_sequences(const AttentionParams& p, int max_q) {
-  return max_q > 0 && p.seqlen_q <= max_q && int64_t(p.varlen_total_q) == int64_t(p.batch) * p.seqlen_q;
+  return max_q > 0 && p.seqlen_q <= max_q && (!p.is_varlen() || int64_t(p.varlen_total_q) == int64_t(p.batch) * p.seqlen_q);
 }
 
 KvcacheParams uniform_sequence_call(const AttentionParams& p, const int32_t* cache_seqlens) {
   KvcacheParams kv = decode_call_of(p, cache_seqlens);
+  if (!p.is_varlen()) return kv;  // (B, Sq, ...) tensors with the forward's own batch strides
   kv.q_batch_stride = p.seqlen_q * p.q_row_stride;  // varlen rows: sequence b's S rows start at row b x S
   kv.out_batch_stride = p.seqlen_q * p.out_row_stride;
   kv.lse_batch_stride = p.seqlen_q * p.lse_row_stride;  // varlen lse (Hq, total_q): the row stride steps a row

@@ -410,7 +410,7 @@ Status make_decode_plan(const KvcacheParams& p, const KernelEntry& kernel, const
 // (null when num_splits == 1); it is aligned up here.
 DecodeArgs make_decode_args(const KvcacheParams& p, const DecodePlan& plan, void* workspace);
 
-// ---- the paged varlen forward's short sequences (fa_forward with block_table and cu_seqlens_q, on CUDA) ----
+// ---- the forward's short sequences (a paged varlen fa_forward's decode tokens, or a whole short call, on CUDA) ----
 // A serving step's decode tokens beside its prefill chunks. The forward kernel gives every sequence whole query tiles of
 // 128 rows per query head: a decode token takes Hq tiles of one row each, every tile streaming the sequence's keys (a
 // K/V head read G = Hq / Hk times, one row of 128 on the tensor cores, no split of a long key range). The decode kernels
@@ -418,7 +418,12 @@ DecodeArgs make_decode_args(const KvcacheParams& p, const DecodePlan& plan, void
 // forward hands them the sequences of 1 to short_sequence_max_q(p) query rows (kvcache.cpp, run_short_sequences) and
 // its own kernel skips those (AttentionParams::routed_seqlen_q). Which kernel computes a row changes rounding only.
 // T = max(1, kShortSequencePackedRows / G), capped by max_seqlen_q: G x T packed rows fill at most one m-block, so a
-// sequence streams its keys once per K/V head (G = 4: T = 4; G = 8: 2; G >= 16: 1). 0 (no route) unless the call is
+// sequence streams its keys once per K/V head (G = 4: T = 4; G = 8: 2; G >= 16: 1). A call that is not varlen (dense
+// or paged K/V, B x Sq rows: a decode step through fa_forward, as torch SDPA or jax.nn.dot_product_attention users make
+// it) is routed whole when Sq <= T, in place (uniform_short_sequences): B = 1, Sq = 1, Hq 32 / Hk 8, D = 128, bf16 over
+// 32k keys took 102.5 us in the forward kernel (split 8 ways; torch SDPA cuDNN 68.4) on an H100 (2026-12-06 10:36 UTC,
+// bench/results/2026-12-06-1034-h100-split-kv-forward-64-row-tile.txt), where the decode kernels read that cache at
+// ~0.9 of the card's streaming rate. Otherwise 0 (no route) unless the call is
 // paged and varlen, without dropout (the decode kernels have none), and its rows leave room for a short sequence:
 // total_q <= (B - 1) x max_seqlen_q + T, so that a batch of equal prefill chunks pays no copies and launches for
 // nothing (routing none, they made `flashattn step`'s split step, 8 decodes at 1k through fa_kvcache and one 128-token
@@ -435,8 +440,9 @@ int short_sequence_max_q(const AttentionParams& p);
 KvcacheParams short_sequence_call(const AttentionParams& p, int max_q, void* q, void* out, float* lse,
                                   const int32_t* cache_seqlens);
 
-// Every sequence has the same count of rows S = max_seqlen_q <= max_q (total_q = B x S, none more than S): a decode
-// step of one token per sequence (vLLM's varlen call with a block table), or S speculative tokens each. Then the
+// Every sequence has the same count of rows S = max_seqlen_q <= max_q (total_q = B x S, none more than S; or a call that
+// is not varlen): a decode step of one token per sequence (vLLM's varlen call with a block table, or fa_forward over a
+// dense cache), or S speculative tokens each. Then the
 // forward's own q / out / lse are the decode call's dense (B, S, ...) tensors (sequence b's rows at b x S): no gather,
 // no scatter, and with seqused_k not even the key counts to copy (uniform_sequence_call).
 bool uniform_short_sequences(const AttentionParams& p, int max_q);
@@ -451,12 +457,16 @@ KvcacheParams uniform_sequence_call(const AttentionParams& p, const int32_t* cac
 // 4, Hq 32 with Hk 32 / 8 / 4, 4k and 32k keys; bench/results/2026-12-06-0830-h100-split-kv-forward.txt, call 6): from
 // Sq = 64 the forward is the faster at every point (1.1-2.3x; Sq = 128 over 32k at Hk 8: 0.218 ms against 0.493); at
 // Sq = 32 it depends on the cache (4k: the decode kernels up to 1.1x; 32k: the forward 1.2x); at Sq <= 16 the decode
-// kernels lead (up to 2.4x). So an fa_kvcache call of at least kForwardRouteMinRows query rows over a 16-bit cache without
+// kernels lead (up to 2.4x). With D = 128's 64-row split tile (session 52, H100, 10:37 UTC, B = 1, causal, Hq 32,
+// fa_forward / fa_kvcache in us; bench/results/2026-12-06-1034-h100-split-kv-forward-64-row-tile.txt): Sq = 48 over 4k
+// 38 / 59.2 (Hk 8), 53 / 59.5 (Hk 32), over 32k 131 / 202.5, 203 / 224.0: the forward at every point; Sq = 32 over 4k
+// 39 / 38.8 and 53 / 40.7 (the decode kernels), over 32k 136 / 193.0 and 199 / 206.4; Sq = 16 a tie or the decode
+// kernels. So an fa_kvcache call of at least kForwardRouteMinRows query rows over a 16-bit cache without
 // rotary or left padding runs: the append (as the decode path's), the key counts (cache_seqlens + S_new; a bad entry
 // reads nothing), the forward kernel over the cache with those counts as seqused_k, and NaN for the sequences whose
 // cache_seqlens entry was bad (kvcache.cpp, run_forward_route). Its num_splits is the forward's split count (at most 32).
 // Affects speed (and rounding) only.
-constexpr int kForwardRouteMinRows = 64;
+constexpr int kForwardRouteMinRows = 48;
 inline bool wants_forward_route(const KvcacheParams& p) {
   return p.seqlen_q >= kForwardRouteMinRows && p.kv_dtype == p.dtype && p.rotary_dim == 0 && p.cache_leftpad == nullptr &&
          p.dropout_p == 0.f;

@@ -332,6 +332,7 @@ Status run_short_sequences(const AttentionParams& p, ShortSequences* routed) {
     FA_RETURN_IF_ERROR(run_uniform_sequences(p, max_q, routed));
     if (routed->max_q > 0) return Status();
   }
+  if (!p.is_varlen()) return Status();  // the decode kernels refused it: the forward kernel computes every row
   // The plan depends on the shapes only: planned with the forward's q / out standing in for the padded buffers (both
   // 16-byte aligned, as the padded rows are).
   Selection s;

@@ -6,7 +6,7 @@
 // (docs/FP8_KV_CACHE.md);
 // Sq from 1 up (decode, speculative decoding, chunked prefill; causal within the new tokens, windows,
 // softcap, ALiBi), GQA / MQA packed (one CTA reads a K/V head once for all its query heads), rotary
-// (interleaved or halves) on q and k_new in the kernels. Calls of >= 64 query rows over a 16-bit cache without rotary
+// (interleaved or halves) on q and k_new in the kernels. Calls of >= 48 query rows over a 16-bit cache without rotary
 // or left padding run the forward kernel over the cache instead (decode_plan.hpp, wants_forward_route).
 // Caches: contiguous (B, S_cache, Hk, D), any strides with 16-byte alignment, or paged with any block_size >= 1:
 // power-of-two sizes (1, 16, 32, 64, 128, 256, ...) address rows with shifts, other sizes with divisions (correct,
@@ -35,7 +35,8 @@ Status run_kvcache(const KvcacheParams& params);
 // cu_seqlens_new among the entries it checks).
 Status run_kvcache_append(const KvcacheAppendParams& params);
 
-// A paged varlen forward's short sequences (decode_plan.hpp, short_sequence_max_q) through the decode kernels, on the
+// A forward's short sequences (decode_plan.hpp, short_sequence_max_q: a paged varlen call's decode tokens, or all of a
+// call that is not varlen, of at most T query rows) through the decode kernels, on the
 // forward's stream: gather (their queries, left-padded to T rows, and key counts), the decode call (attention, combine),
 // scatter (their out and lse rows). The call's scratch (the padded rows and the split partials) is a stream-ordered
 // allocation from the library's pool (common/scratch_pool.hpp), freed on the stream after the scatter (capturable in a

@@ -19,6 +19,8 @@ Status fwd_sm80_f16_d96_m128n64w4s2sk(const AttentionParams& params, int num_spl
 Status fwd_sm80_f16_d96_m128n64w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d96_m128n64w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d96_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_f16_d128_m64n64w4s2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
+Status fwd_sm80_f16_d128_m64n64w4s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2pk(const AttentionParams& params, void* stream);
@@ -52,6 +54,8 @@ Status fwd_sm80_bf16_d96_m128n64w4s2sk(const AttentionParams& params, int num_sp
 Status fwd_sm80_bf16_d96_m128n64w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d96_m128n64w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d96_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
+Status fwd_sm80_bf16_d128_m64n64w4s2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
+Status fwd_sm80_bf16_d128_m64n64w4s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2pk(const AttentionParams& params, void* stream);
@@ -137,6 +141,8 @@ const KernelLaunch kKernelLaunch[] = {
     {&fwd_sm80_f16_d96_m128n64w4s2pk, nullptr, nullptr, nullptr},
     {&fwd_sm80_f16_d96_m128n64w4s2, nullptr, nullptr, nullptr},
     {&fwd_sm80_f16_d96_m128n64w4s2_dropout, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, &fwd_sm80_f16_d128_m64n64w4s2pksk},
+    {nullptr, nullptr, nullptr, &fwd_sm80_f16_d128_m64n64w4s2sk},
     {nullptr, nullptr, nullptr, &fwd_sm80_f16_d128_m128n64w4s2pksk},
     {nullptr, nullptr, nullptr, &fwd_sm80_f16_d128_m128n64w4s2sk},
     {&fwd_sm80_f16_d128_m128n64w4s2pk, nullptr, nullptr, nullptr},
@@ -170,6 +176,8 @@ const KernelLaunch kKernelLaunch[] = {
     {&fwd_sm80_bf16_d96_m128n64w4s2pk, nullptr, nullptr, nullptr},
     {&fwd_sm80_bf16_d96_m128n64w4s2, nullptr, nullptr, nullptr},
     {&fwd_sm80_bf16_d96_m128n64w4s2_dropout, nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d128_m64n64w4s2pksk},
+    {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d128_m64n64w4s2sk},
     {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d128_m128n64w4s2pksk},
     {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d128_m128n64w4s2sk},
     {&fwd_sm80_bf16_d128_m128n64w4s2pk, nullptr, nullptr, nullptr},
