@@ -384,6 +384,22 @@ void make_paged_cache(Call& c, std::mt19937_64& rng, int batch, int max_keys, in
   if (repeat && batch > 2 && max_blocks > 1) c.block_table.set_int(2 * max_blocks + 1, c.block_table.get_int(0));
 }
 
+// A causal bf16 D = 128 call of Sq rows per sequence over a paged cache (a repeated block) of `max_keys` rows, with
+// seqused_k = `used` (B = used.size()), lse present.
+Call paged_causal_call(std::mt19937_64& rng, int sq, int hq, int hk, int max_keys, int block_size, const std::vector<int>& used) {
+  const int batch = int(used.size());
+  Call c;
+  c.q = HostTensor({batch, sq, hq, 128}, FA_BFLOAT16);
+  c.q.fill_normal(rng);
+  make_paged_cache(c, rng, batch, max_keys, block_size, hk, 128, FA_BFLOAT16, /*repeat=*/true);
+  c.out = HostTensor({batch, sq, hq, 128}, FA_BFLOAT16);
+  c.lse = HostTensor({batch, hq, sq}, FA_FLOAT32);
+  c.seqused_k = HostTensor({batch}, FA_INT32);
+  for (int b = 0; b < batch; ++b) c.seqused_k.set_int(b, used[size_t(b)]);
+  c.options.causal = 1;
+  return c;
+}
+
 // Paged K/V for every head-dim bucket (and D = 72, between buckets), block sizes of the slot-id path (powers of two
 // >= 16) and of the per-row lookup (1, 3, 5, 8), causal or not, one empty and one one-key sequence. Without dropout
 // the call must run the paged instantiation (kernel name ...pk).
@@ -696,17 +712,7 @@ TEST(CudaForward, ShortDenseCallsRunInTheDecodeKernels) {
         }
   }
   for (const int block_size : {16, 5}) {  // a paged cache, not varlen: the decode kernels' paged copies
-    Call c;
-    c.q = HostTensor({3, 2, 16, 128}, FA_BFLOAT16);
-    c.q.fill_normal(rng);
-    make_paged_cache(c, rng, 3, 900, block_size, 4, 128, FA_BFLOAT16, /*repeat=*/true);
-    c.out = HostTensor({3, 2, 16, 128}, FA_BFLOAT16);
-    c.lse = HostTensor({3, 16, 2}, FA_FLOAT32);
-    c.seqused_k = HostTensor({3}, FA_INT32);
-    c.seqused_k.set_int(0, 900);
-    c.seqused_k.set_int(1, 1);
-    c.seqused_k.set_int(2, 433);
-    c.options.causal = 1;
+    const Call c = paged_causal_call(rng, 2, 16, 4, 900, block_size, {900, 1, 433});
     const std::string what = "paged block_size=" + std::to_string(block_size) + ", Sq 2, Hq 16 / Hk 4";
     const std::string kernel = oracle_then_stats(what, c).kernel;
     EXPECT_NE(kernel.find("dec_"), std::string::npos) << what << " ran " << kernel;
@@ -890,17 +896,7 @@ TEST(CudaForward, SplitKvMatchesOracleAtEveryCount) {
       check_split_call("seqused_k" + n, c, splits);
     }
     for (int block_size : {16, 5}) {
-      Call c;
-      c.q = HostTensor({3, 70, 4, 128}, FA_BFLOAT16);
-      c.q.fill_normal(rng);
-      make_paged_cache(c, rng, 3, 800, block_size, 2, 128, FA_BFLOAT16, /*repeat=*/true);
-      c.out = HostTensor({3, 70, 4, 128}, FA_BFLOAT16);
-      c.lse = HostTensor({3, 4, 70}, FA_FLOAT32);
-      c.seqused_k = HostTensor({3}, FA_INT32);
-      c.seqused_k.set_int(0, 800);
-      c.seqused_k.set_int(1, 1);
-      c.seqused_k.set_int(2, 431);
-      c.options.causal = 1;
+      const Call c = paged_causal_call(rng, 70, 4, 2, 800, block_size, {800, 1, 431});
       check_split_call("paged block_size=" + std::to_string(block_size) + n, c, splits);
     }
     {
@@ -926,13 +922,7 @@ TEST(CudaForward, SplitKvMatchesOracleAtEveryCount) {
       check_split_call("64-row split tile varlen causal" + n, c, splits, "_m64n64");
     }
     {
-      Call c;
-      c.q = HostTensor({2, 50, 4, 128}, FA_BFLOAT16);
-      c.q.fill_normal(rng);
-      make_paged_cache(c, rng, 2, 640, 16, 2, 128, FA_BFLOAT16, /*repeat=*/true);
-      c.out = HostTensor({2, 50, 4, 128}, FA_BFLOAT16);
-      c.lse = HostTensor({2, 4, 50}, FA_FLOAT32);
-      c.options.causal = 1;
+      const Call c = paged_causal_call(rng, 50, 4, 2, 640, 16, {640, 333});
       check_split_call("64-row split tile paged" + n, c, splits, "_m64n64");
     }
   }
