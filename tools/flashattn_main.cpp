@@ -572,7 +572,8 @@ int command_run(int argc, char** argv) {
               c.shape.seqlen_q, c.shape.seqlen_k, c.shape.heads_q, c.shape.heads_k, c.shape.head_dim, c.shape.head_dim_v,
               flashattn::dtype_name(c.shape.dtype), c.options.causal ? " causal" : "", c.options.dropout_p > 0 ? " dropout" : "",
               backend_label(c.backend), (unsigned long long)c.seed);
-  std::printf("forward:  %.3f ms (median of %d, min %.3f ms)  %s  %.1f GB/s  kernel: %s\n", t.median_s * 1e3, t.iterations,
+  // Four decimals: 0.1 us, so that short GPU calls (tens of us) compare to the decode tool's us.
+  std::printf("forward:  %.4f ms (median of %d, min %.4f ms)  %s  %.1f GB/s  kernel: %s\n", t.median_s * 1e3, t.iterations,
               t.min_s * 1e3, rate(flops / t.median_s).c_str(), p.forward_io_bytes() / t.median_s / 1e9, stats.kernel);
   const int64_t fwd_scratch = stats.scratch_bytes_peak;
   const std::string fwd_kernel = stats.kernel;
@@ -584,7 +585,7 @@ int command_run(int argc, char** argv) {
     tb = time_call(stats_on_first_call(c.options, &stats, [&] { return flashattn::backward(ba, c.options); }), device,
                    warmup, iters, 120);
     bwd_scratch = stats.scratch_bytes_peak;
-    std::printf("backward: %.3f ms (median of %d)  %s (2.5x forward FLOPs)  %.1f GB/s  kernel: %s\n", tb.median_s * 1e3,
+    std::printf("backward: %.4f ms (median of %d)  %s (2.5x forward FLOPs)  %.1f GB/s  kernel: %s\n", tb.median_s * 1e3,
                 tb.iterations, rate(2.5 * flops / tb.median_s).c_str(), p.backward_io_bytes() / tb.median_s / 1e9, stats.kernel);
   }
   const int64_t rss_peak = peak_rss_bytes();
