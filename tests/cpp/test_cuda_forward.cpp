@@ -663,9 +663,10 @@ TEST(CudaForward, VarlenPagedDecodeStepRunsInPlace) {
       }
 }
 
-// A call that is not varlen, of Sq <= T = max(1, 16 / G) query rows (a decode step through fa_forward over a dense or
-// paged cache, as torch SDPA users make it): the whole call in the decode kernels, in place (decode_plan.hpp,
-// short_sequence_max_q). Sq = 1 and T at G = 1, 4 and 8, keys 3000 (split-KV) and 5, fewer keys than queries (causal
+// A call that is not varlen, of Sq <= T = max(1, min(16, 64 / G)) query rows (a decode step or speculative tokens
+// through fa_forward over a dense or paged cache, as torch SDPA users make it): the whole call in the decode kernels, in
+// place (decode_plan.hpp, short_sequence_max_q). Sq = 1 and T at G = 1, 4 and 8, keys 3000 (split-KV) and 5, fewer
+// keys than queries (causal
 // rows without keys), seqused_k with an empty sequence, a window, softcap with ALiBi, D = 64 fp16, a paged cache; and
 // Sq = T + 1, which stays in the forward kernel. Outputs poisoned, every row against the float64 oracle.
 TEST(CudaForward, ShortDenseCallsRunInTheDecodeKernels) {
@@ -675,7 +676,7 @@ TEST(CudaForward, ShortDenseCallsRunInTheDecodeKernels) {
     int hq, hk;
   };
   for (const Heads heads : {Heads{8, 8}, Heads{16, 4}, Heads{32, 4}}) {
-    const int t = std::max(1, 16 / (heads.hq / heads.hk));
+    const int t = std::max(1, std::min(16, 64 / (heads.hq / heads.hk)));
     for (const int rows : {1, t, t + 1})
       for (const int keys : {3000, 5, 2})
         for (int variant = 0; variant < 4; ++variant) {
@@ -906,9 +907,9 @@ TEST(CudaForward, SplitKvMatchesOracleAtEveryCount) {
       check_split_call("paged varlen step with decode tokens" + n, c, splits);
     }
     // D = 128, at most 64 query rows: the 64-row split rows (16 rows per warp); a partial tile, one row, varlen, paged.
-    // (Sq <= 8 at G = 2 would run in the decode kernels: not varlen, short_sequence_max_q; the varlen case has 1 row)
+    // (Sq <= 16 at G = 2 would run in the decode kernels: not varlen, short_sequence_max_q; the varlen case has 1 row)
     for (const auto& [sq, causal, dtype] : {std::tuple<int, int, fa_dtype>{64, 1, FA_BFLOAT16}, {33, 0, FA_FLOAT16},
-                                            {9, 1, FA_BFLOAT16}}) {
+                                            {17, 1, FA_BFLOAT16}}) {
       Call c = make_call(problem(2, sq, 700, 4, 2, 128, dtype), rng);
       c.options.causal = causal;
       check_split_call("64-row split tile Sq=" + std::to_string(sq) + (causal ? " causal" : "") + n, c, splits, "_m64n64");
