@@ -47,12 +47,16 @@ Status select(KernelKind kind, const AttentionParams& p, int* index) {
 }
 
 // Resident CTAs per SM of split row `index` on `device` (the split plan's slots): asked of the runtime once per (row,
-// device), then cached; attributes cannot change while the process runs.
+// device), then cached; attributes cannot change while the process runs. The occupancy query and the kernel's
+// shared-memory attribute act on the current device: p.device_id is made current for them (fa_plan_kvcache and the
+// plans run before a call's own guard), so the caller's current device is neither asked nor given a context.
 Status split_ctas_per_sm(int index, const AttentionParams& p, int* ctas) {
   constexpr int kDevices = 16;
   static std::atomic<int> cache[generated::kKernelCount > 0 ? generated::kKernelCount : 1][kDevices] = {};
   const bool cached = p.device_id >= 0 && p.device_id < kDevices;
   if (cached && (*ctas = cache[index][p.device_id].load(std::memory_order_relaxed)) > 0) return Status();
+  DeviceGuard guard(p.device_id);
+  FA_CUDA_RETURN_IF_ERROR(guard.status());
   FA_RETURN_IF_ERROR(generated::kKernelLaunch[index].forward_split(p, 0, ctas, p.stream));
   if (cached) cache[index][p.device_id].store(*ctas, std::memory_order_relaxed);
   return Status();
@@ -113,14 +117,12 @@ Status run_forward_kernel(const AttentionParams& p, const ForwardKernelPlan& pla
 
 Status forward(const AttentionParams& p) {
   FA_RETURN_IF_ERROR(check_forward_support(p));
-  int index = -1;
-  DeviceLimits limits;
-  FA_RETURN_IF_ERROR(select(KernelKind::kForward, p, &limits, &index));
-  const KernelEntry& entry = kernel_entry(index);
-  const KernelLaunch& launch = generated::kKernelLaunch[index];
-  if (launch.forward == nullptr) return error(FA_ERROR_INTERNAL, "kernel table row %s has no forward launcher", entry.name);
   DeviceGuard guard(p.device_id);
   FA_CUDA_RETURN_IF_ERROR(guard.status());
+  // The plan depends on the shapes only (not on routed_seqlen_q below): made once, used if the forward kernel runs.
+  ForwardKernelPlan plan;
+  FA_RETURN_IF_ERROR(plan_forward_kernel(p, 0, &plan));
+  const KernelEntry& entry = kernel_entry(plan.index);
   // A paged varlen call (a serving step): its short sequences (decode tokens) run in the decode kernels, which pack a
   // K/V head's query heads and split long key ranges (decode_plan.hpp, short_sequence_max_q); the forward kernel
   // then skips them. Only the paged instantiation knows to skip (forward_kernel.cuh). A call that is not varlen, of
@@ -134,8 +136,6 @@ Status forward(const AttentionParams& p) {
   if (!all_routed) {
     AttentionParams rest = p;
     rest.routed_seqlen_q = uint8_t(routed.max_q);
-    ForwardKernelPlan plan;
-    FA_RETURN_IF_ERROR(plan_forward_kernel(rest, 0, &plan));
     FA_RETURN_IF_ERROR(run_forward_kernel(rest, plan, nullptr));
     splits = plan.splits;
     split_bytes = plan.scratch_bytes;

@@ -121,8 +121,11 @@ FORWARD_TILES = {
     # (forward_kernel.cuh): bf16 / fp16, S = 512 non-causal +1.8% / +2.5%, causal +3.7% / +4.7%; 1k +0.3% to +1.0%;
     # 2k -1.2% to +0.4%, 16k -1.3% to -1.9% (H200, 2026-12-01 03:38 UTC, bench/flashattn_cuda_bench, 5 alternating
     # runs, medians; bench/results/2026-12-01-0338-h200-fwd-compact-epilogue-ab.json).
+    # Calls of at most 64 query rows that do not split (many sequences or heads: the grid fills the SMs) take a 64-row
+    # tile too (16 rows per warp; the 128-row tile leaves warps without rows idle), dense K/V only. A candidate: not yet
+    # timed against the 128-row tile.
     (128, False): [*split_rows(Tile(64, 64, 4, 2), max_seqlen=64), *split_rows(Tile(128, 64, 4, 2)),
-                   Tile(128, 64, 4, 2, paged_kv=True),
+                   Tile(128, 64, 4, 2, paged_kv=True), Tile(64, 64, 4, 2, max_seqlen=64, compact_epilogue=True),
                    Tile(128, 64, 4, 2, max_seqlen=1024, compact_epilogue=True), Tile(128, 64, 4, 2)],
     (128, True): Tile(128, 64, 4, 2),
     (192, False): [*split_rows(Tile(128, 64, 8, 2)), Tile(128, 64, 8, 2, paged_kv=True),

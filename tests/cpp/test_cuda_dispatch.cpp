@@ -261,15 +261,17 @@ TEST(CudaDispatch, ShortCallRowIsTakenOnlyForShortCalls) {
   EXPECT_EQ(picked_name(table, 128, 1024, 65536, false), "fwd_d128_short");  // the query rows decide, not the keys
   EXPECT_EQ(picked_name(table, 128, 1025, 1025, false), "fwd_d128_general");
   EXPECT_EQ(picked_name(table, 128, 1025, 64, true), "fwd_d128_general");
-  // The generated table: D = 128 without dropout at S <= 1k takes the compact-epilogue kernel, else the general
-  // one; with dropout always the general one.
+  // The generated table: D = 128 without dropout at S <= 64 takes the 64-row compact-epilogue kernel, at S <= 1k the
+  // 128-row one, else the general one; with dropout always the general one.
   for (fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
-    for (int sq : {1, 512, 1024, 1025, 16384})
+    for (int sq : {1, 64, 65, 512, 1024, 1025, 16384})
       for (float dropout : {0.f, 0.1f}) {
         const KernelEntry* e = pick_generated(128, sq, dtype, false, dropout);
         ASSERT_NE(e, nullptr);
         const bool short_row = dropout == 0.f && sq <= 1024;
-        EXPECT_EQ(e->max_seqlen_q, short_row ? 1024 : 0) << e->name << " S " << sq << " dropout " << dropout;
+        const bool shortest_row = dropout == 0.f && sq <= 64;
+        EXPECT_EQ(e->max_seqlen_q, shortest_row ? 64 : short_row ? 1024 : 0) << e->name << " S " << sq << " dropout " << dropout;
+        EXPECT_EQ(e->block_m, shortest_row ? 64 : 128) << e->name << " S " << sq;
         EXPECT_EQ(std::string(e->name).find("ce") != std::string::npos, short_row) << e->name;
       }
 }

@@ -721,6 +721,33 @@ TEST(CudaForward, ShortDenseCallsRunInTheDecodeKernels) {
   }
 }
 
+// D = 128 calls of at most 64 query rows that do not split (enough sequences x heads to fill the SMs) run the 64-row
+// compact-epilogue tile (manifest.py): dense and varlen, causal or not, a window, partial tiles; 65 rows take the
+// 128-row one. Outputs poisoned, against the float64 oracle.
+TEST(CudaForward, ShortCallsTakeThe64RowTile) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_short_m64");
+  for (const int sq : {40, 64, 65})
+    for (int variant = 0; variant < 3; ++variant) {
+      const fa_dtype dtype = variant == 1 ? FA_FLOAT16 : FA_BFLOAT16;
+      Call c = make_call(problem(8, sq, 1500, 32, 8, 128, dtype), rng);  // 8 x 32 CTAs: no split
+      c.options.causal = variant != 1 ? 1 : 0;
+      if (variant == 2) c.options.window_left = 200, c.options.window_right = 10;
+      const std::string what = "Sq " + std::to_string(sq) + (variant == 0 ? " causal" : variant == 1 ? " f16" : " causal window");
+      const fa_stats stats = oracle_then_stats(what, c);
+      const std::string kernel = stats.kernel;
+      EXPECT_EQ(stats.num_splits, 1) << what << " ran " << kernel;
+      EXPECT_EQ(kernel.find("_m64n64w4s2ce") != std::string::npos, sq <= 64) << what << " ran " << kernel;
+    }
+  fa_test::Problem p = problem(9, 0, 0, 32, 8, 128, FA_BFLOAT16);
+  p.varlen_q = {64, 1, 0, 17, 64, 33, 64, 2, 50};
+  p.varlen_k = {900, 5, 7, 17, 1200, 0, 64, 640, 300};
+  Call c = make_call(p, rng);
+  c.options.causal = 1;
+  const std::string kernel = oracle_then_stats("varlen causal, max 64 rows", c).kernel;
+  EXPECT_NE(kernel.find("_m64n64w4s2ce"), std::string::npos) << kernel;
+}
+
 // A bad block id in a short (routed) sequence's device block table: that sequence's rows are NaN, the others exact.
 TEST(CudaForward, VarlenPagedShortSequenceBadBlockIdGivesNan) {
   SKIP_WITHOUT_GPU();
