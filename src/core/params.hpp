@@ -72,6 +72,9 @@ struct AttentionParams {
   // by the CUDA backend only. A byte in causal's padding: every later field keeps its offset (the kernels' parameter
   // loads are unchanged).
   uint8_t routed_seqlen_q = 0;
+  // CUDA forward: nonzero = the G = Hq / Hk query heads of a K/V head run packed in one grid row, G x Sq rows of query
+  // tiles per K/V head (src/cuda/sm80/forward_packing.hpp). Set by the CUDA backend's plan only; in the same padding.
+  uint8_t pack_gqa = 0;
   int window_left;          // -1 unbounded, else >= 0
   int window_right;         // -1 unbounded, else >= 0
   float softcap;            // 0 off

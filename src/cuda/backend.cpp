@@ -16,6 +16,7 @@
 #include "cuda/forward_run.hpp"
 #include "cuda/generated/kernel_table.hpp"
 #include "cuda/sm80/backward_plan.hpp"
+#include "cuda/sm80/forward_packing.hpp"
 #include "cuda/sm80/forward_split.hpp"
 
 namespace flashattn::cuda {
@@ -62,9 +63,8 @@ Status split_ctas_per_sm(int index, const AttentionParams& p, int* ctas) {
   return Status();
 }
 
-}  // namespace
-
-Status plan_forward_kernel(const AttentionParams& p, int forced_splits, ForwardKernelPlan* plan) {
+// The plan of `p` as given (packed or not: p.pack_gqa is the view's).
+Status plan_forward_rows(const AttentionParams& p, int forced_splits, ForwardKernelPlan* plan) {
   *plan = ForwardKernelPlan{};
   DeviceLimits limits;
   FA_RETURN_IF_ERROR(select(KernelKind::kForward, p, &limits, &plan->index));
@@ -91,9 +91,30 @@ Status plan_forward_kernel(const AttentionParams& p, int forced_splits, ForwardK
   return Status();
 }
 
+}  // namespace
+
+// The call unpacked, then, where GQA packing is allowed, packed (its view: Hk heads of G x Sq rows, whose own tile and
+// split count the same rules pick); packed where the rows it takes may pack and it reads K/V fewer times
+// (sm80/forward_packing.hpp). The split partials' layout is the call's own (rows of query heads) either way.
+Status plan_forward_kernel(const AttentionParams& p, int forced_splits, ForwardKernelPlan* plan) {
+  FA_RETURN_IF_ERROR(plan_forward_rows(p, forced_splits, plan));
+  if (!sm80::gqa_packing_allowed(p)) return Status();
+  ForwardKernelPlan packed;
+  FA_RETURN_IF_ERROR(plan_forward_rows(sm80::gqa_packed_view(p), forced_splits, &packed));
+  const KernelEntry& packed_rows = kernel_entry(packed.splits > 1 ? packed.split_index : packed.index);
+  const KernelEntry& rows = kernel_entry(plan->splits > 1 ? plan->split_index : plan->index);
+  if (!sm80::gqa_packing_pays(p, rows, packed_rows)) return Status();
+  packed.pack_gqa = true;
+  packed.scratch_bytes = packed.splits > 1 ? sm80::forward_split_layout(p, packed.splits).total_bytes : 0;
+  *plan = packed;
+  return Status();
+}
+
 // Split: the partials in `scratch` or a stream-ordered allocation from the library's pool (capturable), the split
 // kernel, the merge.
-Status run_forward_kernel(const AttentionParams& p, const ForwardKernelPlan& plan, void* scratch) {
+Status run_forward_kernel(const AttentionParams& call, const ForwardKernelPlan& plan, void* scratch) {
+  AttentionParams p = call;
+  p.pack_gqa = plan.pack_gqa ? 1 : 0;  // the kernels' grid and rows; the merge reads the call's rows either way
   if (plan.splits <= 1) return generated::kKernelLaunch[plan.index].forward(p, p.stream);
   const sm80::ForwardSplitLayout layout = sm80::forward_split_layout(p, plan.splits);
   const auto stream = static_cast<cudaStream_t>(p.stream);
@@ -148,6 +169,7 @@ Status forward(const AttentionParams& p) {
     p.stats->num_splits = splits > 1 ? splits : (routed.max_q > 0 ? routed.num_splits : 1);  // forward's, else decode's
     std::string forward_part = kernel_name;
     if (splits > 1) forward_part += " splits=" + std::to_string(splits) + " + combine";
+    if (plan.pack_gqa) forward_part += " gqa-packed";
     if (routed.max_q == 0)
       std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s", forward_part.c_str());
     else if (routed.in_place)

@@ -15,6 +15,8 @@ struct ForwardKernelPlan {
   int split_index = -1;      // its split-KV row, when the call splits
   int splits = 1;            // 1: the row's own kernel; else the split kernel and the merge (sm80/forward_split.hpp)
   int64_t scratch_bytes = 0;  // the split partials (0 unsplit)
+  bool pack_gqa = false;     // the call runs GQA-packed (sm80/forward_packing.hpp): index / split_index are the packed
+                             // call's rows, splits its split count
 };
 
 // forced_splits > 0: that many splits (capped at sm80::kMaxForwardSplits) where the bucket has a split row; 0: the plan's.

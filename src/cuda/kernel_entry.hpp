@@ -39,6 +39,8 @@ struct KernelEntry {
                           // find it ahead of the bucket's other rows
   bool split_kv = false;  // forward: compiled for split-KV (kSplitKv): choose_kernel skips it; split_alternative offers
                           // it where the forward's split plan splits (src/cuda/sm80/forward_split.hpp)
+  bool gqa_packing = false;  // forward: may run a call GQA-packed (the split-KV and compact-epilogue rows;
+                             // src/cuda/sm80/forward_packing.hpp); the plan packs only where the rows it takes may
 };
 
 // The launch functions of one row (exactly one is set, by kind). `stream` is a cudaStream_t.

@@ -78,6 +78,9 @@ class Tile:
     split_kv: bool = False  # forward only: the instantiation for split-KV calls (forward_kernel.cuh, kSplitKv): never
                             # taken by dispatch's general pass; the forward's split plan (src/cuda/sm80/forward_split.hpp)
                             # takes it when a call's CTAs leave SMs idle (few query tiles over many keys); speed only
+    gqa_packing: bool = False  # forward only, no dropout: the kernel may run short calls GQA-packed (the G query heads of
+                               # a K/V head in one grid row: src/cuda/sm80/forward_packing.hpp), where the plan finds it
+                               # reads K/V fewer times; every split_kv row (split_rows) and the short-call rows; speed only
     decode_role: str = ""  # decode only: "" = the bucket's general row; a role's row is taken only for the calls that
                            # decode_plan.hpp's rule for it accepts (choose_kernel skips it, the decode selection offers
                            # it; speed only): "many_waves" (wants_many_waves_tile: short contiguous caches at many waves
@@ -99,8 +102,8 @@ class Tile:
 def split_rows(tile, max_seqlen=0):
     """Split-KV rows (no dropout): `tile` compiled with kSplitKv for paged and dense K/V; max_seqlen > 0: taken only for
     split calls of at most that many query rows (listed before the bucket's general split rows)."""
-    return [replace(tile, paged_kv=True, split_kv=True, max_seqlen=max_seqlen),
-            replace(tile, split_kv=True, max_seqlen=max_seqlen)]
+    return [replace(tile, paged_kv=True, split_kv=True, max_seqlen=max_seqlen, gqa_packing=True),
+            replace(tile, split_kv=True, max_seqlen=max_seqlen, gqa_packing=True)]
 
 
 FORWARD_TILES = {
@@ -125,7 +128,8 @@ FORWARD_TILES = {
     # tile too (16 rows per warp; the 128-row tile leaves warps without rows idle), dense K/V only. A candidate: not yet
     # timed against the 128-row tile.
     (128, False): [*split_rows(Tile(64, 64, 4, 2), max_seqlen=64), *split_rows(Tile(128, 64, 4, 2)),
-                   Tile(128, 64, 4, 2, paged_kv=True), Tile(64, 64, 4, 2, max_seqlen=64, compact_epilogue=True),
+                   Tile(128, 64, 4, 2, paged_kv=True),
+                   Tile(64, 64, 4, 2, max_seqlen=64, compact_epilogue=True, gqa_packing=True),
                    Tile(128, 64, 4, 2, max_seqlen=1024, compact_epilogue=True), Tile(128, 64, 4, 2)],
     (128, True): Tile(128, 64, 4, 2),
     (192, False): [*split_rows(Tile(128, 64, 8, 2)), Tile(128, 64, 8, 2, paged_kv=True),
@@ -295,6 +299,9 @@ def kernels():
                     assert not tile.paged_kv or (kind == "fwd" and not dropout and (not tile.max_seqlen or tile.split_kv) and
                                                  not tile.causal_max_seqlen and not tile.compact_epilogue), \
                         f"{kind} d{head_dim}: paged_kv is a forward field of its own rows (no dropout, no other condition)"
+                    assert not tile.gqa_packing or (kind == "fwd" and not dropout), \
+                        f"{kind} d{head_dim}: gqa_packing is a forward field of rows without dropout"
+                    assert not tile.split_kv or tile.gqa_packing, f"{kind} d{head_dim}: split_kv rows pack (split_rows)"
                     assert not tile.split_kv or (kind == "fwd" and not dropout and not tile.causal_max_seqlen and
                                                  not tile.compact_epilogue), \
                         f"{kind} d{head_dim}: split_kv is a forward field of its own rows (no dropout; max_seqlen only)"
@@ -318,6 +325,8 @@ def kernel_cu(k):
               f"{'true' if k.dropout else 'false'}{extra}>")
     if t.compact_epilogue:
         config = f"sm80::WithCompactEpilogue<{config}>"
+    if t.gqa_packing:
+        config = f"sm80::WithGqaPacking<{config}>"
     if t.paged_kv:
         config = f"sm80::WithPagedKv<{config}>"
     if t.split_kv:  # its own launcher: the split count, and an occupancy query (forward_launch.cuh)
@@ -349,7 +358,7 @@ def kernel_table_hpp(rows):
              "namespace flashattn::cuda::generated {", "",
              "inline constexpr KernelEntry kKernelTable[] = {",
              "    // kind, dtype, head dim, block_m, block_n, warps, stages, dropout, smem bytes, name, warp keys, group warps, fp8 cache,",
-             "    // causal max seqlen, max seqlen, decode role, paged kv, split kv"]
+             "    // causal max seqlen, max seqlen, decode role, paged kv, split kv, gqa packing"]
     for k in rows:
         _, fa_dtype = DTYPES[k.dtype]
         kind = {"fwd": "KernelKind::kForward", "bwd": "KernelKind::kBackward", "dec": "KernelKind::kKvcache"}[k.kind]
@@ -358,7 +367,7 @@ def kernel_table_hpp(rows):
                      f"{'true' if k.dropout else 'false'}, {k.smem_bytes}, \"{k.name}\", {t.warp_keys}, {t.group_warps}, "
                      f"{'true' if k.fp8_cache else 'false'}, {t.causal_max_seqlen}, {t.max_seqlen}, "
                      f"{DECODE_ROLES[t.decode_role][1]}, {'true' if t.paged_kv else 'false'}, "
-                     f"{'true' if t.split_kv else 'false'}}},")
+                     f"{'true' if t.split_kv else 'false'}, {'true' if t.gqa_packing else 'false'}}},")
     if not rows:
         lines.append("    {}")
     lines += ["};", f"inline constexpr int kKernelCount = {len(rows)};", "",

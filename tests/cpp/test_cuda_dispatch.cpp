@@ -7,6 +7,7 @@
 #include "api/validate.hpp"
 #include "cuda/dispatch.hpp"
 #include "cuda/generated/kernel_table.hpp"
+#include "cuda/sm80/forward_packing.hpp"
 #include "cuda/sm80/forward_split.hpp"
 
 namespace {
@@ -390,6 +391,89 @@ TEST(CudaDispatch, ForwardSplitPlan) {
   EXPECT_EQ(sm80::split_partial_row(p, 2, 1, 3, 99), ((2 * 2 + 1) * 4 + 3) * 100 + 99);
 }
 
+// GQA packing (src/cuda/sm80/forward_packing.hpp): when a call may pack, its packed view, the row mapping, and when it
+// pays; and, through the generated table, which rows short D = 128 calls run packed.
+TEST(CudaDispatch, GqaPackingPlan) {
+  namespace sm80 = flashattn::cuda::sm80;
+  namespace gen = flashattn::cuda::generated;
+  auto call = [](int batch, int sq, int sk, int hq, int hk, float dropout = 0.f) {
+    Case c;
+    c.batch = batch, c.sq = sq, c.sk = sk, c.hq = hq, c.hk = hk, c.d = 128, c.dropout = dropout;
+    return params_for(c);
+  };
+  EXPECT_TRUE(sm80::gqa_packing_allowed(call(1, 16, 4096, 32, 8)));
+  EXPECT_FALSE(sm80::gqa_packing_allowed(call(1, 16, 4096, 32, 32)));  // G = 1: nothing to pack
+  EXPECT_FALSE(sm80::gqa_packing_allowed(call(1, 16, 4096, 32, 8, 0.1f)));  // dropout
+  AttentionParams alibi = call(1, 16, 4096, 32, 8);
+  static const float kSlopes[32] = {};
+  alibi.alibi_slopes = kSlopes;
+  EXPECT_FALSE(sm80::gqa_packing_allowed(alibi));  // a slope per query head
+  EXPECT_TRUE(sm80::gqa_packing_allowed(call(1, sm80::kMaxPackedRows / 4, 64, 32, 8)));
+  EXPECT_FALSE(sm80::gqa_packing_allowed(call(1, sm80::kMaxPackedRows / 4 + 1, 64, 32, 8)));
+
+  const AttentionParams p = call(2, 24, 4096, 32, 8);
+  const AttentionParams view = sm80::gqa_packed_view(p);
+  EXPECT_EQ(view.seqlen_q, 96);
+  EXPECT_EQ(view.heads_q, 8);
+  EXPECT_EQ(view.heads_k, 8);
+  EXPECT_EQ(view.pack_gqa, 1);
+  EXPECT_EQ(view.q_head_stride, p.q_head_stride);  // the kernel addresses the call's own tensors
+  EXPECT_EQ(view.batch, 2);
+  EXPECT_EQ(sm80::gqa_pack_factor(p), 1);
+  EXPECT_EQ(sm80::gqa_pack_factor(view), 1);  // the view's G is 1; the call's own params carry the factor
+  AttentionParams packed = p;
+  packed.pack_gqa = 1;
+  EXPECT_EQ(sm80::gqa_pack_factor(packed), 4);
+  // Packed row r of K/V head hk: query row r / G of query head hk G + r % G (one position's G heads, then the next).
+  EXPECT_EQ(sm80::packed_query_row(0, 4), 0);
+  EXPECT_EQ(sm80::packed_query_row(7, 4), 1);
+  EXPECT_EQ(sm80::packed_query_head(7, 2, 4), 11);
+  EXPECT_EQ(sm80::packed_query_row(7, 1), 7);
+
+  KernelEntry m64{}, m128{};
+  m64.block_m = 64, m128.block_m = 128;
+  m64.gqa_packing = m128.gqa_packing = true;
+  EXPECT_TRUE(sm80::gqa_packing_pays(call(1, 16, 4096, 32, 8), m64, m64));    // 1 tile against 4
+  EXPECT_TRUE(sm80::gqa_packing_pays(call(1, 48, 4096, 32, 8), m64, m64));    // 3 against 4
+  EXPECT_FALSE(sm80::gqa_packing_pays(call(1, 64, 4096, 32, 8), m64, m64));   // 4 and 4
+  EXPECT_TRUE(sm80::gqa_packing_pays(call(1, 64, 4096, 32, 8), m64, m128));   // 2 against 4
+  EXPECT_TRUE(sm80::gqa_packing_pays(call(1, 1, 4096, 32, 4), m64, m64));     // 1 against 8
+  EXPECT_FALSE(sm80::gqa_packing_pays(call(1, 100, 4096, 32, 8), m128, m128));  // 4 and 4
+  EXPECT_FALSE(sm80::gqa_packing_pays(call(1, 16, 4096, 32, 32), m64, m64));    // G = 1
+  KernelEntry general = m128;
+  general.gqa_packing = false;
+  EXPECT_FALSE(sm80::gqa_packing_pays(call(1, 16, 4096, 32, 8), m64, general));  // the packed row cannot pack
+
+  // The generated table, D = 128 bf16: a view of at most 64 packed rows takes the 64-row short-call row (which packs)
+  // and, when it splits, the 64-row split row; up to 128 packed rows the 128-row split row packs, unsplit the 128-row
+  // compact row does not.
+  auto rows_of = [&](const AttentionParams& q, bool split) {
+    int index = -1;
+    EXPECT_TRUE(choose_kernel(KernelKind::kForward, q, h200(), gen::kKernelTable, gen::kKernelCount, kArchs, &index).ok());
+    if (split) index = flashattn::cuda::split_alternative(index, q, h200(), gen::kKernelTable, gen::kKernelCount);
+    EXPECT_GE(index, 0);
+    return gen::kKernelTable[index];
+  };
+  for (int sq : {1, 4, 16}) {
+    const AttentionParams q = call(64, sq, 4096, 32, 8);
+    const AttentionParams v = sm80::gqa_packed_view(q);
+    EXPECT_EQ(rows_of(v, false).block_m, 64) << sq;
+    EXPECT_TRUE(rows_of(v, false).gqa_packing) << rows_of(v, false).name;
+    EXPECT_TRUE(rows_of(v, true).gqa_packing && rows_of(v, true).split_kv && rows_of(v, true).block_m == 64);
+    EXPECT_TRUE(sm80::gqa_packing_pays(q, rows_of(q, false), rows_of(v, false))) << sq;
+    EXPECT_TRUE(sm80::gqa_packing_pays(q, rows_of(q, true), rows_of(v, true))) << sq;
+  }
+  const AttentionParams q32 = call(1, 32, 32768, 32, 8);
+  const AttentionParams v32 = sm80::gqa_packed_view(q32);
+  EXPECT_FALSE(rows_of(v32, false).gqa_packing) << rows_of(v32, false).name;
+  EXPECT_TRUE(rows_of(v32, true).gqa_packing && rows_of(v32, true).block_m == 128);
+  EXPECT_TRUE(sm80::gqa_packing_pays(q32, rows_of(q32, true), rows_of(v32, true)));  // 1 tile of 128 against 4 of 64
+  // The packed view's split count is of its own grid: Hk heads of packed tiles (B = 1, Sq = 16 at G = 4: 8 CTAs).
+  const AttentionParams q16 = call(1, 16, 32768, 32, 8);
+  EXPECT_EQ(sm80::forward_split_count(sm80::gqa_packed_view(q16), 64, 64, 132, 2), sm80::kMaxForwardSplits);
+  EXPECT_EQ(sm80::forward_split_count(q16, 64, 64, 132, 2), 8);
+}
+
 TEST(CudaDispatch, GeneratedTableIsConsistent) {
   namespace gen = flashattn::cuda::generated;
   ASSERT_GT(gen::kKernelCount, 0);
@@ -416,6 +500,8 @@ TEST(CudaDispatch, GeneratedTableIsConsistent) {
         << e.name << ": a paged row is a forward row without dropout or another condition (a split row's max_seqlen_q aside)";
     EXPECT_TRUE(!e.split_kv || (e.kind == KernelKind::kForward && !e.dropout && e.causal_max_seqlen_q == 0))
         << e.name << ": a split row is a forward row without dropout or a causal condition";
+    EXPECT_TRUE(!e.gqa_packing || (e.kind == KernelKind::kForward && !e.dropout)) << e.name << ": packing has no dropout";
+    EXPECT_TRUE(!e.split_kv || e.gqa_packing) << e.name << ": every split row may pack";
     // A conditional row (short causal, short call, a decode role) is taken only for some calls: dispatch then reads on.
     EXPECT_TRUE(e.decode_role == DecodeRole::kGeneral || (e.kind == KernelKind::kKvcache && !e.fp8_cache)) << e.name;
     auto conditional = [](const KernelEntry& k) {

@@ -730,7 +730,7 @@ TEST(CudaForward, ShortCallsTakeThe64RowTile) {
   for (const int sq : {40, 64, 65})
     for (int variant = 0; variant < 3; ++variant) {
       const fa_dtype dtype = variant == 1 ? FA_FLOAT16 : FA_BFLOAT16;
-      Call c = make_call(problem(8, sq, 1500, 32, 8, 128, dtype), rng);  // 8 x 32 CTAs: no split
+      Call c = make_call(problem(8, sq, 1500, 32, 32, 128, dtype), rng);  // 8 x 32 CTAs: no split; G = 1: no packing
       c.options.causal = variant != 1 ? 1 : 0;
       if (variant == 2) c.options.window_left = 200, c.options.window_right = 10;
       const std::string what = "Sq " + std::to_string(sq) + (variant == 0 ? " causal" : variant == 1 ? " f16" : " causal window");
@@ -739,13 +739,92 @@ TEST(CudaForward, ShortCallsTakeThe64RowTile) {
       EXPECT_EQ(stats.num_splits, 1) << what << " ran " << kernel;
       EXPECT_EQ(kernel.find("_m64n64w4s2ce") != std::string::npos, sq <= 64) << what << " ran " << kernel;
     }
-  fa_test::Problem p = problem(9, 0, 0, 32, 8, 128, FA_BFLOAT16);
+  fa_test::Problem p = problem(9, 0, 0, 32, 32, 128, FA_BFLOAT16);
   p.varlen_q = {64, 1, 0, 17, 64, 33, 64, 2, 50};
   p.varlen_k = {900, 5, 7, 17, 1200, 0, 64, 640, 300};
   Call c = make_call(p, rng);
   c.options.causal = 1;
   const std::string kernel = oracle_then_stats("varlen causal, max 64 rows", c).kernel;
   EXPECT_NE(kernel.find("_m64n64w4s2ce"), std::string::npos) << kernel;
+}
+
+// The library's split count forced for one scope (its test hook), the plan's restored after.
+struct ForcedForwardSplits {
+  explicit ForcedForwardSplits(int splits) { flashattn::cuda::sm80::set_forward_splits_for_tests(splits); }
+  ~ForcedForwardSplits() { flashattn::cuda::sm80::set_forward_splits_for_tests(0); }
+};
+
+// GQA packing (src/cuda/sm80/forward_packing.hpp): a short call's G query heads of a K/V head in one grid row, G x Sq
+// packed rows per tile. Every case against the float64 oracle (out and lse, outputs poisoned) and the kernel name says
+// whether it packed: unsplit in the 64-row short-call row (dense G = 2; varlen at G = 4 and 8 with empty sequences, no
+// keys, a window, softcap), split (the plan's count or a forced one) in the 64- and 128-row split rows, dense, seqused_k
+// with an empty cache, paged (block sizes 16 and 5), Sq > Sk causal (rows with no key), D = 32, 64 and 256 (warp
+// pairs), Sq = 64 (in 128-row tiles); and the calls that must not pack: ALiBi (a slope per query head), G = 1, D = 64
+// unsplit (no row of that bucket packs unsplit).
+TEST(CudaForward, GqaPackedShortCalls) {
+  SKIP_WITHOUT_GPU();
+  auto rng = fa_test::make_rng("cuda_forward_gqa_packed");
+  auto check = [](const std::string& what, const Call& c, bool packed, const std::string& tile = "") {
+    const std::string kernel = oracle_then_stats(what, c).kernel;
+    EXPECT_EQ(kernel.find("gqa-packed") != std::string::npos, packed) << what << " ran " << kernel;
+    if (!tile.empty()) EXPECT_NE(kernel.find(tile), std::string::npos) << what << " ran " << kernel << ", not " << tile;
+  };
+  auto varlen = [&](std::vector<int> lengths_q, std::vector<int> lengths_k, int hq, int hk, int d, fa_dtype dtype) {
+    fa_test::Problem p = problem(int(lengths_q.size()), 0, 0, hq, hk, d, dtype);
+    p.varlen_q = std::move(lengths_q);
+    p.varlen_k = std::move(lengths_k);
+    return make_call(p, rng);
+  };
+  {
+    ForcedForwardSplits unsplit(1);
+    Call c = make_call(problem(3, 24, 1000, 8, 4, 128, FA_BFLOAT16), rng);  // G = 2: 48 packed rows in one 64-row tile
+    c.options.causal = 1;
+    check("unsplit dense G=2 Sq=24 causal", c, true, "_m64n64w4s2ce");
+    Call v = varlen({1, 16, 0, 9, 5}, {300, 900, 4, 0, 17}, 16, 4, 128, FA_FLOAT16);
+    v.options.causal = 1;
+    check("unsplit varlen G=4 causal", v, true, "_m64n64w4s2ce");
+    Call w = varlen({8, 3, 7}, {700, 2, 64}, 32, 4, 128, FA_BFLOAT16);
+    w.options.window_left = 50, w.options.window_right = 0, w.options.softcap = 30.f;
+    check("unsplit varlen G=8 window (50, 0) softcap", w, true, "_m64n64w4s2ce");
+    Call alibi = make_call(problem(3, 24, 1000, 8, 4, 128, FA_BFLOAT16), rng);
+    alibi.alibi = HostTensor({8}, FA_FLOAT32);
+    alibi.alibi.fill_uniform(rng, 0.01, 0.3);
+    alibi.options.causal = 1;
+    check("unsplit ALiBi G=2 (no packing)", alibi, false);
+    check("unsplit D=64 G=2 (no packing row)", make_call(problem(3, 24, 1000, 8, 4, 64, FA_FLOAT16), rng), false);
+    check("unsplit G=1 (nothing to pack)", make_call(problem(3, 24, 1000, 8, 8, 128, FA_BFLOAT16), rng), false);
+  }
+  {
+    Call c = make_call(problem(1, 32, 8192, 32, 8, 128, FA_BFLOAT16), rng);  // 128 packed rows: the 128-row split row
+    c.options.causal = 1;
+    check("split (the plan's) B=1 Sq=32 G=4 over 8k causal", c, true, "sk splits=");
+    Call used = c;
+    used.seqused_k = HostTensor({1}, FA_INT32);
+    used.seqused_k.set_int(0, 5000);
+    check("split seqused_k", used, true, "sk splits=");
+    for (int block_size : {16, 5}) {
+      const Call paged = paged_causal_call(rng, 24, 16, 4, 3000, block_size, {3000, 0});
+      check("split paged G=4 Sq=24 block_size=" + std::to_string(block_size), paged, true, "pksk splits=");
+    }
+    Call d256 = make_call(problem(1, 20, 3000, 16, 2, 256, FA_BFLOAT16), rng);
+    d256.options.causal = 1;
+    check("split D=256 G=8 Sq=20", d256, true, "sk splits=");
+    check("split D=32 G=4 Sq=20", make_call(problem(1, 20, 3000, 16, 4, 32, FA_FLOAT16), rng), true, "sk splits=");
+    check("split D=64 G=4 Sq=20", make_call(problem(1, 20, 3000, 16, 4, 64, FA_BFLOAT16), rng), true, "sk splits=");
+    Call sq64 = make_call(problem(1, 64, 8192, 16, 8, 128, FA_BFLOAT16), rng);  // G = 2: 128 packed rows, 1 tile against 2
+    check("split G=2 Sq=64", sq64, true, "_m128n64w4s2sk");
+  }
+  {
+    ForcedForwardSplits forced(3);
+    Call c = make_call(problem(2, 40, 30, 8, 2, 128, FA_FLOAT16), rng);  // Sq > Sk causal: rows 0..9 see no key
+    c.options.causal = 1;
+    check("split (3) Sq > Sk causal G=4", c, true, "sk splits=3");
+    Call v = varlen({1, 16, 0, 9, 5}, {300, 900, 4, 0, 17}, 16, 4, 128, FA_BFLOAT16);
+    v.options.causal = 1;
+    check("split (3) varlen G=4 causal", v, true, "_m64n64w4s2sk splits=3");
+    Call m64 = make_call(problem(1, 64, 2000, 8, 2, 128, FA_BFLOAT16), rng);  // 256 packed rows in 128-row tiles
+    check("split (3) G=4 Sq=64", m64, true, "_m128n64w4s2sk splits=3");
+  }
 }
 
 // A bad block id in a short (routed) sequence's device block table: that sequence's rows are NaN, the others exact.
@@ -847,16 +926,10 @@ TEST(CudaForward, VarlenPagedShortSequencesInACudaGraph) {
 
 // ---- split-KV (src/cuda/sm80/forward_split.hpp) ----
 
-// The library's split count forced for one scope (its test hook), the plan's restored after.
-struct ForcedForwardSplits {
-  explicit ForcedForwardSplits(int splits) { flashattn::cuda::sm80::set_forward_splits_for_tests(splits); }
-  ~ForcedForwardSplits() { flashattn::cuda::sm80::set_forward_splits_for_tests(0); }
-};
-
 // check_against_oracle, then the call once more for its fa_stats: a split call (splits > 1) runs a split row ("sk") and
 // the merge, and reports its split count.
 // tile: when not empty, the split kernel's name must hold it (e.g. "_m64n64": the 64-row split rows of D = 128).
-void check_split_call(const std::string& what, const Call& call, int splits, const std::string& tile = "") {
+fa_stats check_split_call(const std::string& what, const Call& call, int splits, const std::string& tile = "") {
   const fa_stats stats = oracle_then_stats(what, call);
   const std::string kernel = stats.kernel;
   if (splits > 1) {
@@ -867,6 +940,7 @@ void check_split_call(const std::string& what, const Call& call, int splits, con
   } else {
     EXPECT_EQ(kernel.find("combine"), std::string::npos) << what << " ran " << kernel;
   }
+  return stats;
 }
 
 // Every split count gives the oracle's result: 1 (no split), 2, 3, 5 and 32 (more splits than key tiles: empty shares,
@@ -934,15 +1008,16 @@ TEST(CudaForward, SplitKvMatchesOracleAtEveryCount) {
       check_split_call("paged varlen step with decode tokens" + n, c, splits);
     }
     // D = 128, at most 64 query rows: the 64-row split rows (16 rows per warp); a partial tile, one row, varlen, paged.
-    // (Sq <= 16 at G = 2 would run in the decode kernels: not varlen, short_sequence_max_q; the varlen case has 1 row)
+    // G = 1, so that no call packs (the packed cases follow). (Sq <= 16 would run in the decode kernels: not varlen,
+    // short_call_max_q; the varlen case has 1 row)
     for (const auto& [sq, causal, dtype] : {std::tuple<int, int, fa_dtype>{64, 1, FA_BFLOAT16}, {33, 0, FA_FLOAT16},
                                             {17, 1, FA_BFLOAT16}}) {
-      Call c = make_call(problem(2, sq, 700, 4, 2, 128, dtype), rng);
+      Call c = make_call(problem(2, sq, 700, 4, 4, 128, dtype), rng);
       c.options.causal = causal;
       check_split_call("64-row split tile Sq=" + std::to_string(sq) + (causal ? " causal" : "") + n, c, splits, "_m64n64");
     }
     {
-      fa_test::Problem p = problem(4, 0, 0, 4, 1, 128, FA_FLOAT16);
+      fa_test::Problem p = problem(4, 0, 0, 4, 4, 128, FA_FLOAT16);
       p.varlen_q = {1, 64, 0, 17};
       p.varlen_k = {500, 900, 3, 64};
       Call c = make_call(p, rng);
@@ -950,8 +1025,16 @@ TEST(CudaForward, SplitKvMatchesOracleAtEveryCount) {
       check_split_call("64-row split tile varlen causal" + n, c, splits, "_m64n64");
     }
     {
-      const Call c = paged_causal_call(rng, 50, 4, 2, 640, 16, {640, 333});
+      const Call c = paged_causal_call(rng, 50, 4, 4, 640, 16, {640, 333});
       check_split_call("64-row split tile paged" + n, c, splits, "_m64n64");
+    }
+    // GQA-packed split calls (forward_packing.hpp): G x Sq packed rows per K/V head in the 64- and 128-row split rows.
+    for (const auto& [sq, hq, hk, causal] : {std::tuple<int, int, int, int>{17, 8, 2, 1}, {40, 16, 2, 0}, {50, 8, 4, 1}}) {
+      Call c = make_call(problem(2, sq, 900, hq, hk, 128, FA_BFLOAT16), rng);
+      c.options.causal = causal;
+      const std::string what = "packed Sq=" + std::to_string(sq) + " G=" + std::to_string(hq / hk) + n;
+      const std::string kernel = check_split_call(what, c, splits).kernel;
+      if (splits > 1) EXPECT_NE(kernel.find("gqa-packed"), std::string::npos) << what << " ran " << kernel;
     }
   }
 }

@@ -200,11 +200,12 @@ Status run_forward_route(const KvcacheParams& p) {
     p.stats->scratch_bytes_peak = owned != nullptr ? r.workspace_bytes : 0;
     p.stats->num_splits = r.plan.splits;
     const KernelEntry& e = kernel_entry(r.plan.splits > 1 ? r.plan.split_index : r.plan.index);
+    const char* packed = r.plan.pack_gqa ? " gqa-packed" : "";
     if (r.plan.splits > 1)
-      std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s splits=%d + combine (fa_kvcache, forward route)",
-                    e.name, r.plan.splits);
+      std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s splits=%d + combine%s (fa_kvcache, forward route)",
+                    e.name, r.plan.splits, packed);
     else
-      std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s (fa_kvcache, forward route)", e.name);
+      std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s%s (fa_kvcache, forward route)", e.name, packed);
   }
   return Status();
 }

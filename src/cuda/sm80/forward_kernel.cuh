@@ -46,6 +46,7 @@
 #include "cuda/common/kernel_config.cuh"
 #include "cuda/common/ptx.cuh"
 #include "cuda/common/smem_tile.cuh"
+#include "cuda/sm80/forward_packing.hpp"
 #include "cuda/sm80/forward_split.hpp"
 
 namespace flashattn::cuda::sm80 {
@@ -265,6 +266,17 @@ struct WithSplitKv : Base {
 
 // A config may set `static constexpr int kMinBlocksPerSm` (launch bounds: ptxas then caps registers at
 // 64K / (kThreads * kMinBlocksPerSm)); default 1, i.e. up to 255 registers.
+// The rows that may run a call GQA-packed (forward_packing.hpp; the manifest's gqa_packing rows, KernelEntry::gqa_packing):
+// those short calls take. The others never read pack_gqa, and their code is as without it.
+template <typename C, typename = void>
+struct GqaPackingOf : std::false_type {};
+template <typename C>
+struct GqaPackingOf<C, std::void_t<decltype(C::kGqaPacking)>> : std::bool_constant<C::kGqaPacking> {};
+template <typename Base>
+struct WithGqaPacking : Base {
+  static constexpr bool kGqaPacking = true;
+};
+
 template <typename C, typename = void>
 struct MinBlocksOf : std::integral_constant<int, 1> {};
 template <typename C>
@@ -299,6 +311,8 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
   constexpr bool kSplitKv = SplitKvOf<C>::value;
   static_assert(!(kSumByMma && C::kDropout), "the row sum is of the undropped P: with dropout it needs the FADDs");
   static_assert(!(kSplitKv && C::kDropout), "split-KV rows have no dropout");
+  constexpr bool kGqaPacking = GqaPackingOf<C>::value;
+  static_assert(!(kGqaPacking && C::kDropout), "packed rows have no dropout (the Philox stream is per query head)");
   using QTile = SwizzledTile<kBlockM, kHeadDim>;
   using KVTile = SwizzledTile<kBlockN, kHeadDim>;
   using PTile = SwizzledTile<kGroupRows, kBlockN>;  // P of one warp group (warp groups only)
@@ -325,27 +339,35 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
 
   // Heaviest query tiles first (causal): the tail of the grid is then made of short CTAs. kSplitKv: x = query tile x
   // splits + split (the launcher's grid is query tiles x splits wide).
+  // GQA packing (forward_packing.hpp): `pack` rows per query row, the grid's y a K/V head; the CTA's rows are packed
+  // rows (query row r / pack of query head hk pack + r % pack). Unpacked, pack = 1 and a row is a query row of head h.
+  const int pack = kGqaPacking ? gqa_pack_factor(params) : 1;
   const int tile_linear = int(gridDim.x) - 1 - int(blockIdx.x);
-  const int num_splits = kSplitKv ? int(gridDim.x) / ((params.seqlen_q + kBlockM - 1) / kBlockM) : 1;
+  const int num_splits = kSplitKv ? int(gridDim.x) / ((params.seqlen_q * pack + kBlockM - 1) / kBlockM) : 1;
   const int m_block = kSplitKv ? tile_linear / num_splits : tile_linear;
   const int split = kSplitKv ? tile_linear % num_splits : 0;
-  const int h = blockIdx.y;
+  const int h = blockIdx.y;  // the query head; packed: the K/V head
   const int b = blockIdx.z;
   const SequenceExtent ext = sequence_extent(params, b);
+  const int rows_total = ext.seqlen_q * pack;  // this sequence's rows (packed rows when packed)
   const int row_begin = m_block * kBlockM;
-  if (row_begin >= ext.seqlen_q) return;  // varlen: this sequence is shorter than max_seqlen_q
+  if (row_begin >= rows_total) return;  // varlen: this sequence is shorter than max_seqlen_q
   // Paged varlen: a sequence of at most routed_seqlen_q rows (decode tokens) is the decode kernels' in this call
   // (src/cuda/decode/kvcache.cpp, run_short_sequences). Only the paged instantiation can be handed such a call.
   if constexpr (PagedKvOf<C>::value)
     if (ext.seqlen_q <= int(params.routed_seqlen_q)) return;
-  const int hk = h / (params.heads_q / params.heads_k);  // GQA / MQA: the K/V head of query head h
-  const int rows_valid = min(kBlockM, ext.seqlen_q - row_begin);
+  const int hk = pack > 1 ? h : h / (params.heads_q / params.heads_k);  // GQA / MQA: the K/V head of query head h
+  const int rows_valid = min(kBlockM, rows_total - row_begin);
+  // The query row and the query head of row r (of the sequence's rows, packed or not).
+  auto query_of = [&](int r) { return packed_query_row(r, pack); };
+  auto head_of = [&](int r) { return pack > 1 ? packed_query_head(r, hk, pack) : h; };
   const int d_chunks = params.head_dim / 8;  // D may be below the bucket kHeadDim: the rest is zero-filled
 
   // Key tiles that some query of this CTA sees; all others are skipped without being loaded.
   const WindowMask mask(params.window_left, params.window_right, ext.seqlen_q, ext.seqlen_k);
-  const int key_begin = mask.key_begin(row_begin);
-  const int key_end = mask.key_end(row_begin + rows_valid, ext.seqlen_k);
+  const int key_begin = mask.key_begin(query_of(row_begin));
+  const int key_end = mask.key_end(kGqaPacking ? query_of(row_begin + rows_valid - 1) + 1 : row_begin + rows_valid,
+                                   ext.seqlen_k);
   const int tile_n_begin = key_begin / kBlockN;
   const int tile_n_end = key_end > key_begin ? (key_end + kBlockN - 1) / kBlockN : tile_n_begin;
   // kSplitKv: this CTA's share, tiles [split x share, (split + 1) x share) of the query tile's, counted from its first; a
@@ -512,6 +534,7 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
   // softmax scale is folded into the one multiplier. With softcap / ALiBi (or a negative scale, whose
   // sign would flip the max) s is first transformed into natural-log units.
   const bool natural_units = params.softcap > 0.f || params.alibi_slopes != nullptr || params.softmax_scale < 0.f;
+  // ALiBi's slope is per query head: packed calls have none (gqa_packing_allowed).
   const ScoreTransform transform{params.softcap, alibi_slope(params, b, h), ext.seqlen_k - ext.seqlen_q};
   const float score_log2_scale = natural_units ? kLog2e : params.softmax_scale * kLog2e;
 
@@ -546,25 +569,37 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
   const uint32_t v_lane =
       KVTile::lane_offset((lane & 7) + (((lane >> 3) & 1) << 3), lane >> 4) + KVTile::offset(0, 0, part * kWarpCols / 8);
   const uint32_t p_lane = PTile::lane_offset(lane & 15, lane >> 4);  // A of P (warp groups): as Q's
-  // Query row (within the sequence) of accumulator row `half` of m16 tile `mt` of this thread.
+  // Row (within the sequence's rows: a packed row when packed) of accumulator row `half` of m16 tile `mt` of this thread.
   auto query_row = [&](int mt, int half) { return row_begin + group * kGroupRows + mt * 16 + quad_row + 8 * half; };
 
   // This warp's query rows. A warp skips the math of key tiles that none of its rows sees (the far side
   // of a causal / window diagonal, rows past the end of a partial tile) and masks only the tiles that
   // straddle its rows' boundaries; it still takes part in every load and barrier.
   const int warp_row_begin = row_begin + group * kGroupRows;
-  const int warp_row_end = min(warp_row_begin + kGroupRows, ext.seqlen_q);
+  const int warp_row_end = min(warp_row_begin + kGroupRows, rows_total);
   const bool warp_has_rows = warp_row_begin < warp_row_end;
-  const int warp_key_begin = warp_has_rows ? mask.key_begin(warp_row_begin) : 0;
-  const int warp_key_end = warp_has_rows ? mask.key_end(warp_row_end, ext.seqlen_k) : 0;
+  // ... and the query rows they are: [warp_query_begin, warp_query_end) (packed rows: each query row's `pack` heads).
+  const int warp_query_begin = kGqaPacking ? (warp_has_rows ? query_of(warp_row_begin) : 0) : warp_row_begin;
+  const int warp_query_end = kGqaPacking ? (warp_has_rows ? query_of(warp_row_end - 1) + 1 : 0) : warp_row_end;
+  const int warp_key_begin = warp_has_rows ? mask.key_begin(warp_query_begin) : 0;
+  const int warp_key_end = warp_has_rows ? mask.key_end(warp_query_end, ext.seqlen_k) : 0;
 
   // ---- prologue: Q and the first key tile (the last one: tiles run from n_end - 1 down to n_begin, so
   // the diagonal / partial tile that needs a mask comes first) ----
   if (num_tiles > 0) {
-    load_tile_async<kBlockM, kHeadDim, kThreads>(
-        q_smem,
-        q_gmem + q_offset(params, params.q_batch_stride, params.q_row_stride, params.q_head_stride, b, ext, row_begin, h),
-        [&](int r) { return int64_t(r) * params.q_row_stride; }, rows_valid, d_chunks, tid);
+    if (pack > 1)  // packed: each row its own query row and head
+      load_tile_async<kBlockM, kHeadDim, kThreads>(
+          q_smem, q_gmem,
+          [&](int r) {
+            return q_offset(params, params.q_batch_stride, params.q_row_stride, params.q_head_stride, b, ext,
+                            query_of(row_begin + r), head_of(row_begin + r));
+          },
+          rows_valid, d_chunks, tid);
+    else
+      load_tile_async<kBlockM, kHeadDim, kThreads>(
+          q_smem,
+          q_gmem + q_offset(params, params.q_batch_stride, params.q_row_stride, params.q_head_stride, b, ext, row_begin, h),
+          [&](int r) { return int64_t(r) * params.q_row_stride; }, rows_valid, d_chunks, tid);
     load_k(n_end - 1, k_stage(0));
     if constexpr (C::kStages == 2) load_v(n_end - 1, v_stage(0));
     cp_async_commit();
@@ -616,11 +651,11 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
           for (int c = 0; c < 4; ++c)
-            s_acc[mt][nt][c] = transform(s_acc[mt][nt][c] * params.softmax_scale, query_row(mt, c >> 1),
+            s_acc[mt][nt][c] = transform(s_acc[mt][nt][c] * params.softmax_scale, query_of(query_row(mt, c >> 1)),
                                          key0 + nt * 8 + 2 * quad_col + (c & 1));
     }
     const bool tile_needs_mask =
-        key0 + kWarpKeys > ext.seqlen_k || !mask.tile_fully_visible(warp_row_begin, warp_row_end, key0, key0 + kWarpKeys);
+        key0 + kWarpKeys > ext.seqlen_k || !mask.tile_fully_visible(warp_query_begin, warp_query_end, key0, key0 + kWarpKeys);
     if (tile_needs_mask) {
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt)
@@ -628,7 +663,7 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
         for (int half = 0; half < 2; ++half) {
           // Row i sees keys [key_begin(i), key_end(i + 1)) (WindowMask's bounds for a one-row range, clamped
           // to the sequence): two compares per score, against offsets relative to this thread's first column.
-          const int i = query_row(mt, half);
+          const int i = query_of(query_row(mt, half));
           const int first_col = key0 + 2 * quad_col;
           const int visible_begin = mask.key_begin(i) - first_col;
           const int visible_end = mask.key_end(i + 1, ext.seqlen_k) - first_col;
@@ -901,12 +936,12 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int i = query_row(mt, half);
-        if (i >= ext.seqlen_q) continue;
+        const int r = query_row(mt, half);
+        if (r >= rows_total) continue;
         const float sum = sums[mt][half];
         const bool no_visible_key = sum == 0.f;
         const float inv = poisoned ? NAN : (no_visible_key ? 0.f : 1.f / sum);
-        const int64_t partial_row = split_partial_row(params, split, b, h, i);
+        const int64_t partial_row = split_partial_row(params, split, b, head_of(r), query_of(r));
         if (part == 0 && quad_col == 0)
           params.lse[partial_row] =
               poisoned ? NAN : (no_visible_key ? -INFINITY : row_max[mt][half] * score_log2_scale + log2f(sum));
@@ -933,9 +968,10 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
           o_acc[mt][dt][2 * half] *= inv;
           o_acc[mt][dt][2 * half + 1] *= inv;
         }
-        const int i = query_row(mt, half);
-        if (params.lse != nullptr && part == 0 && quad_col == 0 && i < ext.seqlen_q)
-          params.lse[kCompactEpilogue ? lse_tile + int64_t(i - row_begin) * params.lse_row_stride : lse_offset(params, b, ext, i, h)] =
+        const int r = query_row(mt, half);
+        if (params.lse != nullptr && part == 0 && quad_col == 0 && r < rows_total)
+          params.lse[kCompactEpilogue && pack == 1 ? lse_tile + int64_t(r - row_begin) * params.lse_row_stride
+                                                   : lse_offset(params, b, ext, query_of(r), head_of(r))] =
               poisoned ? NAN : (no_visible_key ? -INFINITY : (row_max[mt][half] * score_log2_scale + log2f(sum)) * kLn2);
       }
     // Each warp group reads only its own Q rows (A operands), so after its last ldmatrix it may overwrite
@@ -956,7 +992,7 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
     Element* out_gmem = static_cast<Element*>(params.out);
     constexpr int kOutChunksPerLane = kGroupRows * kWarpChunks / 32;
     static_assert((kGroupRows * kWarpChunks) % 32 == 0, "whole 16-byte chunks per lane");
-    if constexpr (kCompactEpilogue) {
+    if (kCompactEpilogue && pack == 1) {
       Element* const out_tile = out_gmem + q_offset(params, params.out_batch_stride, params.out_row_stride,
                                                     params.out_head_stride, b, ext, row_begin, h);
 #pragma unroll 1
@@ -969,7 +1005,7 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
               *reinterpret_cast<const uint4*>(smem + QTile::chunk_offset(row, chunk));
       }
     } else {  // the same stores, unrolled, each addressed from scratch: the long-call kernels keep the code they were
-              // measured with (see kCompactEpilogue)
+              // measured with (see kCompactEpilogue); packed rows each have their own query row and head
 #pragma unroll
       for (int k = 0; k < kOutChunksPerLane; ++k) {
         const int id = lane + 32 * k;
@@ -978,7 +1014,7 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
         if (row < rows_valid && chunk < d_chunks) {
           const uint4 value = *reinterpret_cast<const uint4*>(smem + QTile::chunk_offset(row, chunk));
           const int64_t offset = q_offset(params, params.out_batch_stride, params.out_row_stride, params.out_head_stride, b,
-                                          ext, row_begin + row, h);
+                                          ext, query_of(row_begin + row), head_of(row_begin + row));
           *reinterpret_cast<uint4*>(out_gmem + offset + chunk * 8) = value;
         }
       }

@@ -40,21 +40,36 @@ Status configure_forward_kernel(const void* kernel, int smem, int device_id) {
   return Status();
 }
 
-// Grid: (query tiles, Hq, B). Allocates nothing; writes only out and lse. Dispatch has checked the
-// CUDA rules (dtype, D <= kHeadDim, alignment) and the shared-memory limit.
+// The grid's query tiles per sequence and heads: Sq rows of Hq heads, or, packed (forward_packing.hpp), G x Sq rows
+// of Hk heads. A row that cannot pack is never handed a packed call (the plan checks KernelEntry::gqa_packing).
+template <typename C>
+Status forward_grid_rows(const AttentionParams& p, int64_t* tiles, int* heads) {
+  if (p.pack_gqa != 0 && !sm80::GqaPackingOf<C>::value)
+    return error(FA_ERROR_INTERNAL, "forward: a packed call handed to a kernel without GQA packing");
+  const int pack = sm80::GqaPackingOf<C>::value ? sm80::gqa_pack_factor(p) : 1;
+  *tiles = (int64_t(p.seqlen_q) * pack + C::kBlockM - 1) / C::kBlockM;
+  *heads = pack > 1 ? p.heads_k : p.heads_q;
+  return Status();
+}
+
+// Grid: (query tiles, Hq, B), packed (query tiles of G x Sq rows, Hk, B). Allocates nothing; writes only out and lse.
+// Dispatch has checked the CUDA rules (dtype, D <= kHeadDim, alignment) and the shared-memory limit.
 template <typename C>
 Status launch_forward_sm80(const AttentionParams& p, cudaStream_t stream) {
   constexpr int kSmem = forward_smem_bytes<C>();
   const auto kernel = &sm80::forward_kernel<C>;
   FA_RETURN_IF_ERROR(configure_forward_kernel<C>(reinterpret_cast<const void*>(kernel), kSmem, p.device_id));
-  const dim3 grid((p.seqlen_q + C::kBlockM - 1) / C::kBlockM, p.heads_q, p.batch);
+  int64_t tiles = 0;
+  int heads = 0;
+  FA_RETURN_IF_ERROR(forward_grid_rows<C>(p, &tiles, &heads));
+  const dim3 grid(uint32_t(tiles), heads, p.batch);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return Status();
   kernel<<<grid, C::kThreads, kSmem, stream>>>(p);
   FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status();
 }
 
-// A split-KV row (kSplitKv): grid (query tiles x num_splits, Hq, B), p.out / p.lse pointing at the float32 partials
+// A split-KV row (kSplitKv): grid (query tiles x num_splits, Hq or packed Hk, B), p.out / p.lse pointing at the float32 partials
 // (forward_split.hpp's layout; the caller allocates them and merges). ctas_per_sm non-null: the kernel's resident CTAs
 // per SM on p.device_id (the split plan's slots), nothing launched.
 template <typename C>
@@ -67,10 +82,12 @@ Status launch_forward_split_sm80(const AttentionParams& p, int num_splits, int* 
     FA_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, kernel, C::kThreads, kSmem));
     return Status();
   }
-  const int64_t tiles = (int64_t(p.seqlen_q) + C::kBlockM - 1) / C::kBlockM;
+  int64_t tiles = 0;
+  int heads = 0;
+  FA_RETURN_IF_ERROR(forward_grid_rows<C>(p, &tiles, &heads));
   if (num_splits < 1 || tiles * num_splits > int64_t(INT32_MAX))
     return error(FA_ERROR_INTERNAL, "forward split: %d splits of %lld query tiles", num_splits, (long long)tiles);
-  const dim3 grid(uint32_t(tiles * num_splits), p.heads_q, p.batch);
+  const dim3 grid(uint32_t(tiles * num_splits), heads, p.batch);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return Status();
   kernel<<<grid, C::kThreads, kSmem, stream>>>(p);
   FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());

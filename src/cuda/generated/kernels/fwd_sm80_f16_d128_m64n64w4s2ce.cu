@@ -3,6 +3,6 @@
 
 namespace flashattn::cuda::generated {
 Status fwd_sm80_f16_d128_m64n64w4s2ce(const AttentionParams& params, void* stream) {
-  return launch_forward_sm80<sm80::WithCompactEpilogue<KernelConfig<__half, 128, 64, 64, 4, 2, false>>>(params, static_cast<cudaStream_t>(stream));
+  return launch_forward_sm80<sm80::WithGqaPacking<sm80::WithCompactEpilogue<KernelConfig<__half, 128, 64, 64, 4, 2, false>>>>(params, static_cast<cudaStream_t>(stream));
 }
 }  // namespace flashattn::cuda::generated
