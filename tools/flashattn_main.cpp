@@ -37,6 +37,26 @@
 
 namespace {
 
+// `count` values N(0, 1) / divide_by (0: 1) as `dtype`: an FP8 cache's codes take the cache's scale as divide_by.
+// Chunks of 2^20 values, each from a generator of its own seeded from one draw of `rng` and the chunk's index: the same
+// values for a seed whatever the thread count, made on every core (a serving step's pool of 4 GiB took ~50 s on one).
+std::vector<uint8_t> random_values(std::mt19937_64& rng, int64_t count, fa_dtype dtype, float divide_by = 0.f) {
+  constexpr int64_t kChunk = int64_t(1) << 20;
+  const uint64_t base = rng();
+  const float scale = 1.f / (divide_by > 0 ? divide_by : 1.f);
+  std::vector<uint8_t> host(size_t(count * flashattn::dtype_size(dtype)));
+  const int64_t chunks = (count + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    std::seed_seq seed{uint32_t(base), uint32_t(base >> 32), uint32_t(c), uint32_t(c >> 32)};
+    std::mt19937_64 chunk_rng(seed);
+    std::normal_distribution<float> normal(0.f, 1.f);
+    for (int64_t n = c * kChunk; n < std::min(count, (c + 1) * kChunk); ++n)
+      flashattn::store_from_float(host.data(), n, dtype, normal(chunk_rng) * scale);
+  }
+  return host;
+}
+
 using flashattn::Status;
 
 // ---------------------------------------------------------------------------------------------
@@ -259,12 +279,7 @@ struct Problem {
     shape = s;
     device = on_device;
     std::mt19937_64 rng(seed);
-    auto random = [&](int64_t count) {
-      std::vector<uint8_t> host(size_t(count * element_size()));
-      std::normal_distribution<float> normal(0.f, 1.f);
-      for (int64_t n = 0; n < count; ++n) flashattn::store_from_float(host.data(), n, shape.dtype, normal(rng));
-      return host;
-    };
+    auto random = [&](int64_t count) { return random_values(rng, count, shape.dtype); };
     q_host = random(elements(s, true, false));
     k_host = random(elements(s, false, false));
     v_host = random(elements(s, false, true));
@@ -760,26 +775,6 @@ int command_info(int argc, char** argv) {
   std::printf("cpu: %d hardware threads; BLAS: %s\n", omp_get_num_procs(), openblas_get_config());
   if (fa_cuda_device_count() == 0) std::puts("no GPU found: the CPU backends are used (cpu_flash by default)");
   return 0;
-}
-
-// `count` values N(0, 1) / divide_by (0: 1) as `dtype`: an FP8 cache's codes take the cache's scale as divide_by.
-// Chunks of 2^20 values, each from a generator of its own seeded from one draw of `rng` and the chunk's index: the same
-// values for a seed whatever the thread count, made on every core (a serving step's pool of 4 GiB took ~50 s on one).
-std::vector<uint8_t> random_values(std::mt19937_64& rng, int64_t count, fa_dtype dtype, float divide_by = 0.f) {
-  constexpr int64_t kChunk = int64_t(1) << 20;
-  const uint64_t base = rng();
-  const float scale = 1.f / (divide_by > 0 ? divide_by : 1.f);
-  std::vector<uint8_t> host(size_t(count * flashattn::dtype_size(dtype)));
-  const int64_t chunks = (count + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t c = 0; c < chunks; ++c) {
-    std::seed_seq seed{uint32_t(base), uint32_t(base >> 32), uint32_t(c), uint32_t(c >> 32)};
-    std::mt19937_64 chunk_rng(seed);
-    std::normal_distribution<float> normal(0.f, 1.f);
-    for (int64_t n = c * kChunk; n < std::min(count, (c + 1) * kChunk); ++n)
-      flashattn::store_from_float(host.data(), n, dtype, normal(chunk_rng) * scale);
-  }
-  return host;
 }
 
 // `got` (a run's output, downloaded) against `want` (the reference's, on the host): `count` elements of `dtype`.

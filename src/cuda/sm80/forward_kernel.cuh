@@ -264,8 +264,6 @@ struct WithSplitKv : Base {
   static constexpr bool kSplitKv = true;
 };
 
-// A config may set `static constexpr int kMinBlocksPerSm` (launch bounds: ptxas then caps registers at
-// 64K / (kThreads * kMinBlocksPerSm)); default 1, i.e. up to 255 registers.
 // The rows that may run a call GQA-packed (forward_packing.hpp; the manifest's gqa_packing rows, KernelEntry::gqa_packing):
 // those short calls take. The others never read pack_gqa, and their code is as without it.
 template <typename C, typename = void>
@@ -277,6 +275,8 @@ struct WithGqaPacking : Base {
   static constexpr bool kGqaPacking = true;
 };
 
+// A config may set `static constexpr int kMinBlocksPerSm` (launch bounds: ptxas then caps registers at
+// 64K / (kThreads * kMinBlocksPerSm)); default 1, i.e. up to 255 registers.
 template <typename C, typename = void>
 struct MinBlocksOf : std::integral_constant<int, 1> {};
 template <typename C>
