@@ -138,7 +138,7 @@ typedef struct fa_options {
    merges through their LSEs. The call then holds a stream-ordered scratch for the partials from the library's pool
    (fa_stats.scratch_bytes_peak; capturable in a CUDA graph) and reports the split count (fa_stats.num_splits). The
    count depends on the shapes and the device only; results differ from an unsplit run by float32 rounding.
-   A CUDA forward that is not varlen (dense or paged k/v), without dropout, of at most max(1, min(16, 64 / (Hq / Hk)))
+   A CUDA forward that is not varlen (dense or paged k/v), without dropout, of at most max(1, min(16, 32 / (Hq / Hk)))
    query rows (a decode step or speculative tokens over a whole cache) runs in the kvcache (decode) kernels instead, on q / out / lse themselves (GQA
    packed, split-KV; fa_stats.kernel names the dec_ kernel "in place"; rounding may differ from the forward kernel's). */
 typedef struct fa_forward_args {

@@ -175,8 +175,9 @@ Status forward(const AttentionParams& p) {
     else if (routed.in_place)
       std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s splits=%d (every sequence %d row%s, in place)",
                     routed.kernel, routed.num_splits, p.seqlen_q, p.seqlen_q == 1 ? "" : "s");
-    else
-      std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s%s%s splits=%d (sequences of <= %d rows)",
+    else  // the routed sequences' bound in few words: fa_stats.kernel holds 127 characters, and the longest such report
+          // (a packed split forward at D = 256 beside the decode kernels) takes 126
+      std::snprintf(p.stats->kernel, sizeof(p.stats->kernel), "cuda %s%s%s splits=%d (<= %d rows)",
                     all_routed ? "" : forward_part.c_str(), all_routed ? "" : " + ", routed.kernel, routed.num_splits,
                     routed.max_q);
   }

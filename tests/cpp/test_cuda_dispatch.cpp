@@ -346,7 +346,9 @@ TEST(CudaDispatch, SplitRowsAreOfferedBySplitAlternativeOnly) {
             EXPECT_EQ(s.head_dim, e.head_dim) << s.name;
             EXPECT_EQ(s.dtype, e.dtype) << s.name;
             EXPECT_TRUE(s.max_seqlen_q == 0 || sq <= s.max_seqlen_q) << s.name << " Sq " << sq;
-            if (d == 128) EXPECT_EQ(s.block_m, sq <= 64 ? 64 : 128) << s.name << " Sq " << sq;
+            if (d == 128) {
+              EXPECT_EQ(s.block_m, sq <= 64 ? 64 : 128) << s.name << " Sq " << sq;
+            }
           }
 }
 

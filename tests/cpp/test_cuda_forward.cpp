@@ -663,7 +663,7 @@ TEST(CudaForward, VarlenPagedDecodeStepRunsInPlace) {
       }
 }
 
-// A call that is not varlen, of Sq <= T = max(1, min(16, 64 / G)) query rows (a decode step or speculative tokens
+// A call that is not varlen, of Sq <= T = max(1, min(16, 32 / G)) query rows (a decode step or speculative tokens
 // through fa_forward over a dense or paged cache, as torch SDPA users make it): the whole call in the decode kernels, in
 // place (decode_plan.hpp, short_sequence_max_q). Sq = 1 and T at G = 1, 4 and 8, keys 3000 (split-KV) and 5, fewer
 // keys than queries (causal
@@ -676,7 +676,7 @@ TEST(CudaForward, ShortDenseCallsRunInTheDecodeKernels) {
     int hq, hk;
   };
   for (const Heads heads : {Heads{8, 8}, Heads{16, 4}, Heads{32, 4}}) {
-    const int t = std::max(1, std::min(16, 64 / (heads.hq / heads.hk)));
+    const int t = std::max(1, std::min(16, 32 / (heads.hq / heads.hk)));
     for (const int rows : {1, t, t + 1})
       for (const int keys : {3000, 5, 2})
         for (int variant = 0; variant < 4; ++variant) {
@@ -731,9 +731,9 @@ TEST(CudaForward, ShortCallsTakeThe64RowTile) {
     for (int variant = 0; variant < 3; ++variant) {
       const fa_dtype dtype = variant == 1 ? FA_FLOAT16 : FA_BFLOAT16;
       Call c = make_call(problem(8, sq, 1500, 32, 32, 128, dtype), rng);  // 8 x 32 CTAs: no split; G = 1: no packing
-      c.options.causal = variant != 1 ? 1 : 0;
+      c.options.causal = variant == 0 ? 1 : 0;
       if (variant == 2) c.options.window_left = 200, c.options.window_right = 10;
-      const std::string what = "Sq " + std::to_string(sq) + (variant == 0 ? " causal" : variant == 1 ? " f16" : " causal window");
+      const std::string what = "Sq " + std::to_string(sq) + (variant == 0 ? " causal" : variant == 1 ? " f16" : " window (200, 10)");
       const fa_stats stats = oracle_then_stats(what, c);
       const std::string kernel = stats.kernel;
       EXPECT_EQ(stats.num_splits, 1) << what << " ran " << kernel;
@@ -767,7 +767,9 @@ TEST(CudaForward, GqaPackedShortCalls) {
   auto check = [](const std::string& what, const Call& c, bool packed, const std::string& tile = "") {
     const std::string kernel = oracle_then_stats(what, c).kernel;
     EXPECT_EQ(kernel.find("gqa-packed") != std::string::npos, packed) << what << " ran " << kernel;
-    if (!tile.empty()) EXPECT_NE(kernel.find(tile), std::string::npos) << what << " ran " << kernel << ", not " << tile;
+    if (!tile.empty()) {
+      EXPECT_NE(kernel.find(tile), std::string::npos) << what << " ran " << kernel << ", not " << tile;
+    }
   };
   auto varlen = [&](std::vector<int> lengths_q, std::vector<int> lengths_k, int hq, int hk, int d, fa_dtype dtype) {
     fa_test::Problem p = problem(int(lengths_q.size()), 0, 0, hq, hk, d, dtype);
@@ -934,7 +936,9 @@ fa_stats check_split_call(const std::string& what, const Call& call, int splits,
   const std::string kernel = stats.kernel;
   if (splits > 1) {
     EXPECT_NE(kernel.find("sk splits=" + std::to_string(splits) + " + combine"), std::string::npos) << what << " ran " << kernel;
-    if (!tile.empty()) EXPECT_NE(kernel.find(tile), std::string::npos) << what << " ran " << kernel << ", not a " << tile << " tile";
+    if (!tile.empty()) {
+      EXPECT_NE(kernel.find(tile), std::string::npos) << what << " ran " << kernel << ", not a " << tile << " tile";
+    }
     EXPECT_EQ(stats.num_splits, splits) << what;
     EXPECT_GT(stats.scratch_bytes_peak, 0) << what;
   } else {
@@ -1034,7 +1038,9 @@ TEST(CudaForward, SplitKvMatchesOracleAtEveryCount) {
       c.options.causal = causal;
       const std::string what = "packed Sq=" + std::to_string(sq) + " G=" + std::to_string(hq / hk) + n;
       const std::string kernel = check_split_call(what, c, splits).kernel;
-      if (splits > 1) EXPECT_NE(kernel.find("gqa-packed"), std::string::npos) << what << " ran " << kernel;
+      if (splits > 1) {
+        EXPECT_NE(kernel.find("gqa-packed"), std::string::npos) << what << " ran " << kernel;
+      }
     }
   }
 }

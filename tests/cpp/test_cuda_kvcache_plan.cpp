@@ -967,18 +967,18 @@ TEST(CudaKvcachePlan, ShortSequencesOfAPagedVarlenForward) {
   no = p;
   no.cu_seqlens_q = no.cu_seqlens_k = nullptr;
   EXPECT_EQ(decode::short_sequence_max_q(no), 0);  // paged, not varlen, 300 rows: not short
-  // Not varlen, Sq <= max(1, min(16, 64 / G)) (G = 4 here: 16): the whole call (paged or dense K/V), Sq rows per
+  // Not varlen, Sq <= max(1, min(16, 32 / G)) (G = 4 here: 8): the whole call (paged or dense K/V), Sq rows per
   // sequence; more rows or a cu_seqlens_k: none.
-  for (const auto& [hq, hk, bound] : {std::tuple<int, int, int>{8, 8, 16}, {16, 8, 16}, {32, 8, 16}, {64, 8, 8},
-                                      {128, 8, 4}, {64, 1, 1}, {128, 1, 1}})
+  for (const auto& [hq, hk, bound] : {std::tuple<int, int, int>{8, 8, 16}, {16, 8, 16}, {32, 8, 8}, {64, 8, 4},
+                                      {128, 8, 2}, {64, 1, 1}, {128, 1, 1}})
     EXPECT_EQ(decode::short_call_max_q(hq, hk), bound) << hq << " / " << hk;
   for (const bool paged : {true, false})
-    for (int sq : {1, 4, 5, 15, 16, 17, 40}) {
+    for (int sq : {1, 4, 5, 8, 9, 16, 17, 40}) {
       flashattn::AttentionParams whole = no;
       if (!paged) whole.block_table = nullptr;
       whole.seqlen_q = sq;
-      EXPECT_EQ(decode::short_sequence_max_q(whole), sq <= 16 ? sq : 0) << "Sq " << sq << (paged ? " paged" : " dense");
-      EXPECT_EQ(decode::uniform_short_sequences(whole, decode::short_sequence_max_q(whole)), sq <= 16) << "Sq " << sq;
+      EXPECT_EQ(decode::short_sequence_max_q(whole), sq <= 8 ? sq : 0) << "Sq " << sq << (paged ? " paged" : " dense");
+      EXPECT_EQ(decode::uniform_short_sequences(whole, decode::short_sequence_max_q(whole)), sq <= 8) << "Sq " << sq;
       whole.cu_seqlens_k = index;
       EXPECT_EQ(decode::short_sequence_max_q(whole), 0) << "Sq " << sq << ": keys varlen, queries not";
     }

@@ -421,21 +421,28 @@ DecodeArgs make_decode_args(const KvcacheParams& p, const DecodePlan& plan, void
 // sequence streams its keys once per K/V head (G = 4: T = 4; G = 8: 2; G >= 16: 1). A call that is not varlen (dense
 // or paged K/V, B x Sq rows: a decode step through fa_forward, as torch SDPA or jax.nn.dot_product_attention users make
 // it) is routed whole, in place (uniform_short_sequences), when Sq <= max(1, min(16, kShortCallPackedRows / G)) (G = 1,
-// 2, 4: 16 rows; G = 8: 8; G = 16: 4): with no copies to pay, the decode kernels stay the faster up to 64 packed rows.
+// 2: 16 rows; G = 4: 8; G = 8: 4; G = 16: 2): with no copies to pay, the decode kernels stay the faster up to 32 packed
+// rows (2 m-blocks, each streaming the keys); from there the forward kernel's GQA packing (one tile of up to 64 or 128
+// packed rows streams them once: src/cuda/sm80/forward_packing.hpp) leads over long caches.
 // B = 1, Sq = 1, Hq 32 / Hk 8, D = 128, bf16 over 32k keys took 102.5 us in the forward kernel (split 8 ways; torch
 // SDPA cuDNN 68.4) on an H100 (2026-12-06 10:36 UTC, bench/results/2026-12-06-1034-h100-split-kv-forward-64-row-tile.txt),
 // where the decode kernels read that cache at ~0.9 of the card's streaming rate; at G = 4 the decode kernels led at 8
 // rows by 1.45-2.5x (B = 16 over 4k: 103.7 against 262 us) and at 16 rows but for two ties (11:01 UTC,
 // bench/results/2026-12-06-1101-h100-decode-or-forward-8-to-40-rows.txt); from 32 rows over 32k keys the forward led.
+// Those were against the unpacked forward. Packed (H100, 2026-12-06 13:01-13:11 UTC; bench/results/2026-12-06-1301-*,
+// -1309-*), 17 rows at G = 4 took 84.6 us at B = 1 over 32k and 210.8 at B = 4, where the decode kernels took 16 rows in
+// 106.7 (13:09) and 350.3 (11:01); over 8k 46.1 against 43.5 at B = 1. So the bound is 32 packed rows (8 at G = 4),
+// where the decode kernels led the unpacked forward by 1.45-2.5x; rows 9-16 at G = 4 were not timed in the packed
+// forward themselves (the A/B is .gpucarry/s53e.sh, for a later session).
 // Otherwise 0 (no route) unless the call is
 // paged and varlen, without dropout (the decode kernels have none), and its rows leave room for a short sequence:
 // total_q <= (B - 1) x max_seqlen_q + T, so that a batch of equal prefill chunks pays no copies and launches for
 // nothing (routing none, they made `flashattn step`'s split step, 8 decodes at 1k through fa_kvcache and one 128-token
 // chunk through this forward, 64.8 us instead of 53.0 on an H100, 2026-12-06). Affects speed only.
 constexpr int kShortSequencePackedRows = 16;  // every DECODE_TILES row of src/cuda/manifest.py has block_m 16
-constexpr int kShortCallPackedRows = 64;      // a call that is not varlen: up to 4 m-blocks of packed rows, in place
+constexpr int kShortCallPackedRows = 32;      // a call that is not varlen: up to 2 m-blocks of packed rows, in place
 int short_sequence_max_q(const AttentionParams& p);
-// The most query rows of a call that is not varlen that the decode kernels take whole: max(1, min(16, 64 / G)).
+// The most query rows of a call that is not varlen that the decode kernels take whole: max(1, min(16, 32 / G)).
 int short_call_max_q(int heads_q, int heads_k);
 
 // The decode call over the short sequences: their queries left-padded to T rows, q / out (B, T, Hq, D / Dv) and lse

@@ -13,6 +13,9 @@
 // window mask of its rows stays a narrow band, as unpacked. The kernels that can pack (forward_kernel.cuh,
 // GqaPackingOf: the split-KV and compact-epilogue rows; KernelEntry::gqa_packing) read AttentionParams::pack_gqa; the
 // others never see it set. Packing changes which CTA computes a row, and so rounding only.
+// Measured (H100, 2026-12-06 13:01 UTC, B = 1 / 4 / 16, Hq 32 / Hk 8, D = 128, bf16, causal): 17-32 rows 1.4-2.1x over
+// 32k keys or at B >= 4, 48-64 rows 1.05-1.22x, B = 1 over 8k at 48-64 rows 0.92-0.98x (bench/results/
+// 2026-12-06-1301-h100-gqa-packing-ab.txt; docs/PERFORMANCE.md "CUDA GQA packing of short forwards").
 #pragma once
 
 #include "core/host_device.hpp"
