@@ -137,10 +137,13 @@ typedef struct fa_options {
    long context) runs split-KV: each query tile's keys are dealt to several CTAs, whose float32 partials one more kernel
    merges through their LSEs. The call then holds a stream-ordered scratch for the partials from the library's pool
    (fa_stats.scratch_bytes_peak; capturable in a CUDA graph) and reports the split count (fa_stats.num_splits). The
-   count depends on the shapes and the device only; results differ from an unsplit run by float32 rounding.
+   count depends on the shapes and the device only; results differ from an unsplit run by float32 rounding. A short
+   CUDA forward without ALiBi or dropout may run GQA-packed (the Hq / Hk query heads of a k/v head in one query tile,
+   so that k/v are read once per tile; fa_stats.kernel ends in "gqa-packed"; rounding only).
    A CUDA forward that is not varlen (dense or paged k/v), without dropout, of at most max(1, min(16, 32 / (Hq / Hk)))
-   query rows (a decode step or speculative tokens over a whole cache) runs in the kvcache (decode) kernels instead, on q / out / lse themselves (GQA
-   packed, split-KV; fa_stats.kernel names the dec_ kernel "in place"; rounding may differ from the forward kernel's). */
+   query rows (64 / (Hq / Hk) over a paged cache; a decode step or speculative tokens over a whole cache) runs in the
+   kvcache (decode) kernels instead, on q / out / lse themselves (GQA packed, split-KV; fa_stats.kernel names the dec_
+   kernel "in place"; rounding may differ from the forward kernel's). */
 typedef struct fa_forward_args {
   fa_tensor q, k, v;     /* dense 4-D or varlen 3-D; k/v may be paged caches (see block_table) */
   fa_tensor out;         /* same layout as q, last dim Dv, dtype of q */

@@ -663,7 +663,7 @@ TEST(CudaForward, VarlenPagedDecodeStepRunsInPlace) {
       }
 }
 
-// A call that is not varlen, of Sq <= T = max(1, min(16, 32 / G)) query rows (a decode step or speculative tokens
+// A call that is not varlen, of Sq <= T = max(1, min(16, 32 / G)) query rows (64 / G over a paged cache) (a decode step or speculative tokens
 // through fa_forward over a dense or paged cache, as torch SDPA users make it): the whole call in the decode kernels, in
 // place (decode_plan.hpp, short_sequence_max_q). Sq = 1 and T at G = 1, 4 and 8, keys 3000 (split-KV) and 5, fewer
 // keys than queries (causal
@@ -712,13 +712,17 @@ TEST(CudaForward, ShortDenseCallsRunInTheDecodeKernels) {
           }
         }
   }
-  for (const int block_size : {16, 5}) {  // a paged cache, not varlen: the decode kernels' paged copies
-    const Call c = paged_causal_call(rng, 2, 16, 4, 900, block_size, {900, 1, 433});
-    const std::string what = "paged block_size=" + std::to_string(block_size) + ", Sq 2, Hq 16 / Hk 4";
-    const std::string kernel = oracle_then_stats(what, c).kernel;
-    EXPECT_NE(kernel.find("dec_"), std::string::npos) << what << " ran " << kernel;
-    EXPECT_NE(kernel.find(", in place"), std::string::npos) << what << " ran " << kernel;
-  }
+  // A paged cache, not varlen: the decode kernels' paged copies, up to 16 rows at G = 4 (64 packed rows); 17 rows run
+  // in the forward kernel.
+  for (const int block_size : {16, 5})
+    for (const int rows : {2, 16, 17}) {
+      const Call c = paged_causal_call(rng, rows, 16, 4, 900, block_size, {900, 1, 433});
+      const std::string what = "paged block_size=" + std::to_string(block_size) + ", Sq " + std::to_string(rows) +
+                               ", Hq 16 / Hk 4";
+      const std::string kernel = oracle_then_stats(what, c).kernel;
+      EXPECT_EQ(kernel.find("dec_") != std::string::npos, rows <= 16) << what << " ran " << kernel;
+      EXPECT_EQ(kernel.find(", in place") != std::string::npos, rows <= 16) << what << " ran " << kernel;
+    }
 }
 
 // D = 128 calls of at most 64 query rows that do not split (enough sequences x heads to fill the SMs) run the 64-row

@@ -967,18 +967,21 @@ TEST(CudaKvcachePlan, ShortSequencesOfAPagedVarlenForward) {
   no = p;
   no.cu_seqlens_q = no.cu_seqlens_k = nullptr;
   EXPECT_EQ(decode::short_sequence_max_q(no), 0);  // paged, not varlen, 300 rows: not short
-  // Not varlen, Sq <= max(1, min(16, 32 / G)) (G = 4 here: 8): the whole call (paged or dense K/V), Sq rows per
-  // sequence; more rows or a cu_seqlens_k: none.
-  for (const auto& [hq, hk, bound] : {std::tuple<int, int, int>{8, 8, 16}, {16, 8, 16}, {32, 8, 8}, {64, 8, 4},
-                                      {128, 8, 2}, {64, 1, 1}, {128, 1, 1}})
-    EXPECT_EQ(decode::short_call_max_q(hq, hk), bound) << hq << " / " << hk;
+  // Not varlen, Sq <= max(1, min(16, 32 / G)) (G = 4 here: 8), over a paged cache max(1, min(16, 64 / G)) (16): the
+  // whole call, Sq rows per sequence; more rows or a cu_seqlens_k: none.
+  for (const auto& [hq, hk, dense, paged] : {std::tuple<int, int, int, int>{8, 8, 16, 16}, {16, 8, 16, 16}, {32, 8, 8, 16},
+                                             {64, 8, 4, 8}, {128, 8, 2, 4}, {64, 1, 1, 1}, {128, 1, 1, 1}}) {
+    EXPECT_EQ(decode::short_call_max_q(hq, hk, false), dense) << hq << " / " << hk;
+    EXPECT_EQ(decode::short_call_max_q(hq, hk, true), paged) << hq << " / " << hk << " paged";
+  }
   for (const bool paged : {true, false})
     for (int sq : {1, 4, 5, 8, 9, 16, 17, 40}) {
       flashattn::AttentionParams whole = no;
       if (!paged) whole.block_table = nullptr;
       whole.seqlen_q = sq;
-      EXPECT_EQ(decode::short_sequence_max_q(whole), sq <= 8 ? sq : 0) << "Sq " << sq << (paged ? " paged" : " dense");
-      EXPECT_EQ(decode::uniform_short_sequences(whole, decode::short_sequence_max_q(whole)), sq <= 8) << "Sq " << sq;
+      const int bound = paged ? 16 : 8;
+      EXPECT_EQ(decode::short_sequence_max_q(whole), sq <= bound ? sq : 0) << "Sq " << sq << (paged ? " paged" : " dense");
+      EXPECT_EQ(decode::uniform_short_sequences(whole, decode::short_sequence_max_q(whole)), sq <= bound) << "Sq " << sq;
       whole.cu_seqlens_k = index;
       EXPECT_EQ(decode::short_sequence_max_q(whole), 0) << "Sq " << sq << ": keys varlen, queries not";
     }

@@ -289,9 +289,9 @@ std::atomic<int> g_speculation_for_tests{-1};  // set_speculation_for_tests
 
 void set_speculation_for_tests(int mode) { g_speculation_for_tests.store(mode, std::memory_order_relaxed); }
 
-int short_call_max_q(int heads_q, int heads_k) {
+int short_call_max_q(int heads_q, int heads_k, bool paged) {
   const int group = heads_q / heads_k;
-  return std::max(1, std::min(kShortSequencePackedRows, kShortCallPackedRows / group));
+  return std::max(1, std::min(kShortSequencePackedRows, (paged ? kShortPagedCallPackedRows : kShortCallPackedRows) / group));
 }
 
 int short_sequence_max_q(const AttentionParams& p) {
@@ -300,7 +300,7 @@ int short_sequence_max_q(const AttentionParams& p) {
   const int max_q = std::min(std::max(1, kShortSequencePackedRows / group), p.seqlen_q);
   // Not varlen (dense or paged K/V, every sequence Sq rows): all or nothing, in place (uniform_short_sequences).
   if (!p.is_varlen())
-    return p.cu_seqlens_k == nullptr && p.seqlen_q <= short_call_max_q(p.heads_q, p.heads_k) ? p.seqlen_q : 0;
+    return p.cu_seqlens_k == nullptr && p.seqlen_q <= short_call_max_q(p.heads_q, p.heads_k, p.is_paged()) ? p.seqlen_q : 0;
   if (!p.is_paged()) return 0;  // varlen dense K/V: sequence b's keys start at cu_seqlens_k[b], no cache's batch stride
   // Some sequence has at most max_q rows only if the other B - 1 (each at most max_seqlen_q) leave it room.
   if (int64_t(p.varlen_total_q) > int64_t(p.batch - 1) * p.seqlen_q + max_q) return 0;

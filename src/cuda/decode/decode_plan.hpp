@@ -423,7 +423,9 @@ DecodeArgs make_decode_args(const KvcacheParams& p, const DecodePlan& plan, void
 // it) is routed whole, in place (uniform_short_sequences), when Sq <= max(1, min(16, kShortCallPackedRows / G)) (G = 1,
 // 2: 16 rows; G = 4: 8; G = 8: 4; G = 16: 2): with no copies to pay, the decode kernels stay the faster up to 32 packed
 // rows (2 m-blocks, each streaming the keys); from there the forward kernel's GQA packing (one tile of up to 64 or 128
-// packed rows streams them once: src/cuda/sm80/forward_packing.hpp) leads over long caches.
+// packed rows streams them once: src/cuda/sm80/forward_packing.hpp) leads over long caches. Over a paged cache the
+// bound is kShortPagedCallPackedRows (G = 4: 16 rows): the paged forward row that a call of many sequences runs unsplit
+// does not pack (only the split rows and the dense 64-row row do), and there the decode kernels led the unpacked forward.
 // B = 1, Sq = 1, Hq 32 / Hk 8, D = 128, bf16 over 32k keys took 102.5 us in the forward kernel (split 8 ways; torch
 // SDPA cuDNN 68.4) on an H100 (2026-12-06 10:36 UTC, bench/results/2026-12-06-1034-h100-split-kv-forward-64-row-tile.txt),
 // where the decode kernels read that cache at ~0.9 of the card's streaming rate; at G = 4 the decode kernels led at 8
@@ -441,9 +443,11 @@ DecodeArgs make_decode_args(const KvcacheParams& p, const DecodePlan& plan, void
 // chunk through this forward, 64.8 us instead of 53.0 on an H100, 2026-12-06). Affects speed only.
 constexpr int kShortSequencePackedRows = 16;  // every DECODE_TILES row of src/cuda/manifest.py has block_m 16
 constexpr int kShortCallPackedRows = 32;      // a call that is not varlen: up to 2 m-blocks of packed rows, in place
+constexpr int kShortPagedCallPackedRows = 64;  // ... over a paged cache: up to 4
 int short_sequence_max_q(const AttentionParams& p);
-// The most query rows of a call that is not varlen that the decode kernels take whole: max(1, min(16, 32 / G)).
-int short_call_max_q(int heads_q, int heads_k);
+// The most query rows of a call that is not varlen that the decode kernels take whole: max(1, min(16, 32 / G)), over a
+// paged cache max(1, min(16, 64 / G)).
+int short_call_max_q(int heads_q, int heads_k, bool paged);
 
 // The decode call over the short sequences: their queries left-padded to T rows, q / out (B, T, Hq, D / Dv) and lse
 // (B, Hq, T) dense at the given addresses (lse null when the forward has none), cache_seqlens the key counts (0 for the
