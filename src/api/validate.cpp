@@ -435,6 +435,19 @@ Status check_like(const Arg& a, const Arg& like, const Arg& q) {
   return Status();
 }
 
+// A caller's workspace (optional: no data, none): raw bytes, one dimension, on q's device.
+Status take_workspace(const fa_tensor& workspace, const Arg& q, void** data, int64_t* bytes) {
+  if (workspace.data == nullptr) return Status();
+  const Arg w{"workspace", workspace};
+  FA_RETURN_IF_ERROR(check_basic(w));
+  FA_RETURN_IF_ERROR(check_dtype(w, FA_UINT8, "a workspace is raw bytes"));
+  FA_RETURN_IF_ERROR(check_ndim(w, 1, "(bytes)"));
+  FA_RETURN_IF_ERROR(check_same_device(w, q));
+  *data = workspace.data;
+  *bytes = workspace.shape[0];
+  return Status();
+}
+
 }  // namespace
 
 const char* backend_name(fa_backend backend) {
@@ -499,15 +512,7 @@ Status make_backward_params(const fa_backward_args& a, const fa_options& options
   p->dk = a.dk.data;
   p->dv = a.dv.data;
   p->deterministic = options.deterministic != 0;
-  if (a.workspace.data != nullptr) {
-    const Arg w{"workspace", a.workspace};
-    FA_RETURN_IF_ERROR(check_basic(w));
-    FA_RETURN_IF_ERROR(check_dtype(w, FA_UINT8, "a workspace is raw bytes"));
-    FA_RETURN_IF_ERROR(check_ndim(w, 1, "(bytes)"));
-    FA_RETURN_IF_ERROR(check_same_device(w, q));
-    p->workspace = a.workspace.data;
-    p->workspace_bytes = a.workspace.shape[0];
-  }
+  FA_RETURN_IF_ERROR(take_workspace(a.workspace, q, &p->workspace, &p->workspace_bytes));
   return Status();
 }
 
@@ -742,15 +747,7 @@ Status make_kvcache_params(const fa_kvcache_args& a, const fa_options& options, 
     return FA_INVALID("num_splits: must be in [0, %d] (0 = chosen by the backend), got %d", kMaxNumSplits, a.num_splits);
   p->num_splits = a.num_splits;
   p->check_indices = a.check_indices != 0;
-  if (a.workspace.data != nullptr) {
-    const Arg w{"workspace", a.workspace};
-    FA_RETURN_IF_ERROR(check_basic(w));
-    FA_RETURN_IF_ERROR(check_dtype(w, FA_UINT8, "a workspace is raw bytes"));
-    FA_RETURN_IF_ERROR(check_ndim(w, 1, "(bytes)"));
-    FA_RETURN_IF_ERROR(check_same_device(w, q));
-    p->workspace = a.workspace.data;
-    p->workspace_bytes = a.workspace.shape[0];
-  }
+  FA_RETURN_IF_ERROR(take_workspace(a.workspace, q, &p->workspace, &p->workspace_bytes));
   return Status();
 }
 
