@@ -1001,16 +1001,17 @@ int command_step(int argc, char** argv) {
   if (a.flag("help")) {
     std::string h =
         "flashattn step: one continuous-batching step over a paged KV cache on random inputs: --decode sequences\n"
-        "that each add 1 token to --cache keys, beside --prefill sequences that each add a --chunk of prompt tokens\n"
-        "to --prefill-cache keys. Every new token attends causally (bottom-right). Timed four ways:\n"
+        "that each add 1 token (or --decode-tokens) to --cache keys, beside --prefill sequences that each add a --chunk\n"
+        "of prompt tokens to --prefill-cache keys. Every new token attends causally (bottom-right). Timed four ways:\n"
         "  append    fa_kvcache_append of every sequence's new K/V rows (the write half alone)\n"
         "  mixed     that append + ONE causal varlen fa_forward over the pool: the step as a server with requests\n"
         "            of mixed lengths runs it (2 calls, whatever the mix)\n"
-        "  grouped   fa_kvcache (append + attend) once per group of equal counts: the decodes in one call (Sq = 1,\n"
-        "            split-KV), the prefills in another (Sq = chunk)\n"
-        "  split     that append + fa_kvcache over the decodes (no append: Sq = 1, split-KV) + one causal varlen\n"
+        "  grouped   fa_kvcache (append + attend) once per group of equal counts: the decodes in one call (Sq = 1\n"
+        "            or --decode-tokens, split-KV), the prefills in another (Sq = chunk)\n"
+        "  split     that append + fa_kvcache over the decodes (no append, split-KV) + one causal varlen\n"
         "            fa_forward over the prefills: any prefill lengths, decodes through the decode kernels (3 calls)\n"
-        "  --decode N           sequences adding 1 token (default 64)\n"
+        "  --decode N           decoding sequences (default 64)\n"
+        "  --decode-tokens T    tokens each decoding sequence adds (default 1; > 1: speculative tokens to verify)\n"
         "  --cache S            keys already cached in each decoding sequence (default 4096)\n"
         "  --prefill M          sequences adding --chunk tokens (default 2)\n"
         "  --chunk C            tokens per prefill chunk (default 512)\n"
@@ -1036,6 +1037,7 @@ int command_step(int argc, char** argv) {
     return 0;
   }
   const int decodes = int(a.integer("decode", 64)), cached_decode = int(a.integer("cache", 4096));
+  const int decode_tokens = int(a.integer("decode-tokens", 1));
   const int prefills = int(a.integer("prefill", 2)), chunk = int(a.integer("chunk", 512));
   const int cached_prefill = int(a.integer("prefill-cache", 0)), page = int(a.integer("page", 16));
   const int hq = int(a.integer("heads", 32)), hk = int(a.integer("heads-k", 8));
@@ -1051,8 +1053,8 @@ int command_step(int argc, char** argv) {
   const std::string json = a.str("json", "");
   a.finish();
   if (decodes < 0 || prefills < 0 || decodes + prefills < 1) Args::fail("--decode and --prefill: >= 0, one of them >= 1");
-  if (cached_decode < 0 || cached_prefill < 0 || chunk < 1 || page < 1)
-    Args::fail("--cache >= 0, --prefill-cache >= 0, --chunk >= 1 and --page >= 1 are required");
+  if (cached_decode < 0 || cached_prefill < 0 || chunk < 1 || page < 1 || decode_tokens < 1)
+    Args::fail("--cache >= 0, --prefill-cache >= 0, --chunk >= 1, --decode-tokens >= 1 and --page >= 1 are required");
   if (backend == FA_BACKEND_CUDA && fa_cuda_device_count() == 0)
     Args::fail("--backend cuda: no CUDA device found (or this build has no CUDA)");
   const bool device = backend == FA_BACKEND_CUDA;
@@ -1076,7 +1078,7 @@ int command_step(int argc, char** argv) {
   std::vector<int32_t> cached(static_cast<size_t>(batch)), counts(static_cast<size_t>(batch));
   for (int b = 0; b < batch; ++b) {
     cached[size_t(b)] = b < decodes ? cached_decode : cached_prefill;
-    counts[size_t(b)] = b < decodes ? 1 : chunk;
+    counts[size_t(b)] = b < decodes ? decode_tokens : chunk;
   }
   std::vector<int32_t> cu_new(size_t(batch) + 1, 0), cu_k(size_t(batch) + 1, 0);
   int max_keys = 0;
@@ -1085,7 +1087,8 @@ int command_step(int argc, char** argv) {
     cu_k[size_t(b) + 1] = cu_k[size_t(b)] + cached[size_t(b)] + counts[size_t(b)];
     max_keys = std::max(max_keys, cached[size_t(b)] + counts[size_t(b)]);
   }
-  const int total_new = cu_new.back(), max_new = prefills > 0 ? chunk : 1;
+  const int total_new = cu_new.back();
+  const int max_new = std::max(prefills > 0 ? chunk : 0, decodes > 0 ? decode_tokens : 0);
   const int64_t per_seq = (max_keys + page - 1) / page, blocks = int64_t(batch) * per_seq;
 
   std::mt19937_64 rng(seed);
@@ -1163,7 +1166,7 @@ int command_step(int argc, char** argv) {
       fw.seqused_k = flashattn::tensor(st.keys.data, {batch}, FA_INT32, w);
     }
     // The groups: dense (B_g, n_g, H, D) views of their slices of the packed rows, their rows of table and lengths.
-    const int first_seq[2] = {0, decodes}, rows_per_seq[2] = {1, chunk};
+    const int first_seq[2] = {0, decodes}, rows_per_seq[2] = {decode_tokens, chunk};
     st.group_batch[0] = decodes;
     st.group_batch[1] = prefills;
     for (int g = 0; g < 2; ++g) {
@@ -1183,7 +1186,7 @@ int command_step(int argc, char** argv) {
       x.out = flashattn::tensor(at(st.out_grouped, row0, int64_t(hq) * dv, es), {bg, n, hq, dv}, dtype, w);
       if (g == 0) {  // split's decode call: the group's views without k_new, over the lengths after the append
         std::vector<int32_t> after(cached.begin(), cached.begin() + decodes);
-        for (int32_t& length : after) ++length;
+        for (int32_t& length : after) length += decode_tokens;
         put(st.seqlens_after, int_bytes(after));
         fa_kvcache_args& y = st.split_decodes;
         y = x;
@@ -1256,9 +1259,10 @@ int command_step(int argc, char** argv) {
   const Timing t_grouped = time_call(grouped, device, warmup, iters, 60);
   const Timing t_split = time_call(split, device, warmup, iters, 60);
   const double kv_bytes = double(cu_k.back()) * hk * (d + dv) * es;
-  std::printf("flashattn step: %d decodes (+1 token, %d cached) and %d prefills (+%d tokens, %d cached), %d new rows, "
+  std::printf("flashattn step: %d decodes (+%d token%s, %d cached) and %d prefills (+%d tokens, %d cached), %d new rows, "
               "Hq=%d Hk=%d D=%d Dv=%d %s, pool of %lld blocks of %d (shuffled), backend=%s seed=%llu\n",
-              decodes, cached_decode, prefills, chunk, cached_prefill, total_new, hq, hk, d, dv,
+              decodes, decode_tokens, decode_tokens == 1 ? "" : "s", cached_decode, prefills, chunk, cached_prefill,
+              total_new, hq, hk, d, dv,
               flashattn::dtype_name(dtype), (long long)blocks, page, backend_label(backend), (unsigned long long)seed);
   std::printf("append:  %10.3f us (median of %d, min %.3f us)\n", t_append.median_s * 1e6, t_append.iterations,
               t_append.min_s * 1e6);
@@ -1299,7 +1303,7 @@ int command_step(int argc, char** argv) {
   }
   if (!json.empty()) {
     std::ofstream f(json);
-    f << "{\"decodes\":" << decodes << ",\"cache\":" << cached_decode << ",\"prefills\":" << prefills << ",\"chunk\":"
+    f << "{\"decodes\":" << decodes << ",\"decode_tokens\":" << decode_tokens << ",\"cache\":" << cached_decode << ",\"prefills\":" << prefills << ",\"chunk\":"
       << chunk << ",\"prefill_cache\":" << cached_prefill << ",\"page\":" << page << ",\"Hq\":" << hq << ",\"Hk\":" << hk
       << ",\"D\":" << d << ",\"Dv\":" << dv << ",\"dtype\":\"" << flashattn::dtype_name(dtype) << "\",\"backend\":\""
       << backend_label(backend) << "\",\"us_append\":" << t_append.median_s * 1e6 << ",\"us_mixed\":"
