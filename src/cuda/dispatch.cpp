@@ -1,6 +1,7 @@
 #include "cuda/dispatch.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cstdio>
 #include <set>
@@ -125,28 +126,33 @@ bool arch_list_runs_on(const std::string& arch_list, int major, int minor) {
   return false;
 }
 
-Status choose_kernel(KernelKind kind, const AttentionParams& p, const DeviceLimits& device, const KernelEntry* table,
-                     int count, const std::string& arch_list, int* index) {
-  if (!arch_list_runs_on(arch_list, device.sm_major, device.sm_minor))
-    return error(FA_ERROR_NOT_COMPILED, "q: cuda:%d is sm_%d%d, but this build holds kernels for \"%s\" only", device.device,
-                 device.sm_major, device.sm_minor, arch_list.c_str());
+namespace {
+
+// choose_kernel once the build is known to run on the device. Every call plans through here (a forward with G > 1 twice,
+// its packed view too), so the common path allocates nothing: the compiled head dims are gathered only for the error.
+Status choose_row(KernelKind kind, const AttentionParams& p, const DeviceLimits& device, const KernelEntry* table,
+                  int count, int* index) {
   const bool dropout = p.dropout_p > 0.f;
   // An FP8 KV cache (kvcache only; validate.cpp rejects it elsewhere) has rows of its own: never a 16-bit row.
   const bool fp8_cache = p.kv_dtype == FA_FLOAT8_E4M3;
-  std::set<int> compiled;
+  auto same_kind = [&](const KernelEntry& e) {
+    return e.kind == kind && e.dtype == p.dtype && e.dropout == dropout && e.fp8_cache == fp8_cache;
+  };
   int bucket = -1;  // the smallest compiled head dim >= D
   for (int r = 0; r < count; ++r) {
     const KernelEntry& e = table[r];
-    if (e.kind != kind || e.dtype != p.dtype || e.dropout != dropout || e.fp8_cache != fp8_cache) continue;
-    compiled.insert(e.head_dim);
-    if (e.head_dim >= p.head_dim && (bucket < 0 || e.head_dim < bucket)) bucket = e.head_dim;
+    if (same_kind(e) && e.head_dim >= p.head_dim && (bucket < 0 || e.head_dim < bucket)) bucket = e.head_dim;
   }
-  if (bucket < 0)
+  if (bucket < 0) {
+    std::set<int> compiled;
+    for (int r = 0; r < count; ++r)
+      if (same_kind(table[r])) compiled.insert(table[r].head_dim);
     return error(FA_ERROR_NOT_COMPILED,
                  "q: head dim %d is not compiled for the cuda %s (%s%s%s); compiled head dims: %s (any D %% %d == 0 up to "
                  "a compiled one runs in that one)",
                  p.head_dim, kind_name(kind), dtype_name(p.dtype), dropout ? ", dropout" : "",
                  fp8_cache ? ", float8_e4m3 cache" : "", join_ints(compiled).c_str(), fp8_cache ? 16 : 8);
+  }
   // Rows of the bucket come in the manifest's order of preference: the first whose shared memory fits, among
   // those whose call condition holds (a short-causal row: causal and at most causal_max_seqlen_q query rows; a
   // short-call row: at most max_seqlen_q query rows; a paged-K/V row: a block_table).
@@ -171,6 +177,16 @@ Status choose_kernel(KernelKind kind, const AttentionParams& p, const DeviceLimi
                         "%lld KiB",
                         p.head_dim, e.name, (long long)(e.smem_bytes / 1024), device.device, device.sm_major,
                         device.sm_minor, (long long)(device.smem_per_block_optin / 1024));
+}
+
+}  // namespace
+
+Status choose_kernel(KernelKind kind, const AttentionParams& p, const DeviceLimits& device, const KernelEntry* table,
+                     int count, const std::string& arch_list, int* index) {
+  if (!arch_list_runs_on(arch_list, device.sm_major, device.sm_minor))
+    return error(FA_ERROR_NOT_COMPILED, "q: cuda:%d is sm_%d%d, but this build holds kernels for \"%s\" only", device.device,
+                 device.sm_major, device.sm_minor, arch_list.c_str());
+  return choose_row(kind, p, device, table, count, index);
 }
 
 int decode_alternative(int index, DecodeRole role, const DeviceLimits& device, const KernelEntry* table, int count) {
@@ -208,7 +224,19 @@ int decode_alternative(int index, DecodeRole role, const DeviceLimits& device) {
 }
 
 Status choose_kernel(KernelKind kind, const AttentionParams& p, const DeviceLimits& device, int* index) {
-  return choose_kernel(kind, p, device, generated::kKernelTable, generated::kKernelCount, compiled_arch_list(), index);
+  // Whether this build's architectures run on compute capability major.minor, parsed once per capability (the list is
+  // fixed at build time): 0 not yet known, 1 yes, 2 no (the full check then writes the error).
+  static std::atomic<uint8_t> runs_on[128] = {};
+  const int cc = device.sm_major * 10 + device.sm_minor;
+  const bool cacheable = cc >= 0 && cc < 128;
+  uint8_t known = cacheable ? runs_on[cc].load(std::memory_order_relaxed) : 0;
+  if (known == 0) {
+    known = arch_list_runs_on(compiled_arch_list(), device.sm_major, device.sm_minor) ? 1 : 2;
+    if (cacheable) runs_on[cc].store(known, std::memory_order_relaxed);
+  }
+  if (known == 2)
+    return choose_kernel(kind, p, device, generated::kKernelTable, generated::kKernelCount, compiled_arch_list(), index);
+  return choose_row(kind, p, device, generated::kKernelTable, generated::kKernelCount, index);
 }
 
 const KernelEntry& kernel_entry(int index) { return generated::kKernelTable[index]; }

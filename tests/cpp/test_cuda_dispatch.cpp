@@ -161,6 +161,30 @@ TEST(CudaDispatch, ArchitectureRules) {
   EXPECT_NE(s.message().find("cuda:1 is sm_100"), std::string::npos) << s.message();
 }
 
+// The generated table's choose_kernel remembers per compute capability whether the build runs there (it is asked for
+// every call): asked twice per capability, it answers as the uncached rule over the build's own list does, index and
+// message alike, whichever architectures this build holds.
+TEST(CudaDispatch, GeneratedTableArchitectureCheckIsRemembered) {
+  namespace gen = flashattn::cuda::generated;
+  Case c;
+  c.d = 128;
+  const AttentionParams p = params_for(c);
+  for (int round = 0; round < 2; ++round)
+    for (const auto& cc : {std::pair<int, int>{7, 5}, {8, 0}, {8, 6}, {9, 0}, {10, 0}, {12, 0}}) {
+      const DeviceLimits device{0, cc.first, cc.second, 227 * 1024};
+      int cached = -1, uncached = -1;
+      const Status a = choose_kernel(KernelKind::kForward, p, device, &cached);
+      const Status b = choose_kernel(KernelKind::kForward, p, device, gen::kKernelTable, gen::kKernelCount,
+                                     flashattn::cuda::compiled_arch_list(), &uncached);
+      const std::string what = "sm_" + std::to_string(cc.first) + std::to_string(cc.second) + " round " + std::to_string(round);
+      EXPECT_EQ(a.code(), b.code()) << what;
+      EXPECT_EQ(a.message(), b.message()) << what;
+      if (b.ok()) {
+        EXPECT_EQ(cached, uncached) << what;
+      }
+    }
+}
+
 TEST(CudaDispatch, CudaRulesNameTheArgument) {
   using flashattn::cuda::check_forward_support;
   Case c;
