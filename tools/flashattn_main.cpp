@@ -381,6 +381,24 @@ Timing time_call(const std::function<Status()>& call, bool device, int warmup, i
   return t;
 }
 
+// Time per call of `iterations` calls issued back to back with one synchronisation after them (as a server queues its
+// steps): where the synchronised median of time_call is well above it, the call's time is its round trip (launches
+// and the wait), not the device's work.
+double time_call_pipelined(const std::function<Status()>& call, bool device, int warmup, int iterations) {
+  for (int w = 0; w < warmup; ++w) {
+    const Status s = call();
+    if (!s.ok()) Args::fail(s.to_string());
+  }
+  device_synchronize(device);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int it = 0; it < iterations; ++it) {
+    const Status s = call();
+    if (!s.ok()) Args::fail(s.to_string());
+  }
+  device_synchronize(device);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / std::max(iterations, 1);
+}
+
 // `call` with options.stats = stats on its first invocation only (time_call's first warm-up call,
 // or the first timed one without warm-up): the timed calls then run as a caller's would, without
 // the stats' bookkeeping (the kernel name's formatting). `call` must read `options`.
@@ -1030,6 +1048,8 @@ int command_step(int argc, char** argv) {
         "                       threshold at its maximum, as a server would set it). The library's builds before\n"
         "                       393d8b9 took the mixed step's fa_forward scratch from that pool, which otherwise unmaps\n"
         "                       it at each synchronisation (an A/B against them); later builds use a pool of their own\n"
+        "  --pipelined          also time mixed, grouped and split as --iters steps issued back to back with one\n"
+        "                       synchronisation after them (per step: the total / iters), as a server queues its steps\n"
         "  --json FILE          also write the result as JSON\n"
         "Reported: time per step (eager calls, launch included; the calls allocate only the CUDA paged forward's\n"
         "stream-ordered scratch for its decode tokens).\n";
@@ -1050,6 +1070,7 @@ int command_step(int argc, char** argv) {
   const bool check = a.flag("check");
   const bool keep_pool = a.flag("keep-pool");
   const bool seqused = a.flag("seqused");
+  const bool pipelined = a.flag("pipelined");
   const std::string json = a.str("json", "");
   a.finish();
   if (decodes < 0 || prefills < 0 || decodes + prefills < 1) Args::fail("--decode and --prefill: >= 0, one of them >= 1");
@@ -1258,6 +1279,12 @@ int command_step(int argc, char** argv) {
   const Timing t_mixed = time_call(mixed, device, warmup, iters, 60);
   const Timing t_grouped = time_call(grouped, device, warmup, iters, 60);
   const Timing t_split = time_call(split, device, warmup, iters, 60);
+  double piped[3] = {-1, -1, -1};  // mixed, grouped, split (--pipelined)
+  if (pipelined) {
+    piped[0] = time_call_pipelined(mixed, device, warmup, iters);
+    piped[1] = time_call_pipelined(grouped, device, warmup, iters);
+    piped[2] = time_call_pipelined(split, device, warmup, iters);
+  }
   const double kv_bytes = double(cu_k.back()) * hk * (d + dv) * es;
   std::printf("flashattn step: %d decodes (+%d token%s, %d cached) and %d prefills (+%d tokens, %d cached), %d new rows, "
               "Hq=%d Hk=%d D=%d Dv=%d %s, pool of %lld blocks of %d (shuffled), backend=%s seed=%llu\n",
@@ -1274,6 +1301,10 @@ int command_step(int argc, char** argv) {
   std::printf("split:   %10.3f us (median of %d, min %.3f us)  K/V %s at %.1f GB/s  (split / grouped %.3f)\n",
               t_split.median_s * 1e6, t_split.iterations, t_split.min_s * 1e6, human_bytes(kv_bytes).c_str(),
               kv_bytes / t_split.median_s / 1e9, t_split.median_s / t_grouped.median_s);
+  if (pipelined)
+    std::printf("pipelined (%d steps back to back, one synchronisation): mixed %.3f us, grouped %.3f us, split %.3f us "
+                "per step (mixed / grouped %.3f)\n",
+                iters, piped[0] * 1e6, piped[1] * 1e6, piped[2] * 1e6, piped[0] / piped[1]);
 
   int status = 0;
   double err_mixed = -1, err_grouped = -1, err_split = -1;
@@ -1308,6 +1339,9 @@ int command_step(int argc, char** argv) {
       << ",\"D\":" << d << ",\"Dv\":" << dv << ",\"dtype\":\"" << flashattn::dtype_name(dtype) << "\",\"backend\":\""
       << backend_label(backend) << "\",\"us_append\":" << t_append.median_s * 1e6 << ",\"us_mixed\":"
       << t_mixed.median_s * 1e6 << ",\"us_grouped\":" << t_grouped.median_s * 1e6 << ",\"us_split\":" << t_split.median_s * 1e6;
+    if (pipelined)
+      f << ",\"us_mixed_pipelined\":" << piped[0] * 1e6 << ",\"us_grouped_pipelined\":" << piped[1] * 1e6
+        << ",\"us_split_pipelined\":" << piped[2] * 1e6;
     if (check)
       f << ",\"check_rel_l2_mixed\":" << err_mixed << ",\"check_rel_l2_grouped\":" << err_grouped
         << ",\"check_rel_l2_split\":" << err_split;
