@@ -93,7 +93,8 @@ class Tile:
 # Keyed (head-dim bucket, dropout): dropout's Philox state costs registers, so its tiles may be smaller.
 # A list is an order of preference: dispatch takes the first tile whose shared memory fits the device.
 # paged_kv rows (no dropout): each bucket's general tile compiled for paged K/V (kPagedKv), listed first, so calls with a
-# block_table take it and no other call does; paged calls with dropout run the general kernels' per-row lookup.
+# block_table take it and no other call does (D = 128: a 64-row short-call paged row before it); paged calls with
+# dropout run the general kernels' per-row lookup.
 # split_kv rows (no dropout, split_rows): the general tile compiled for split-KV (kSplitKv), paged and dense, taken only
 # where the forward's split plan splits a call (src/cuda/sm80/forward_split.hpp). D = 128 has 64-row split rows too,
 # for split calls of at most 64 query rows (speculative tokens, short chunks over a long prefix): the 128-row tile gives
@@ -125,9 +126,11 @@ FORWARD_TILES = {
     # 2k -1.2% to +0.4%, 16k -1.3% to -1.9% (H200, 2026-12-01 03:38 UTC, bench/flashattn_cuda_bench, 5 alternating
     # runs, medians; bench/results/2026-12-01-0338-h200-fwd-compact-epilogue-ab.json).
     # Calls of at most 64 query rows that do not split (many sequences or heads: the grid fills the SMs) take a 64-row
-    # tile too (16 rows per warp; the 128-row tile leaves warps without rows idle), dense K/V only. A candidate: not yet
-    # timed against the 128-row tile.
+    # tile too (16 rows per warp; the 128-row tile leaves warps without rows idle), dense and paged, both GQA-packing:
+    # a paged varlen step of speculative tokens (5-16 per sequence at G = 4, past the decode kernels' T = 4) then reads
+    # each K/V head's keys once per sequence instead of G times. The paged one is a candidate (no GPU run yet).
     (128, False): [*split_rows(Tile(64, 64, 4, 2), max_seqlen=64), *split_rows(Tile(128, 64, 4, 2)),
+                   Tile(64, 64, 4, 2, paged_kv=True, max_seqlen=64, compact_epilogue=True, gqa_packing=True),
                    Tile(128, 64, 4, 2, paged_kv=True),
                    Tile(64, 64, 4, 2, max_seqlen=64, compact_epilogue=True, gqa_packing=True),
                    Tile(128, 64, 4, 2, max_seqlen=1024, compact_epilogue=True), Tile(128, 64, 4, 2)],
@@ -266,7 +269,13 @@ def kernels():
                                            ("dec", DECODE_FP8_TILES, DECODE_FP8_DTYPES, True)):
         for dtype in dtypes:
             for (head_dim, dropout), choices in sorted(tiles.items()):
-                for tile in (choices if isinstance(choices, list) else [choices]):
+                tile_list = choices if isinstance(choices, list) else [choices]
+                # A paged short-call row (max_seqlen) serves paged calls of at most that many rows; longer ones must
+                # find the bucket's unconditional paged row, else they would run a general kernel's per-row lookup.
+                assert not any(t.paged_kv and not t.split_kv for t in tile_list) or any(
+                    t.paged_kv and not t.split_kv and not t.max_seqlen for t in tile_list), \
+                    f"{kind} d{head_dim}: a bucket with paged rows has an unconditional one"
+                for tile in tile_list:
                     if kind == "fwd":
                         assert tile.group_warps in (1, 2), f"{kind} d{head_dim}: warps alone or in pairs"
                         assert tile.block_m % (16 * tile.warps // tile.group_warps) == 0, \
@@ -296,9 +305,8 @@ def kernels():
                     assert (tile.max_seqlen == 0 and not tile.compact_epilogue) or kind == "fwd", \
                         f"{kind} d{head_dim}: max_seqlen and compact_epilogue are forward tile fields"
                     assert tile.max_seqlen == 0 or tile.causal_max_seqlen == 0, f"{kind} d{head_dim}: one call condition per row"
-                    assert not tile.paged_kv or (kind == "fwd" and not dropout and (not tile.max_seqlen or tile.split_kv) and
-                                                 not tile.causal_max_seqlen and not tile.compact_epilogue), \
-                        f"{kind} d{head_dim}: paged_kv is a forward field of its own rows (no dropout, no other condition)"
+                    assert not tile.paged_kv or (kind == "fwd" and not dropout and not tile.causal_max_seqlen), \
+                        f"{kind} d{head_dim}: paged_kv is a forward field of its own rows (no dropout, no causal condition)"
                     assert not tile.gqa_packing or (kind == "fwd" and not dropout), \
                         f"{kind} d{head_dim}: gqa_packing is a forward field of rows without dropout"
                     assert not tile.split_kv or tile.gqa_packing, f"{kind} d{head_dim}: split_kv rows pack (split_rows)"

@@ -309,11 +309,13 @@ TEST(CudaDispatch, PagedRowIsTakenOnlyForPagedCalls) {
       {KernelKind::kForward, FA_BFLOAT16, 128, 128, 64, 4, 2, false, 96 * 1024, "fwd_d128_general"},
   };
   static const int32_t kTable = 0;  // never read: dispatch looks only at whether a table is there
-  auto pick = [&](const KernelEntry* rows, int count, int d, bool with_table, float dropout, fa_dtype dtype) -> std::string {
+  auto pick = [&](const KernelEntry* rows, int count, int d, bool with_table, float dropout, fa_dtype dtype,
+                  int sq = 0) -> std::string {
     Case c;
     c.d = d;
     c.dtype = dtype;
     c.dropout = dropout;
+    if (sq > 0) c.sq = sq;
     AttentionParams p = params_for(c);
     if (with_table) p.block_table = &kTable;
     int index = -1;
@@ -324,16 +326,26 @@ TEST(CudaDispatch, PagedRowIsTakenOnlyForPagedCalls) {
   EXPECT_EQ(pick(table, 2, 128, true, 0.f, FA_BFLOAT16), "fwd_d128_paged");
   EXPECT_EQ(pick(table, 2, 128, false, 0.f, FA_BFLOAT16), "fwd_d128_general");
   // The generated table: every bucket without dropout has a paged row, taken by paged calls only; paged calls with
-  // dropout run the general kernels.
+  // dropout run the general kernels. At D = 128 paged calls of at most 64 query rows take the 64-row paged row, which
+  // may pack (the 128-row one may not).
   namespace gen = flashattn::cuda::generated;
   for (fa_dtype dtype : {FA_FLOAT16, FA_BFLOAT16})
     for (int d : {32, 64, 96, 128, 192, 256})
       for (float dropout : {0.f, 0.1f})
-        for (bool with_table : {false, true}) {
-          const std::string name = pick(gen::kKernelTable, gen::kKernelCount, d, with_table, dropout, dtype);
-          const bool paged_row = name.find("pk") != std::string::npos;
-          EXPECT_EQ(paged_row, with_table && dropout == 0.f) << name << " D " << d << " dropout " << dropout;
-        }
+        for (bool with_table : {false, true})
+          for (int sq : {1, 64, 65, 4096}) {
+            const std::string name = pick(gen::kKernelTable, gen::kKernelCount, d, with_table, dropout, dtype, sq);
+            const bool paged_row = name.find("pk") != std::string::npos;
+            EXPECT_EQ(paged_row, with_table && dropout == 0.f) << name << " D " << d << " dropout " << dropout;
+            if (!paged_row || d != 128) continue;
+            const KernelEntry* e = nullptr;
+            for (int r = 0; r < gen::kKernelCount; ++r)
+              if (name == gen::kKernelTable[r].name) e = &gen::kKernelTable[r];
+            ASSERT_NE(e, nullptr) << name;
+            EXPECT_EQ(e->block_m, sq <= 64 ? 64 : 128) << name << " Sq " << sq;
+            EXPECT_EQ(e->gqa_packing, sq <= 64) << name << " Sq " << sq;
+            EXPECT_EQ(e->max_seqlen_q, sq <= 64 ? 64 : 0) << name << " Sq " << sq;
+          }
 }
 
 // Split-KV rows (forward_split.hpp): dispatch's general pass never takes one; split_alternative offers each bucket's
@@ -498,6 +510,20 @@ TEST(CudaDispatch, GqaPackingPlan) {
   const AttentionParams q16 = call(1, 16, 32768, 32, 8);
   EXPECT_EQ(sm80::forward_split_count(sm80::gqa_packed_view(q16), 64, 64, 132, 2), sm80::kMaxForwardSplits);
   EXPECT_EQ(sm80::forward_split_count(q16, 64, 64, 132, 2), 8);
+  // Paged (a varlen serving step of speculative tokens, say): a view of at most 64 packed rows takes the 64-row paged
+  // row, which packs; above 64 the 128-row paged row, which does not.
+  static const int32_t kBlockTable = 0;  // never read
+  for (int sq : {5, 8, 16}) {
+    AttentionParams q = call(64, sq, 4096, 32, 8);
+    q.block_table = &kBlockTable;
+    const AttentionParams v = sm80::gqa_packed_view(q);
+    EXPECT_TRUE(rows_of(v, false).paged_kv && rows_of(v, false).gqa_packing && rows_of(v, false).block_m == 64)
+        << rows_of(v, false).name;
+    EXPECT_TRUE(sm80::gqa_packing_pays(q, rows_of(q, false), rows_of(v, false))) << sq;
+  }
+  AttentionParams paged32 = call(64, 32, 4096, 32, 8);
+  paged32.block_table = &kBlockTable;
+  EXPECT_FALSE(rows_of(sm80::gqa_packed_view(paged32), false).gqa_packing);
 }
 
 TEST(CudaDispatch, GeneratedTableIsConsistent) {
@@ -521,9 +547,18 @@ TEST(CudaDispatch, GeneratedTableIsConsistent) {
     }
     EXPECT_TRUE((e.causal_max_seqlen_q == 0 && e.max_seqlen_q == 0) || e.kind == KernelKind::kForward) << e.name;
     EXPECT_TRUE(e.causal_max_seqlen_q == 0 || e.max_seqlen_q == 0) << e.name << ": one call condition per row";
-    EXPECT_TRUE(!e.paged_kv || (e.kind == KernelKind::kForward && !e.dropout && e.causal_max_seqlen_q == 0 &&
-                                (e.max_seqlen_q == 0 || e.split_kv)))
-        << e.name << ": a paged row is a forward row without dropout or another condition (a split row's max_seqlen_q aside)";
+    EXPECT_TRUE(!e.paged_kv || (e.kind == KernelKind::kForward && !e.dropout && e.causal_max_seqlen_q == 0))
+        << e.name << ": a paged row is a forward row without dropout or a causal condition";
+    if (e.paged_kv && !e.split_kv && e.max_seqlen_q > 0) {  // a paged short-call row: longer paged calls need the bucket's
+      bool unconditional_paged_follows = false;            // unconditional paged row after it
+      for (int s = r + 1; s < gen::kKernelCount; ++s) {
+        const KernelEntry& o = gen::kKernelTable[s];
+        if (o.kind == e.kind && o.dtype == e.dtype && o.head_dim == e.head_dim && o.dropout == e.dropout && o.paged_kv &&
+            !o.split_kv && o.max_seqlen_q == 0)
+          unconditional_paged_follows = true;
+      }
+      EXPECT_TRUE(unconditional_paged_follows) << e.name << ": no unconditional paged row after it";
+    }
     EXPECT_TRUE(!e.split_kv || (e.kind == KernelKind::kForward && !e.dropout && e.causal_max_seqlen_q == 0))
         << e.name << ": a split row is a forward row without dropout or a causal condition";
     EXPECT_TRUE(!e.gqa_packing || (e.kind == KernelKind::kForward && !e.dropout)) << e.name << ": packing has no dropout";

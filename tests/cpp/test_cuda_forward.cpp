@@ -799,6 +799,22 @@ TEST(CudaForward, GqaPackedShortCalls) {
     check("unsplit ALiBi G=2 (no packing)", alibi, false);
     check("unsplit D=64 G=2 (no packing row)", make_call(problem(3, 24, 1000, 8, 4, 64, FA_FLOAT16), rng), false);
     check("unsplit G=1 (nothing to pack)", make_call(problem(3, 24, 1000, 8, 8, 128, FA_BFLOAT16), rng), false);
+    // Paged varlen steps of speculative tokens beside decode tokens (the decode kernels take sequences of at most
+    // T = 16 / G rows): the 64-row paged row, packed; block sizes 16 (slot rows) and 5 (a lookup per row).
+    for (int block_size : {16, 5}) {
+      const std::string bs = " block_size=" + std::to_string(block_size);
+      Call g4 = varlen_paged_call(rng, {1, 8, 16, 3, 0, 12}, {500, 900, 300, 64, 7, 1000}, 16, 4, 128, block_size,
+                                  FA_BFLOAT16, 2);
+      g4.options.causal = 1;
+      check("unsplit paged varlen G=4 causal" + bs, g4, true, "_m64n64w4s2cepk");
+      Call g8 = varlen_paged_call(rng, {2, 8, 5}, {40, 700, 129}, 32, 4, 128, block_size, FA_FLOAT16, 0);
+      g8.options.window_left = 100, g8.options.window_right = 0;
+      check("unsplit paged varlen G=8 window (100, 0)" + bs, g8, true, "_m64n64w4s2cepk");
+      // 32 rows at G = 4: 128 packed rows, past the packing row's 64; the 64-row paged row runs it unpacked.
+      Call wide = varlen_paged_call(rng, {32, 20}, {600, 333}, 16, 4, 128, block_size, FA_BFLOAT16, 1);
+      wide.options.causal = 1;
+      check("unsplit paged varlen G=4 32 rows (not packed)" + bs, wide, false, "_m64n64w4s2cepk");
+    }
   }
   {
     Call c = make_call(problem(1, 32, 8192, 32, 8, 128, FA_BFLOAT16), rng);  // 128 packed rows: the 128-row split row

@@ -23,6 +23,7 @@ Status fwd_sm80_f16_d128_m64n64w4s2pksk(const AttentionParams& params, int num_s
 Status fwd_sm80_f16_d128_m64n64w4s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
+Status fwd_sm80_f16_d128_m64n64w4s2cepk(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d128_m64n64w4s2ce(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2ce(const AttentionParams& params, void* stream);
@@ -59,6 +60,7 @@ Status fwd_sm80_bf16_d128_m64n64w4s2pksk(const AttentionParams& params, int num_
 Status fwd_sm80_bf16_d128_m64n64w4s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
+Status fwd_sm80_bf16_d128_m64n64w4s2cepk(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d128_m64n64w4s2ce(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2ce(const AttentionParams& params, void* stream);
@@ -147,6 +149,7 @@ const KernelLaunch kKernelLaunch[] = {
     {nullptr, nullptr, nullptr, &fwd_sm80_f16_d128_m64n64w4s2sk},
     {nullptr, nullptr, nullptr, &fwd_sm80_f16_d128_m128n64w4s2pksk},
     {nullptr, nullptr, nullptr, &fwd_sm80_f16_d128_m128n64w4s2sk},
+    {&fwd_sm80_f16_d128_m64n64w4s2cepk, nullptr, nullptr, nullptr},
     {&fwd_sm80_f16_d128_m128n64w4s2pk, nullptr, nullptr, nullptr},
     {&fwd_sm80_f16_d128_m64n64w4s2ce, nullptr, nullptr, nullptr},
     {&fwd_sm80_f16_d128_m128n64w4s2ce, nullptr, nullptr, nullptr},
@@ -183,6 +186,7 @@ const KernelLaunch kKernelLaunch[] = {
     {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d128_m64n64w4s2sk},
     {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d128_m128n64w4s2pksk},
     {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d128_m128n64w4s2sk},
+    {&fwd_sm80_bf16_d128_m64n64w4s2cepk, nullptr, nullptr, nullptr},
     {&fwd_sm80_bf16_d128_m128n64w4s2pk, nullptr, nullptr, nullptr},
     {&fwd_sm80_bf16_d128_m64n64w4s2ce, nullptr, nullptr, nullptr},
     {&fwd_sm80_bf16_d128_m128n64w4s2ce, nullptr, nullptr, nullptr},

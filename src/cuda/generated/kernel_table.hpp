@@ -28,6 +28,7 @@ inline constexpr KernelEntry kKernelTable[] = {
     {KernelKind::kForward, FA_FLOAT16, 128, 64, 64, 4, 2, false, 81920, "fwd_sm80_f16_d128_m64n64w4s2sk", 16, 1, false, 0, 64, DecodeRole::kGeneral, false, true, true},
     {KernelKind::kForward, FA_FLOAT16, 128, 128, 64, 4, 2, false, 98304, "fwd_sm80_f16_d128_m128n64w4s2pksk", 16, 1, false, 0, 0, DecodeRole::kGeneral, true, true, true},
     {KernelKind::kForward, FA_FLOAT16, 128, 128, 64, 4, 2, false, 98304, "fwd_sm80_f16_d128_m128n64w4s2sk", 16, 1, false, 0, 0, DecodeRole::kGeneral, false, true, true},
+    {KernelKind::kForward, FA_FLOAT16, 128, 64, 64, 4, 2, false, 81920, "fwd_sm80_f16_d128_m64n64w4s2cepk", 16, 1, false, 0, 64, DecodeRole::kGeneral, true, false, true},
     {KernelKind::kForward, FA_FLOAT16, 128, 128, 64, 4, 2, false, 98304, "fwd_sm80_f16_d128_m128n64w4s2pk", 16, 1, false, 0, 0, DecodeRole::kGeneral, true, false, false},
     {KernelKind::kForward, FA_FLOAT16, 128, 64, 64, 4, 2, false, 81920, "fwd_sm80_f16_d128_m64n64w4s2ce", 16, 1, false, 0, 64, DecodeRole::kGeneral, false, false, true},
     {KernelKind::kForward, FA_FLOAT16, 128, 128, 64, 4, 2, false, 98304, "fwd_sm80_f16_d128_m128n64w4s2ce", 16, 1, false, 0, 1024, DecodeRole::kGeneral, false, false, false},
@@ -64,6 +65,7 @@ inline constexpr KernelEntry kKernelTable[] = {
     {KernelKind::kForward, FA_BFLOAT16, 128, 64, 64, 4, 2, false, 81920, "fwd_sm80_bf16_d128_m64n64w4s2sk", 16, 1, false, 0, 64, DecodeRole::kGeneral, false, true, true},
     {KernelKind::kForward, FA_BFLOAT16, 128, 128, 64, 4, 2, false, 98304, "fwd_sm80_bf16_d128_m128n64w4s2pksk", 16, 1, false, 0, 0, DecodeRole::kGeneral, true, true, true},
     {KernelKind::kForward, FA_BFLOAT16, 128, 128, 64, 4, 2, false, 98304, "fwd_sm80_bf16_d128_m128n64w4s2sk", 16, 1, false, 0, 0, DecodeRole::kGeneral, false, true, true},
+    {KernelKind::kForward, FA_BFLOAT16, 128, 64, 64, 4, 2, false, 81920, "fwd_sm80_bf16_d128_m64n64w4s2cepk", 16, 1, false, 0, 64, DecodeRole::kGeneral, true, false, true},
     {KernelKind::kForward, FA_BFLOAT16, 128, 128, 64, 4, 2, false, 98304, "fwd_sm80_bf16_d128_m128n64w4s2pk", 16, 1, false, 0, 0, DecodeRole::kGeneral, true, false, false},
     {KernelKind::kForward, FA_BFLOAT16, 128, 64, 64, 4, 2, false, 81920, "fwd_sm80_bf16_d128_m64n64w4s2ce", 16, 1, false, 0, 64, DecodeRole::kGeneral, false, false, true},
     {KernelKind::kForward, FA_BFLOAT16, 128, 128, 64, 4, 2, false, 98304, "fwd_sm80_bf16_d128_m128n64w4s2ce", 16, 1, false, 0, 1024, DecodeRole::kGeneral, false, false, false},
@@ -132,6 +134,6 @@ inline constexpr KernelEntry kKernelTable[] = {
     {KernelKind::kKvcache, FA_BFLOAT16, 128, 16, 128, 4, 3, false, 102400, "dec_sm80_bf16_e4m3_d128_m16n128w4s3", 16, 1, true, 0, 0, DecodeRole::kGeneral, false, false, false},
     {KernelKind::kKvcache, FA_BFLOAT16, 256, 16, 64, 4, 3, false, 106496, "dec_sm80_bf16_e4m3_d256_m16n64w4s3", 16, 1, true, 0, 0, DecodeRole::kGeneral, false, false, false},
 };
-inline constexpr int kKernelCount = 122;
+inline constexpr int kKernelCount = 124;
 
 }  // namespace flashattn::cuda::generated

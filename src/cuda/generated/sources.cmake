@@ -19,6 +19,7 @@ set(FLASHATTN_CUDA_GENERATED_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m64n64w4s2sk.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m128n64w4s2pksk.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m128n64w4s2sk.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m64n64w4s2cepk.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m128n64w4s2pk.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m64n64w4s2ce.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m128n64w4s2ce.cu
@@ -55,6 +56,7 @@ set(FLASHATTN_CUDA_GENERATED_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m64n64w4s2sk.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m128n64w4s2pksk.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m128n64w4s2sk.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m64n64w4s2cepk.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m128n64w4s2pk.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m64n64w4s2ce.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m128n64w4s2ce.cu
