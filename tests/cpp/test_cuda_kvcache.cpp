@@ -490,7 +490,11 @@ void check_tensors(const std::string& what, const KvCase& c, const KvTensors& pr
   const Status s = backend == FA_BACKEND_CUDA ? run_gpu(c, t, &stats) : run_host(backend, c, t, &stats);
   ASSERT_TRUE(s.ok()) << what << " [" << c.to_string() << "]: " << s.to_string();
   if (c.num_splits > 0) {  // (the forward route takes at most sm80::kMaxForwardSplits)
-    const bool route = c.seqlen_q >= flashattn::cuda::decode::kForwardRouteMinRows && !c.fp8 && c.rotary == 0 && c.leftpad.empty();
+    namespace decode = flashattn::cuda::decode;
+    const bool packs = c.heads_q > c.heads_k && !c.alibi;
+    const int min_rows = packs && c.capacity >= decode::kLongCacheRouteMinKeys ? decode::kLongCacheRouteMinRows
+                                                                              : decode::kForwardRouteMinRows;
+    const bool route = c.seqlen_q >= min_rows && !c.fp8 && c.rotary == 0 && c.leftpad.empty();
     EXPECT_EQ(stats.num_splits, route ? std::min(c.num_splits, flashattn::cuda::sm80::kMaxForwardSplits) : c.num_splits);
   }
   expect_matches(what, c, t, e, stats.kernel);
@@ -1642,6 +1646,51 @@ TEST(CudaKvcache, ForwardRouteManyQueryRows) {
     ASSERT_TRUE(run_gpu(c, t, &stats).ok()) << what;
     EXPECT_NE(std::string(stats.kernel).find("forward route"), std::string::npos) << what << " ran " << stats.kernel;
     if (v.num_splits > 0) EXPECT_EQ(stats.num_splits, std::min(v.num_splits, 32)) << what;
+  }
+}
+
+// Calls that pack (G > 1, no ALiBi) over a cache of at least kLongCacheRouteMinKeys rows take the forward route from
+// kLongCacheRouteMinRows (17) query rows (decode_plan.hpp, forward_route_min_rows): 17, 30 and 47 rows, contiguous and
+// paged, appends, causal, softcap; and the calls that stay in the decode kernels: 16 rows, ALiBi, G = 1, a cache one
+// row short of the bound. Against the float64 oracle; the kernel name says which path ran.
+TEST(CudaKvcache, ForwardRouteShortCallsOverLongCaches) {
+  SKIP_WITHOUT_GPU();
+  namespace decode = flashattn::cuda::decode;
+  struct Variant {
+    int seqlen_q, heads_k, block_size, capacity;
+    bool alibi;
+    bool route;
+  };
+  const int long_cache = decode::kLongCacheRouteMinKeys;
+  const Variant variants[] = {
+      {17, 2, 0, long_cache, false, true},      {30, 2, 16, long_cache, false, true},
+      {47, 4, 0, long_cache + 5, false, true},  {16, 2, 16, long_cache, false, false},
+      {17, 2, 0, long_cache, true, false},      {17, 8, 0, long_cache, false, false},
+      {17, 2, 16, long_cache - 16, false, false},
+  };
+  for (const Variant& v : variants) {
+    KvCase c;
+    c.batch = 3;
+    c.heads_q = 8;
+    c.heads_k = v.heads_k;
+    c.seqlen_q = v.seqlen_q;
+    c.seqlen_new = v.seqlen_q;
+    c.cached = {900, 0, 2000};  // the oracle reads the keys in use only
+    c.capacity = v.capacity;
+    c.block_size = v.block_size;
+    c.causal = true;
+    c.softcap = v.alibi ? 0.f : 25.f;
+    c.alibi = v.alibi;
+    const std::string what = "long cache " + c.to_string();
+    check_case(what, c);
+    auto rng = fa_test::make_rng(what);
+    KvTensors t = make_kv(c, rng);
+    fa_stats stats{};
+    ASSERT_TRUE(run_gpu(c, t, &stats).ok()) << what;
+    EXPECT_EQ(std::string(stats.kernel).find("forward route") != std::string::npos, v.route) << what << " ran " << stats.kernel;
+    if (v.route) {
+      EXPECT_NE(std::string(stats.kernel).find("gqa-packed"), std::string::npos) << what << " ran " << stats.kernel;
+    }
   }
 }
 

@@ -467,6 +467,33 @@ TEST(CudaKvcachePlan, DecodeAlternativesOfTheGeneratedTable) {
   EXPECT_EQ(decode_alternative(-1, DecodeRole::kManyWaves, limits_of(h200()), gen::kKernelTable, gen::kKernelCount), -1);
 }
 
+// fa_kvcache's forward route (decode_plan.hpp, wants_forward_route): from 48 query rows; from 17 for calls that pack
+// (G > 1, no ALiBi) over a cache of at least 32k rows; never with rotary, left padding or an FP8 cache.
+TEST(CudaKvcachePlan, ForwardRouteRule) {
+  const int long_cache = decode::kLongCacheRouteMinKeys;
+  EXPECT_EQ(decode::kLongCacheRouteMinRows, 17);
+  EXPECT_EQ(long_cache, 32768);
+  for (const auto& [sq, hq, hk, capacity, alibi, route] :
+       {std::tuple<int, int, int, int, bool, bool>{48, 32, 8, 4096, false, true}, {47, 32, 8, 4096, false, false},
+        {48, 32, 32, 4096, false, true}, {17, 32, 8, long_cache, false, true}, {16, 32, 8, long_cache, false, false},
+        {17, 32, 8, long_cache - 1, false, false}, {17, 32, 32, long_cache, false, false},
+        {17, 32, 8, long_cache, true, false}, {47, 32, 1, 131072, false, true}, {48, 32, 8, 131072, true, true}}) {
+    KvcacheParams p = decode_params(2, sq, hq, hk, 128, capacity);
+    p.kv_dtype = p.dtype;  // a 16-bit cache
+    static const float kSlopes[32] = {};
+    if (alibi) p.alibi_slopes = kSlopes;
+    const std::string what = "Sq " + std::to_string(sq) + " Hq " + std::to_string(hq) + " / Hk " + std::to_string(hk) +
+                             " capacity " + std::to_string(capacity) + (alibi ? " alibi" : "");
+    EXPECT_EQ(decode::wants_forward_route(p), route) << what;
+    KvcacheParams rotary = p;
+    rotary.rotary_dim = 64;
+    EXPECT_FALSE(decode::wants_forward_route(rotary)) << what << " rotary";
+    KvcacheParams fp8 = p;
+    fp8.kv_dtype = FA_FLOAT8_E4M3;
+    EXPECT_FALSE(decode::wants_forward_route(fp8)) << what << " fp8";
+  }
+}
+
 TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
   // The shape: 32 query heads, 8 K/V heads, D = 128, one new token, a 128k cache.
   KvcacheParams p = decode_params(1, 1, 32, 8, 128, 131072);

@@ -483,11 +483,26 @@ KvcacheParams uniform_sequence_call(const AttentionParams& p, const int32_t* cac
 // rotary or left padding runs: the append (as the decode path's), the key counts (cache_seqlens + S_new; a bad entry
 // reads nothing), the forward kernel over the cache with those counts as seqused_k, and NaN for the sequences whose
 // cache_seqlens entry was bad (kvcache.cpp, run_forward_route). Its num_splits is the forward's split count (at most 32).
+// With GQA packing (src/cuda/sm80/forward_packing.hpp: the forward reads a K/V tile once for G x Sq <= 128 rows) a call
+// that packs takes the route from kLongCacheRouteMinRows rows over a cache of at least kLongCacheRouteMinKeys rows
+// (the capacity: the lengths are in device memory): over 32k keys (H100, bf16, D = 128, Hq 32 / Hk 8, causal) the
+// packed forward took 24 / 32 rows in 86.5 / 89.2 us at B = 1 and 212.6 / 222.0 at B = 4 (13:01 UTC,
+// bench/results/2026-12-06-1301-h100-gqa-packing-ab.txt), the decode kernels 118.2 / 186.3 and 364.0 / 494.2 (11:01
+// UTC, bench/results/2026-12-06-1101-h100-decode-or-forward-8-to-40-rows.txt; another machine of the same kind); 17
+// packed rows 84.6 and 210.8 against 16 rows in the decode kernels 106.7 (13:09) and 350.3 (11:01). Over 4k-8k keys the
+// decode kernels led or tied (24 / 32 rows at B = 1 over 4k 33.6 / 37.7 us; the packed forward over 8k 47.2 / 49.6).
 // Affects speed (and rounding) only.
 constexpr int kForwardRouteMinRows = 48;
+constexpr int kLongCacheRouteMinRows = 17;       // calls that pack, over a cache of at least:
+constexpr int kLongCacheRouteMinKeys = 32768;
+// The fewest query rows that take the forward route (a 16-bit cache without rotary, left padding or dropout).
+inline int forward_route_min_rows(const KvcacheParams& p) {
+  const bool packs = p.heads_k > 0 && p.heads_q > p.heads_k && p.alibi_slopes == nullptr;  // gqa_packing_allowed's rule
+  return packs && p.seqlen_k >= kLongCacheRouteMinKeys ? kLongCacheRouteMinRows : kForwardRouteMinRows;
+}
 inline bool wants_forward_route(const KvcacheParams& p) {
-  return p.seqlen_q >= kForwardRouteMinRows && p.kv_dtype == p.dtype && p.rotary_dim == 0 && p.cache_leftpad == nullptr &&
-         p.dropout_p == 0.f;
+  return p.seqlen_q >= forward_route_min_rows(p) && p.kv_dtype == p.dtype && p.rotary_dim == 0 &&
+         p.cache_leftpad == nullptr && p.dropout_p == 0.f;
 }
 
 // Tests only (not part of the API): every later make_decode_args sets DecodeArgs::speculative_tiles to `mode` (0 off,
