@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "core/dtype.hpp"
+#include "cuda/sm80/forward_packing.hpp"
 
 namespace flashattn::cuda::decode {
 namespace {
@@ -288,6 +289,12 @@ std::atomic<int> g_speculation_for_tests{-1};  // set_speculation_for_tests
 }  // namespace
 
 void set_speculation_for_tests(int mode) { g_speculation_for_tests.store(mode, std::memory_order_relaxed); }
+
+int forward_route_min_rows(const KvcacheParams& p) {
+  // Over a long cache, a call whose forward packs reads each K/V tile once per packed tile (decode_plan.hpp).
+  return sm80::gqa_packing_allowed(p) && p.seqlen_k >= kLongCacheRouteMinKeys ? kLongCacheRouteMinRows
+                                                                              : kForwardRouteMinRows;
+}
 
 int short_call_max_q(int heads_q, int heads_k, bool paged) {
   const int group = heads_q / heads_k;

@@ -495,11 +495,9 @@ KvcacheParams uniform_sequence_call(const AttentionParams& p, const int32_t* cac
 constexpr int kForwardRouteMinRows = 48;
 constexpr int kLongCacheRouteMinRows = 17;       // calls that pack, over a cache of at least:
 constexpr int kLongCacheRouteMinKeys = 32768;
-// The fewest query rows that take the forward route (a 16-bit cache without rotary, left padding or dropout).
-inline int forward_route_min_rows(const KvcacheParams& p) {
-  const bool packs = p.heads_k > 0 && p.heads_q > p.heads_k && p.alibi_slopes == nullptr;  // gqa_packing_allowed's rule
-  return packs && p.seqlen_k >= kLongCacheRouteMinKeys ? kLongCacheRouteMinRows : kForwardRouteMinRows;
-}
+// The fewest query rows that take the forward route (a 16-bit cache without rotary, left padding or dropout): those
+// of a call that packs (sm80::gqa_packing_allowed) over a long cache take it from kLongCacheRouteMinRows.
+int forward_route_min_rows(const KvcacheParams& p);
 inline bool wants_forward_route(const KvcacheParams& p) {
   return p.seqlen_q >= forward_route_min_rows(p) && p.kv_dtype == p.dtype && p.rotary_dim == 0 &&
          p.cache_leftpad == nullptr && p.dropout_p == 0.f;
