@@ -128,7 +128,9 @@ FORWARD_TILES = {
     # Calls of at most 64 query rows that do not split (many sequences or heads: the grid fills the SMs) take a 64-row
     # tile too (16 rows per warp; the 128-row tile leaves warps without rows idle), dense and paged, both GQA-packing:
     # a paged varlen step of speculative tokens (5-16 per sequence at G = 4, past the decode kernels' T = 4) then reads
-    # each K/V head's keys once per sequence instead of G times. The paged one is a candidate (no GPU run yet).
+    # each K/V head's keys once per sequence instead of G times: B = 64 sequences of T = 5 / 8 / 16 tokens over 4k keys
+    # 1163-1167 -> 386-393 us a step, over 16k 4406-4479 -> 1437-1444 (H100, 2026-12-06 16:25 UTC, flashattn step;
+    # bench/results/2026-12-06-1624-h100-paged-short-packed-ab.txt); unpacked (G = 1) calls of <= 64 rows tie or gain.
     (128, False): [*split_rows(Tile(64, 64, 4, 2), max_seqlen=64), *split_rows(Tile(128, 64, 4, 2)),
                    Tile(64, 64, 4, 2, paged_kv=True, max_seqlen=64, compact_epilogue=True, gqa_packing=True),
                    Tile(128, 64, 4, 2, paged_kv=True),

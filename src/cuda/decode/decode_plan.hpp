@@ -491,6 +491,9 @@ KvcacheParams uniform_sequence_call(const AttentionParams& p, const int32_t* cac
 // UTC, bench/results/2026-12-06-1101-h100-decode-or-forward-8-to-40-rows.txt; another machine of the same kind); 17
 // packed rows 84.6 and 210.8 against 16 rows in the decode kernels 106.7 (13:09) and 350.3 (11:01). Over 4k-8k keys the
 // decode kernels led or tied (24 / 32 rows at B = 1 over 4k 33.6 / 37.7 us; the packed forward over 8k 47.2 / 49.6).
+// Same run, main against this rule (16:30 UTC, bench/results/2026-12-06-1629-h100-kvcache-route-long-cache-and-t64.txt):
+// over 32k, 17 / 24 / 32 / 47 rows at B = 1 102.4 / 113.8 / 185.5 / 202.6 -> 98.4 / 95.9 / 98.5 / 134.4 us, at B = 16
+// 1260.6 / 1373.9 / 1839.2 / 2741.4 -> 759.1 / 758.3 / 783.3 / 1724.7 us.
 // Affects speed (and rounding) only.
 constexpr int kForwardRouteMinRows = 48;
 constexpr int kLongCacheRouteMinRows = 17;       // calls that pack, over a cache of at least:
