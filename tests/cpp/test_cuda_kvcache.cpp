@@ -482,6 +482,18 @@ void expect_matches(const std::string& what, const KvCase& c, const KvTensors& g
   EXPECT_TRUE(judge(what + " [" + c.to_string() + "] " + kernel, c, got, e));
 }
 
+// The case's K/V at capacity as the forward route's rule counts it (decode_plan.hpp, route_cache_bytes), and the
+// fewest cache rows per sequence (a multiple of 16) that reach kLongCacheRouteMinBytes.
+int64_t route_cache_bytes(const KvCase& c) {
+  return int64_t(c.batch) * c.capacity * c.heads_k * 2 * c.head_dim * (c.fp8 ? 1 : 2);
+}
+int long_cache_capacity(KvCase c) {
+  c.capacity = 1;
+  const int64_t per_row = route_cache_bytes(c);
+  const int64_t rows = (flashattn::cuda::decode::kLongCacheRouteMinBytes + per_row - 1) / per_row;
+  return int((rows + 15) / 16 * 16);
+}
+
 // A run of the inputs `pristine` (on the GPU unless told otherwise), oracle, comparison.
 void check_tensors(const std::string& what, const KvCase& c, const KvTensors& pristine, fa_backend backend = FA_BACKEND_CUDA) {
   const Expected e = expected_for(c, pristine);
@@ -492,8 +504,8 @@ void check_tensors(const std::string& what, const KvCase& c, const KvTensors& pr
   if (c.num_splits > 0) {  // (the forward route takes at most sm80::kMaxForwardSplits)
     namespace decode = flashattn::cuda::decode;
     const bool packs = c.heads_q > c.heads_k && !c.alibi;
-    const int min_rows = packs && c.capacity >= decode::kLongCacheRouteMinKeys ? decode::kLongCacheRouteMinRows
-                                                                              : decode::kForwardRouteMinRows;
+    const int min_rows = packs && route_cache_bytes(c) >= decode::kLongCacheRouteMinBytes ? decode::kLongCacheRouteMinRows
+                                                                                          : decode::kForwardRouteMinRows;
     const bool route = c.seqlen_q >= min_rows && !c.fp8 && c.rotary == 0 && c.leftpad.empty();
     EXPECT_EQ(stats.num_splits, route ? std::min(c.num_splits, flashattn::cuda::sm80::kMaxForwardSplits) : c.num_splits);
   }
@@ -1649,10 +1661,10 @@ TEST(CudaKvcache, ForwardRouteManyQueryRows) {
   }
 }
 
-// Calls that pack (G > 1, no ALiBi) over a cache of at least kLongCacheRouteMinKeys rows take the forward route from
-// kLongCacheRouteMinRows (17) query rows (decode_plan.hpp, forward_route_min_rows): 17, 30 and 47 rows, contiguous and
-// paged, appends, causal, softcap; and the calls that stay in the decode kernels: 16 rows, ALiBi, G = 1, a cache one
-// row short of the bound. Against the float64 oracle; the kernel name says which path ran.
+// Calls that pack (G > 1, no ALiBi) with K/V of at least kLongCacheRouteMinBytes at capacity take the forward route
+// from kLongCacheRouteMinRows (17) query rows (decode_plan.hpp, forward_route_min_rows): 17, 30 and 47 rows, contiguous
+// and paged, appends, causal, softcap; and the calls that stay in the decode kernels: 16 rows, ALiBi, G = 1, a cache
+// one block short of the bound. Against the float64 oracle; the kernel name says which path ran.
 TEST(CudaKvcache, ForwardRouteShortCallsOverLongCaches) {
   SKIP_WITHOUT_GPU();
   namespace decode = flashattn::cuda::decode;
@@ -1661,12 +1673,17 @@ TEST(CudaKvcache, ForwardRouteShortCallsOverLongCaches) {
     bool alibi;
     bool route;
   };
-  const int long_cache = decode::kLongCacheRouteMinKeys;
+  auto long_cache = [](int heads_k) {  // the cases below: B = 3, D = 128, bf16
+    KvCase c;
+    c.batch = 3;
+    c.heads_k = heads_k;
+    return long_cache_capacity(c);
+  };
   const Variant variants[] = {
-      {17, 2, 0, long_cache, false, true},      {30, 2, 16, long_cache, false, true},
-      {47, 4, 0, long_cache + 5, false, true},  {16, 2, 16, long_cache, false, false},
-      {17, 2, 0, long_cache, true, false},      {17, 8, 0, long_cache, false, false},
-      {17, 2, 16, long_cache - 16, false, false},
+      {17, 2, 0, long_cache(2), false, true},      {30, 2, 16, long_cache(2), false, true},
+      {47, 4, 0, long_cache(4) + 5, false, true},  {16, 2, 16, long_cache(2), false, false},
+      {17, 2, 0, long_cache(2), true, false},      {17, 8, 0, long_cache(8), false, false},
+      {17, 2, 16, long_cache(2) - 16, false, false},
   };
   for (const Variant& v : variants) {
     KvCase c;

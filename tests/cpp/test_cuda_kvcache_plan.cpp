@@ -470,14 +470,16 @@ TEST(CudaKvcachePlan, DecodeAlternativesOfTheGeneratedTable) {
 // fa_kvcache's forward route (decode_plan.hpp, wants_forward_route): from 48 query rows; from 17 for calls that pack
 // (G > 1, no ALiBi) over a cache of at least 32k rows; never with rotary, left padding or an FP8 cache.
 TEST(CudaKvcachePlan, ForwardRouteRule) {
-  const int long_cache = decode::kLongCacheRouteMinKeys;
   EXPECT_EQ(decode::kLongCacheRouteMinRows, 17);
-  EXPECT_EQ(long_cache, 32768);
+  EXPECT_EQ(decode::kLongCacheRouteMinBytes, int64_t(64) << 20);
+  // B = 2, D = Dv = 128, 16-bit, Hk = 8: 8192 cache rows make 64 MiB of K/V.
+  const int long_cache = 8192;
   for (const auto& [sq, hq, hk, capacity, alibi, route] :
        {std::tuple<int, int, int, int, bool, bool>{48, 32, 8, 4096, false, true}, {47, 32, 8, 4096, false, false},
         {48, 32, 32, 4096, false, true}, {17, 32, 8, long_cache, false, true}, {16, 32, 8, long_cache, false, false},
         {17, 32, 8, long_cache - 1, false, false}, {17, 32, 32, long_cache, false, false},
-        {17, 32, 8, long_cache, true, false}, {47, 32, 1, 131072, false, true}, {48, 32, 8, 131072, true, true}}) {
+        {17, 32, 8, long_cache, true, false}, {47, 32, 1, 131072, false, true}, {47, 32, 1, 65535, false, false},
+        {48, 32, 8, 131072, true, true}}) {
     KvcacheParams p = decode_params(2, sq, hq, hk, 128, capacity);
     p.kv_dtype = p.dtype;  // a 16-bit cache
     static const float kSlopes[32] = {};

@@ -290,10 +290,15 @@ std::atomic<int> g_speculation_for_tests{-1};  // set_speculation_for_tests
 
 void set_speculation_for_tests(int mode) { g_speculation_for_tests.store(mode, std::memory_order_relaxed); }
 
+int64_t route_cache_bytes(const KvcacheParams& p) {
+  return int64_t(p.batch) * p.seqlen_k * p.heads_k * (p.head_dim + p.head_dim_v) * dtype_size(p.kv_dtype);
+}
+
 int forward_route_min_rows(const KvcacheParams& p) {
-  // Over a long cache, a call whose forward packs reads each K/V tile once per packed tile (decode_plan.hpp).
-  return sm80::gqa_packing_allowed(p) && p.seqlen_k >= kLongCacheRouteMinKeys ? kLongCacheRouteMinRows
-                                                                              : kForwardRouteMinRows;
+  // Beyond L2, a call whose forward packs reads each K/V tile once per packed tile, the decode kernels once per 16-row
+  // m-block (decode_plan.hpp).
+  return sm80::gqa_packing_allowed(p) && route_cache_bytes(p) >= kLongCacheRouteMinBytes ? kLongCacheRouteMinRows
+                                                                                          : kForwardRouteMinRows;
 }
 
 int short_call_max_q(int heads_q, int heads_k, bool paged) {

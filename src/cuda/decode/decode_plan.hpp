@@ -483,23 +483,26 @@ KvcacheParams uniform_sequence_call(const AttentionParams& p, const int32_t* cac
 // rotary or left padding runs: the append (as the decode path's), the key counts (cache_seqlens + S_new; a bad entry
 // reads nothing), the forward kernel over the cache with those counts as seqused_k, and NaN for the sequences whose
 // cache_seqlens entry was bad (kvcache.cpp, run_forward_route). Its num_splits is the forward's split count (at most 32).
-// With GQA packing (src/cuda/sm80/forward_packing.hpp: the forward reads a K/V tile once for G x Sq <= 128 rows) a call
-// that packs takes the route from kLongCacheRouteMinRows rows over a cache of at least kLongCacheRouteMinKeys rows
-// (the capacity: the lengths are in device memory): over 32k keys (H100, bf16, D = 128, Hq 32 / Hk 8, causal) the
-// packed forward took 24 / 32 rows in 86.5 / 89.2 us at B = 1 and 212.6 / 222.0 at B = 4 (13:01 UTC,
-// bench/results/2026-12-06-1301-h100-gqa-packing-ab.txt), the decode kernels 118.2 / 186.3 and 364.0 / 494.2 (11:01
-// UTC, bench/results/2026-12-06-1101-h100-decode-or-forward-8-to-40-rows.txt; another machine of the same kind); 17
-// packed rows 84.6 and 210.8 against 16 rows in the decode kernels 106.7 (13:09) and 350.3 (11:01). Over 4k-8k keys the
-// decode kernels led or tied (24 / 32 rows at B = 1 over 4k 33.6 / 37.7 us; the packed forward over 8k 47.2 / 49.6).
-// Same run, main against this rule (16:30 UTC, bench/results/2026-12-06-1629-h100-kvcache-route-long-cache-and-t64.txt):
-// over 32k, 17 / 24 / 32 / 47 rows at B = 1 102.4 / 113.8 / 185.5 / 202.6 -> 98.4 / 95.9 / 98.5 / 134.4 us, at B = 16
-// 1260.6 / 1373.9 / 1839.2 / 2741.4 -> 759.1 / 758.3 / 783.3 / 1724.7 us.
+// With GQA packing (src/cuda/sm80/forward_packing.hpp: the forward reads a K/V tile once per packed tile) a call that
+// packs takes the route from kLongCacheRouteMinRows rows when its K/V at capacity (B x capacity x Hk x (D + Dv) x the
+// element size; the lengths are in device memory) is at least kLongCacheRouteMinBytes. Why bytes: the decode kernels
+// tile G x Sq packed rows in 16-row m-blocks that each stream the keys, which is cheap while the call's K/V stays in L2
+// (50 MiB on an H100 or H200) and costs a DRAM read per m-block beyond it. H100, bf16, D = 128, Hq 32 / Hk 8, causal,
+// 2026-12-06 16:30 UTC (bench/results/2026-12-06-1629-h100-kvcache-route-long-cache-and-t64.txt), decode kernels at
+// 17 rows against the packed forward (`flashattn run`) at 16: B = 1 over 8k (32 MiB) 40.0 against 47.3 us; B = 4 over
+// 8k (128 MiB) 108.6 against 79.9; B = 16 over 8k (512 MiB) 348.4 against 203.8; and through the route over 32k
+// (128 MiB at B = 1) 17 / 24 / 32 / 47 rows 102.4 / 113.8 / 185.5 / 202.6 -> 98.4 / 95.9 / 98.5 / 134.4 us, at B = 16
+// 1260.6 / 1373.9 / 1839.2 / 2741.4 -> 759.1 / 758.3 / 783.3 / 1724.7. The bound sits between the measured 32 and
+// 128 MiB (a candidate there; B = 1 over 16k is 64 MiB).
 // Affects speed (and rounding) only.
 constexpr int kForwardRouteMinRows = 48;
-constexpr int kLongCacheRouteMinRows = 17;       // calls that pack, over a cache of at least:
-constexpr int kLongCacheRouteMinKeys = 32768;
+constexpr int kLongCacheRouteMinRows = 17;                          // calls that pack, with K/V of at least:
+constexpr int64_t kLongCacheRouteMinBytes = int64_t(64) << 20;
+// The call's K/V at capacity, as the route rule counts it.
+int64_t route_cache_bytes(const KvcacheParams& p);
 // The fewest query rows that take the forward route (a 16-bit cache without rotary, left padding or dropout): those
-// of a call that packs (sm80::gqa_packing_allowed) over a long cache take it from kLongCacheRouteMinRows.
+// of a call that packs (sm80::gqa_packing_allowed) with K/V of at least kLongCacheRouteMinBytes take it from
+// kLongCacheRouteMinRows.
 int forward_route_min_rows(const KvcacheParams& p);
 inline bool wants_forward_route(const KvcacheParams& p) {
   return p.seqlen_q >= forward_route_min_rows(p) && p.kv_dtype == p.dtype && p.rotary_dim == 0 &&
