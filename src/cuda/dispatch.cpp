@@ -155,7 +155,7 @@ Status choose_row(KernelKind kind, const AttentionParams& p, const DeviceLimits&
   }
   // Rows of the bucket come in the manifest's order of preference: the first whose shared memory fits, among
   // those whose call condition holds (a short-causal row: causal and at most causal_max_seqlen_q query rows; a
-  // short-call row: at most max_seqlen_q query rows; a paged-K/V row: a block_table).
+  // short-call row: at most max_seqlen_q query rows; a paged-K/V row: a block_table; a packed-only row: a packed view).
   int smallest = -1;
   for (int r = 0; r < count; ++r) {
     const KernelEntry& e = table[r];
@@ -164,6 +164,7 @@ Status choose_row(KernelKind kind, const AttentionParams& p, const DeviceLimits&
     if (e.causal_max_seqlen_q > 0 && !(p.causal && p.seqlen_q <= e.causal_max_seqlen_q)) continue;
     if (e.max_seqlen_q > 0 && p.seqlen_q > e.max_seqlen_q) continue;
     if (e.paged_kv && !p.is_paged()) continue;  // the paged instantiation: calls with a block_table only
+    if (e.packed_only && p.pack_gqa == 0) continue;  // a packed view's row only
     if (e.decode_role != DecodeRole::kGeneral) continue;  // offered by decode_alternative to the decode selection only
     if (e.split_kv) continue;  // offered by split_alternative to the forward's split plan only
     if (e.smem_bytes <= device.smem_per_block_optin) {

@@ -41,6 +41,8 @@ struct KernelEntry {
                           // it where the forward's split plan splits (src/cuda/sm80/forward_split.hpp)
   bool gqa_packing = false;  // forward: may run a call GQA-packed (the split-KV and compact-epilogue rows;
                              // src/cuda/sm80/forward_packing.hpp); the plan packs only where the rows it takes may
+  bool packed_only = false;  // forward: taken only by a call's packed view (AttentionParams::pack_gqa set); unpacked
+                             // calls skip it
 };
 
 // The launch functions of one row (exactly one is set, by kind). `stream` is a cudaStream_t.

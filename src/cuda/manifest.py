@@ -81,6 +81,8 @@ class Tile:
     gqa_packing: bool = False  # forward only, no dropout: the kernel may run short calls GQA-packed (the G query heads of
                                # a K/V head in one grid row: src/cuda/sm80/forward_packing.hpp), where the plan finds it
                                # reads K/V fewer times; every split_kv row (split_rows) and the short-call rows; speed only
+    packed_only: bool = False  # forward only, a gqa_packing row: taken only by a call's packed view (pack_gqa set), never
+                               # by an unpacked call, whose rows stay as they are; speed only
     decode_role: str = ""  # decode only: "" = the bucket's general row; a role's row is taken only for the calls that
                            # decode_plan.hpp's rule for it accepts (choose_kernel skips it, the decode selection offers
                            # it; speed only): "many_waves" (wants_many_waves_tile: short contiguous caches at many waves
@@ -131,10 +133,17 @@ FORWARD_TILES = {
     # each K/V head's keys once per sequence instead of G times: B = 64 sequences of T = 5 / 8 / 16 tokens over 4k keys
     # 1163-1167 -> 386-393 us a step, over 16k 4406-4479 -> 1437-1444 (H100, 2026-12-06 16:25 UTC, flashattn step;
     # bench/results/2026-12-06-1624-h100-paged-short-packed-ab.txt); unpacked (G = 1) calls of <= 64 rows tie or gain.
+    # Packed views of 65-512 rows (17-128 query rows at G = 4) that do not split take a 128-row packing tile of their
+    # own (packed_only: unpacked calls never run it): the 128-row compact and paged rows do not pack, so such a call ran
+    # unpacked and read its keys G times (fa_kvcache's route, B = 16, 47 rows over 32k: 1724.7 us for 759-783 at 17-32
+    # rows, packed and split). A candidate (no GPU run yet).
     (128, False): [*split_rows(Tile(64, 64, 4, 2), max_seqlen=64), *split_rows(Tile(128, 64, 4, 2)),
                    Tile(64, 64, 4, 2, paged_kv=True, max_seqlen=64, compact_epilogue=True, gqa_packing=True),
+                   Tile(128, 64, 4, 2, paged_kv=True, max_seqlen=512, compact_epilogue=True, gqa_packing=True,
+                        packed_only=True),
                    Tile(128, 64, 4, 2, paged_kv=True),
                    Tile(64, 64, 4, 2, max_seqlen=64, compact_epilogue=True, gqa_packing=True),
+                   Tile(128, 64, 4, 2, max_seqlen=512, compact_epilogue=True, gqa_packing=True, packed_only=True),
                    Tile(128, 64, 4, 2, max_seqlen=1024, compact_epilogue=True), Tile(128, 64, 4, 2)],
     (128, True): Tile(128, 64, 4, 2),
     (192, False): [*split_rows(Tile(128, 64, 8, 2)), Tile(128, 64, 8, 2, paged_kv=True),
@@ -244,6 +253,7 @@ class Kernel:
         epilogue = "ce" if t.compact_epilogue else ""
         epilogue += "pk" if t.paged_kv else ""
         epilogue += "sk" if t.split_kv else ""
+        epilogue += "gp" if t.packed_only else ""
         role = DECODE_ROLES[t.decode_role][0]
         cache = "_e4m3" if self.fp8_cache else ""
         return (f"{self.kind}_sm80_{self.dtype}{cache}_d{self.head_dim}_m{t.block_m}n{t.block_n}w{t.warps}"
@@ -312,6 +322,8 @@ def kernels():
                     assert not tile.gqa_packing or (kind == "fwd" and not dropout), \
                         f"{kind} d{head_dim}: gqa_packing is a forward field of rows without dropout"
                     assert not tile.split_kv or tile.gqa_packing, f"{kind} d{head_dim}: split_kv rows pack (split_rows)"
+                    assert not tile.packed_only or (tile.gqa_packing and tile.max_seqlen and not tile.split_kv), \
+                        f"{kind} d{head_dim}: packed_only rows pack, have a max_seqlen and are not split rows"
                     assert not tile.split_kv or (kind == "fwd" and not dropout and not tile.causal_max_seqlen and
                                                  not tile.compact_epilogue), \
                         f"{kind} d{head_dim}: split_kv is a forward field of its own rows (no dropout; max_seqlen only)"
@@ -368,7 +380,7 @@ def kernel_table_hpp(rows):
              "namespace flashattn::cuda::generated {", "",
              "inline constexpr KernelEntry kKernelTable[] = {",
              "    // kind, dtype, head dim, block_m, block_n, warps, stages, dropout, smem bytes, name, warp keys, group warps, fp8 cache,",
-             "    // causal max seqlen, max seqlen, decode role, paged kv, split kv, gqa packing"]
+             "    // causal max seqlen, max seqlen, decode role, paged kv, split kv, gqa packing, packed only"]
     for k in rows:
         _, fa_dtype = DTYPES[k.dtype]
         kind = {"fwd": "KernelKind::kForward", "bwd": "KernelKind::kBackward", "dec": "KernelKind::kKvcache"}[k.kind]
@@ -377,7 +389,8 @@ def kernel_table_hpp(rows):
                      f"{'true' if k.dropout else 'false'}, {k.smem_bytes}, \"{k.name}\", {t.warp_keys}, {t.group_warps}, "
                      f"{'true' if k.fp8_cache else 'false'}, {t.causal_max_seqlen}, {t.max_seqlen}, "
                      f"{DECODE_ROLES[t.decode_role][1]}, {'true' if t.paged_kv else 'false'}, "
-                     f"{'true' if t.split_kv else 'false'}, {'true' if t.gqa_packing else 'false'}}},")
+                     f"{'true' if t.split_kv else 'false'}, {'true' if t.gqa_packing else 'false'}, "
+                     f"{'true' if t.packed_only else 'false'}}},")
     if not rows:
         lines.append("    {}")
     lines += ["};", f"inline constexpr int kKernelCount = {len(rows)};", "",

@@ -483,8 +483,8 @@ TEST(CudaDispatch, GqaPackingPlan) {
   EXPECT_FALSE(sm80::gqa_packing_pays(call(1, 16, 4096, 32, 8), m64, general));  // the packed row cannot pack
 
   // The generated table, D = 128 bf16: a view of at most 64 packed rows takes the 64-row short-call row (which packs)
-  // and, when it splits, the 64-row split row; up to 128 packed rows the 128-row split row packs, unsplit the 128-row
-  // compact row does not.
+  // and, when it splits, the 64-row split row; a view of 65-512 packed rows the 128-row split row or, unsplit, the
+  // 128-row packed-only row (both pack); an unpacked call of as many rows never takes the packed-only row.
   auto rows_of = [&](const AttentionParams& q, bool split) {
     int index = -1;
     EXPECT_TRUE(choose_kernel(KernelKind::kForward, q, h200(), gen::kKernelTable, gen::kKernelCount, kArchs, &index).ok());
@@ -503,15 +503,28 @@ TEST(CudaDispatch, GqaPackingPlan) {
   }
   const AttentionParams q32 = call(1, 32, 32768, 32, 8);
   const AttentionParams v32 = sm80::gqa_packed_view(q32);
-  EXPECT_FALSE(rows_of(v32, false).gqa_packing) << rows_of(v32, false).name;
+  EXPECT_TRUE(rows_of(v32, false).gqa_packing && rows_of(v32, false).packed_only && rows_of(v32, false).block_m == 128)
+      << rows_of(v32, false).name;
   EXPECT_TRUE(rows_of(v32, true).gqa_packing && rows_of(v32, true).block_m == 128);
   EXPECT_TRUE(sm80::gqa_packing_pays(q32, rows_of(q32, true), rows_of(v32, true)));  // 1 tile of 128 against 4 of 64
+  EXPECT_TRUE(sm80::gqa_packing_pays(q32, rows_of(q32, false), rows_of(v32, false)));
+  for (int sq : {47, 64, 128}) {  // 188 / 256 / 512 packed rows: 2 / 2 / 4 tiles of 128 against 4 / 4 / 4
+    const AttentionParams q = call(16, sq, 32768, 32, 8);
+    const AttentionParams v = sm80::gqa_packed_view(q);
+    EXPECT_TRUE(rows_of(v, false).packed_only && !rows_of(q, false).packed_only) << sq << " " << rows_of(q, false).name;
+    EXPECT_EQ(sm80::gqa_packing_pays(q, rows_of(q, false), rows_of(v, false)), sq < 128) << sq;
+    AttentionParams unpacked_long = q;  // an unpacked call of as many rows as the view: the compact row
+    unpacked_long.seqlen_q = v.seqlen_q;
+    EXPECT_FALSE(rows_of(unpacked_long, false).packed_only || rows_of(unpacked_long, false).gqa_packing) << sq;
+  }
+  const AttentionParams q129 = call(16, 129, 32768, 32, 8);  // 516 packed rows: past the packed-only row
+  EXPECT_FALSE(rows_of(sm80::gqa_packed_view(q129), false).gqa_packing);
   // The packed view's split count is of its own grid: Hk heads of packed tiles (B = 1, Sq = 16 at G = 4: 8 CTAs).
   const AttentionParams q16 = call(1, 16, 32768, 32, 8);
   EXPECT_EQ(sm80::forward_split_count(sm80::gqa_packed_view(q16), 64, 64, 132, 2), sm80::kMaxForwardSplits);
   EXPECT_EQ(sm80::forward_split_count(q16, 64, 64, 132, 2), 8);
   // Paged (a varlen serving step of speculative tokens, say): a view of at most 64 packed rows takes the 64-row paged
-  // row, which packs; above 64 the 128-row paged row, which does not.
+  // row, which packs; 65-512 the 128-row paged packed-only row; an unpacked paged call never takes that one.
   static const int32_t kBlockTable = 0;  // never read
   for (int sq : {5, 8, 16}) {
     AttentionParams q = call(64, sq, 4096, 32, 8);
@@ -523,7 +536,17 @@ TEST(CudaDispatch, GqaPackingPlan) {
   }
   AttentionParams paged32 = call(64, 32, 4096, 32, 8);
   paged32.block_table = &kBlockTable;
-  EXPECT_FALSE(rows_of(sm80::gqa_packed_view(paged32), false).gqa_packing);
+  const KernelEntry& paged_view_row = rows_of(sm80::gqa_packed_view(paged32), false);
+  EXPECT_TRUE(paged_view_row.paged_kv && paged_view_row.gqa_packing && paged_view_row.packed_only &&
+              paged_view_row.block_m == 128) << paged_view_row.name;
+  EXPECT_TRUE(sm80::gqa_packing_pays(paged32, rows_of(paged32, false), paged_view_row));  // 1 tile against 4
+  AttentionParams paged_unpacked = paged32;
+  paged_unpacked.seqlen_q = 128;
+  EXPECT_TRUE(rows_of(paged_unpacked, false).paged_kv && !rows_of(paged_unpacked, false).packed_only &&
+              !rows_of(paged_unpacked, false).gqa_packing) << rows_of(paged_unpacked, false).name;
+  AttentionParams paged129 = paged32;
+  paged129.seqlen_q = 129;  // 516 packed rows: the unconditional paged row
+  EXPECT_FALSE(rows_of(sm80::gqa_packed_view(paged129), false).gqa_packing);
 }
 
 TEST(CudaDispatch, GeneratedTableIsConsistent) {
@@ -547,6 +570,7 @@ TEST(CudaDispatch, GeneratedTableIsConsistent) {
     }
     EXPECT_TRUE((e.causal_max_seqlen_q == 0 && e.max_seqlen_q == 0) || e.kind == KernelKind::kForward) << e.name;
     EXPECT_TRUE(e.causal_max_seqlen_q == 0 || e.max_seqlen_q == 0) << e.name << ": one call condition per row";
+    EXPECT_TRUE(!e.packed_only || (e.gqa_packing && e.max_seqlen_q > 0 && !e.split_kv)) << e.name;
     EXPECT_TRUE(!e.paged_kv || (e.kind == KernelKind::kForward && !e.dropout && e.causal_max_seqlen_q == 0))
         << e.name << ": a paged row is a forward row without dropout or a causal condition";
     if (e.paged_kv && !e.split_kv && e.max_seqlen_q > 0) {  // a paged short-call row: longer paged calls need the bucket's

@@ -810,11 +810,24 @@ TEST(CudaForward, GqaPackedShortCalls) {
       Call g8 = varlen_paged_call(rng, {2, 8, 5}, {40, 700, 129}, 32, 4, 128, block_size, FA_FLOAT16, 0);
       g8.options.window_left = 100, g8.options.window_right = 0;
       check("unsplit paged varlen G=8 window (100, 0)" + bs, g8, true, "_m64n64w4s2cepk");
-      // 32 rows at G = 4: 128 packed rows, past the packing row's 64; the 64-row paged row runs it unpacked.
+      // 32 and 100 rows at G = 4: 128 and 400 packed rows, past the 64-row paged row; the 128-row paged packed-only row.
       Call wide = varlen_paged_call(rng, {32, 20}, {600, 333}, 16, 4, 128, block_size, FA_BFLOAT16, 1);
       wide.options.causal = 1;
-      check("unsplit paged varlen G=4 32 rows (not packed)" + bs, wide, false, "_m64n64w4s2cepk");
+      check("unsplit paged varlen G=4 32 rows" + bs, wide, true, "_m128n64w4s2cepkgp");
+      Call wider = varlen_paged_call(rng, {100, 3, 70}, {600, 90, 1000}, 16, 4, 128, block_size, FA_FLOAT16, 1);
+      wider.options.causal = 1;
+      check("unsplit paged varlen G=4 100 rows" + bs, wider, true, "_m128n64w4s2cepkgp");
     }
+    // Dense views of 65-512 packed rows: the 128-row packed-only row (47 rows at G = 4: 2 tiles against 4 of 64).
+    Call d47 = make_call(problem(3, 47, 1000, 16, 4, 128, FA_BFLOAT16), rng);
+    d47.options.causal = 1;
+    check("unsplit dense G=4 Sq=47 causal", d47, true, "_m128n64w4s2cegp");
+    Call v100 = varlen({100, 1, 0, 57}, {1200, 40, 8, 57}, 32, 4, 128, FA_FLOAT16);  // G = 8: 800 rows, past 512
+    v100.options.causal = 1;
+    check("unsplit varlen G=8 100 rows (not packed: 800 packed rows)", v100, false);
+    Call v60 = varlen({60, 1, 0, 33}, {1200, 40, 8, 33}, 32, 4, 128, FA_BFLOAT16);  // G = 8: 480 rows, 4 tiles against 8
+    v60.options.window_left = 200, v60.options.window_right = 0, v60.options.softcap = 20.f;
+    check("unsplit varlen G=8 60 rows window softcap", v60, true, "_m128n64w4s2cegp");
   }
   {
     Call c = make_call(problem(1, 32, 8192, 32, 8, 128, FA_BFLOAT16), rng);  // 128 packed rows: the 128-row split row

@@ -24,8 +24,10 @@ Status fwd_sm80_f16_d128_m64n64w4s2sk(const AttentionParams& params, int num_spl
 Status fwd_sm80_f16_d128_m128n64w4s2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_f16_d128_m64n64w4s2cepk(const AttentionParams& params, void* stream);
+Status fwd_sm80_f16_d128_m128n64w4s2cepkgp(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d128_m64n64w4s2ce(const AttentionParams& params, void* stream);
+Status fwd_sm80_f16_d128_m128n64w4s2cegp(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2ce(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_f16_d128_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
@@ -61,8 +63,10 @@ Status fwd_sm80_bf16_d128_m64n64w4s2sk(const AttentionParams& params, int num_sp
 Status fwd_sm80_bf16_d128_m128n64w4s2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
 Status fwd_sm80_bf16_d128_m64n64w4s2cepk(const AttentionParams& params, void* stream);
+Status fwd_sm80_bf16_d128_m128n64w4s2cepkgp(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2pk(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d128_m64n64w4s2ce(const AttentionParams& params, void* stream);
+Status fwd_sm80_bf16_d128_m128n64w4s2cegp(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2ce(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2(const AttentionParams& params, void* stream);
 Status fwd_sm80_bf16_d128_m128n64w4s2_dropout(const AttentionParams& params, void* stream);
@@ -150,8 +154,10 @@ const KernelLaunch kKernelLaunch[] = {
     {nullptr, nullptr, nullptr, &fwd_sm80_f16_d128_m128n64w4s2pksk},
     {nullptr, nullptr, nullptr, &fwd_sm80_f16_d128_m128n64w4s2sk},
     {&fwd_sm80_f16_d128_m64n64w4s2cepk, nullptr, nullptr, nullptr},
+    {&fwd_sm80_f16_d128_m128n64w4s2cepkgp, nullptr, nullptr, nullptr},
     {&fwd_sm80_f16_d128_m128n64w4s2pk, nullptr, nullptr, nullptr},
     {&fwd_sm80_f16_d128_m64n64w4s2ce, nullptr, nullptr, nullptr},
+    {&fwd_sm80_f16_d128_m128n64w4s2cegp, nullptr, nullptr, nullptr},
     {&fwd_sm80_f16_d128_m128n64w4s2ce, nullptr, nullptr, nullptr},
     {&fwd_sm80_f16_d128_m128n64w4s2, nullptr, nullptr, nullptr},
     {&fwd_sm80_f16_d128_m128n64w4s2_dropout, nullptr, nullptr, nullptr},
@@ -187,8 +193,10 @@ const KernelLaunch kKernelLaunch[] = {
     {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d128_m128n64w4s2pksk},
     {nullptr, nullptr, nullptr, &fwd_sm80_bf16_d128_m128n64w4s2sk},
     {&fwd_sm80_bf16_d128_m64n64w4s2cepk, nullptr, nullptr, nullptr},
+    {&fwd_sm80_bf16_d128_m128n64w4s2cepkgp, nullptr, nullptr, nullptr},
     {&fwd_sm80_bf16_d128_m128n64w4s2pk, nullptr, nullptr, nullptr},
     {&fwd_sm80_bf16_d128_m64n64w4s2ce, nullptr, nullptr, nullptr},
+    {&fwd_sm80_bf16_d128_m128n64w4s2cegp, nullptr, nullptr, nullptr},
     {&fwd_sm80_bf16_d128_m128n64w4s2ce, nullptr, nullptr, nullptr},
     {&fwd_sm80_bf16_d128_m128n64w4s2, nullptr, nullptr, nullptr},
     {&fwd_sm80_bf16_d128_m128n64w4s2_dropout, nullptr, nullptr, nullptr},

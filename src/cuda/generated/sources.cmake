@@ -20,8 +20,10 @@ set(FLASHATTN_CUDA_GENERATED_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m128n64w4s2pksk.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m128n64w4s2sk.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m64n64w4s2cepk.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m128n64w4s2cepkgp.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m128n64w4s2pk.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m64n64w4s2ce.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m128n64w4s2cegp.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m128n64w4s2ce.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m128n64w4s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_f16_d128_m128n64w4s2_dropout.cu
@@ -57,8 +59,10 @@ set(FLASHATTN_CUDA_GENERATED_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m128n64w4s2pksk.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m128n64w4s2sk.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m64n64w4s2cepk.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m128n64w4s2cepkgp.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m128n64w4s2pk.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m64n64w4s2ce.cu
+  ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m128n64w4s2cegp.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m128n64w4s2ce.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m128n64w4s2.cu
   ${CMAKE_CURRENT_LIST_DIR}/kernels/fwd_sm80_bf16_d128_m128n64w4s2_dropout.cu
