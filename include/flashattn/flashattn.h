@@ -214,8 +214,8 @@ typedef struct fa_kvcache_args {
   fa_tensor out;            /* (B, Sq, Hq, Dv) */
   fa_tensor lse;            /* optional float32 (B, Hq, Sq) */
   int32_t num_splits;       /* split-KV: 0 = chosen by the backend (see fa_plan_kvcache); else 1..1024. CUDA runs a
-                               call of >= 48 query rows (>= 17 with Hq > Hk, no ALiBi and B x capacity x Hk x (D + Dv)
-                               x 2 bytes >= 64 MiB)
+                               call of >= 48 query rows (with Hq > Hk and no ALiBi: >= 17 where B x capacity x Hk x
+                               (D + Dv) x 2 bytes >= 128 MiB, >= 24 from 64 MiB)
                                over a 16-bit cache without rotary or cache_leftpad in the
                                forward kernel over the cache (faster there than the decode kernels), whose split-KV
                                takes at most 32 splits (a larger count runs as 32; fa_plan_kvcache reports it) */

@@ -810,13 +810,17 @@ TEST(CudaForward, GqaPackedShortCalls) {
       Call g8 = varlen_paged_call(rng, {2, 8, 5}, {40, 700, 129}, 32, 4, 128, block_size, FA_FLOAT16, 0);
       g8.options.window_left = 100, g8.options.window_right = 0;
       check("unsplit paged varlen G=8 window (100, 0)" + bs, g8, true, "_m64n64w4s2cepk");
-      // 32 and 100 rows at G = 4: 128 and 400 packed rows, past the 64-row paged row; the 128-row paged packed-only row.
+      // 32 and 60 rows at G = 4: 128 and 240 packed rows, past the 64-row paged row; the 128-row paged packed-only row
+      // (1 and 2 tiles against 4). 100 rows: 400 packed rows, 4 tiles against 4 of the 128-row paged row, not packed.
       Call wide = varlen_paged_call(rng, {32, 20}, {600, 333}, 16, 4, 128, block_size, FA_BFLOAT16, 1);
       wide.options.causal = 1;
       check("unsplit paged varlen G=4 32 rows" + bs, wide, true, "_m128n64w4s2cepkgp");
-      Call wider = varlen_paged_call(rng, {100, 3, 70}, {600, 90, 1000}, 16, 4, 128, block_size, FA_FLOAT16, 1);
+      Call wider = varlen_paged_call(rng, {60, 3, 41}, {600, 90, 1000}, 16, 4, 128, block_size, FA_FLOAT16, 1);
       wider.options.causal = 1;
-      check("unsplit paged varlen G=4 100 rows" + bs, wider, true, "_m128n64w4s2cepkgp");
+      check("unsplit paged varlen G=4 60 rows" + bs, wider, true, "_m128n64w4s2cepkgp");
+      Call widest = varlen_paged_call(rng, {100, 3, 70}, {600, 90, 1000}, 16, 4, 128, block_size, FA_FLOAT16, 1);
+      widest.options.causal = 1;
+      check("unsplit paged varlen G=4 100 rows (not packed)" + bs, widest, false, "_m128n64w4s2pk");
     }
     // Dense views of 65-512 packed rows: the 128-row packed-only row (47 rows at G = 4: 2 tiles against 4 of 64).
     Call d47 = make_call(problem(3, 47, 1000, 16, 4, 128, FA_BFLOAT16), rng);

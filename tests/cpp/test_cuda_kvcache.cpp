@@ -483,14 +483,14 @@ void expect_matches(const std::string& what, const KvCase& c, const KvTensors& g
 }
 
 // The case's K/V at capacity as the forward route's rule counts it (decode_plan.hpp, route_cache_bytes), and the
-// fewest cache rows per sequence (a multiple of 16) that reach kLongCacheRouteMinBytes.
+// fewest cache rows per sequence (a multiple of 16) that reach `bytes`.
 int64_t route_cache_bytes(const KvCase& c) {
   return int64_t(c.batch) * c.capacity * c.heads_k * 2 * c.head_dim * (c.fp8 ? 1 : 2);
 }
-int long_cache_capacity(KvCase c) {
+int cache_capacity_for(KvCase c, int64_t bytes) {
   c.capacity = 1;
   const int64_t per_row = route_cache_bytes(c);
-  const int64_t rows = (flashattn::cuda::decode::kLongCacheRouteMinBytes + per_row - 1) / per_row;
+  const int64_t rows = (bytes + per_row - 1) / per_row;
   return int((rows + 15) / 16 * 16);
 }
 
@@ -504,8 +504,11 @@ void check_tensors(const std::string& what, const KvCase& c, const KvTensors& pr
   if (c.num_splits > 0) {  // (the forward route takes at most sm80::kMaxForwardSplits)
     namespace decode = flashattn::cuda::decode;
     const bool packs = c.heads_q > c.heads_k && !c.alibi;
-    const int min_rows = packs && route_cache_bytes(c) >= decode::kLongCacheRouteMinBytes ? decode::kLongCacheRouteMinRows
-                                                                                          : decode::kForwardRouteMinRows;
+    const int64_t bytes = route_cache_bytes(c);
+    const int min_rows = !packs ? decode::kForwardRouteMinRows
+                         : bytes >= decode::kLongCacheRouteMinBytes ? decode::kLongCacheRouteMinRows
+                         : bytes >= decode::kL2CacheRouteMinBytes   ? decode::kL2CacheRouteMinRows
+                                                                    : decode::kForwardRouteMinRows;
     const bool route = c.seqlen_q >= min_rows && !c.fp8 && c.rotary == 0 && c.leftpad.empty();
     EXPECT_EQ(stats.num_splits, route ? std::min(c.num_splits, flashattn::cuda::sm80::kMaxForwardSplits) : c.num_splits);
   }
@@ -1662,9 +1665,10 @@ TEST(CudaKvcache, ForwardRouteManyQueryRows) {
 }
 
 // Calls that pack (G > 1, no ALiBi) with K/V of at least kLongCacheRouteMinBytes at capacity take the forward route
-// from kLongCacheRouteMinRows (17) query rows (decode_plan.hpp, forward_route_min_rows): 17, 30 and 47 rows, contiguous
-// and paged, appends, causal, softcap; and the calls that stay in the decode kernels: 16 rows, ALiBi, G = 1, a cache
-// one block short of the bound. Against the float64 oracle; the kernel name says which path ran.
+// from kLongCacheRouteMinRows (17) query rows, with at least kL2CacheRouteMinBytes from kL2CacheRouteMinRows (24)
+// (decode_plan.hpp, forward_route_min_rows): 17, 24, 30 and 47 rows, contiguous and paged, appends, causal, softcap;
+// and the calls that stay in the decode kernels: 16 rows, 23 rows in the lower tier, ALiBi, G = 1, a cache one block
+// short of a bound. Against the float64 oracle; the kernel name says which path ran.
 TEST(CudaKvcache, ForwardRouteShortCallsOverLongCaches) {
   SKIP_WITHOUT_GPU();
   namespace decode = flashattn::cuda::decode;
@@ -1673,17 +1677,20 @@ TEST(CudaKvcache, ForwardRouteShortCallsOverLongCaches) {
     bool alibi;
     bool route;
   };
-  auto long_cache = [](int heads_k) {  // the cases below: B = 3, D = 128, bf16
+  auto capacity = [](int heads_k, int64_t bytes) {  // the cases below: B = 3, D = 128, bf16
     KvCase c;
     c.batch = 3;
     c.heads_k = heads_k;
-    return long_cache_capacity(c);
+    return cache_capacity_for(c, bytes);
   };
+  const int64_t long_bytes = decode::kLongCacheRouteMinBytes, l2_bytes = decode::kL2CacheRouteMinBytes;
   const Variant variants[] = {
-      {17, 2, 0, long_cache(2), false, true},      {30, 2, 16, long_cache(2), false, true},
-      {47, 4, 0, long_cache(4) + 5, false, true},  {16, 2, 16, long_cache(2), false, false},
-      {17, 2, 0, long_cache(2), true, false},      {17, 8, 0, long_cache(8), false, false},
-      {17, 2, 16, long_cache(2) - 16, false, false},
+      {17, 2, 0, capacity(2, long_bytes), false, true},      {30, 2, 16, capacity(2, long_bytes), false, true},
+      {47, 4, 0, capacity(4, long_bytes) + 5, false, true},  {16, 2, 16, capacity(2, long_bytes), false, false},
+      {17, 2, 0, capacity(2, long_bytes), true, false},      {17, 8, 0, capacity(8, long_bytes), false, false},
+      {17, 2, 16, capacity(2, long_bytes) - 16, false, false},
+      {24, 2, 16, capacity(2, l2_bytes), false, true},       {23, 2, 0, capacity(2, l2_bytes), false, false},
+      {24, 2, 0, capacity(2, l2_bytes) - 16, false, false},
   };
   for (const Variant& v : variants) {
     KvCase c;

@@ -471,15 +471,18 @@ TEST(CudaKvcachePlan, DecodeAlternativesOfTheGeneratedTable) {
 // (G > 1, no ALiBi) over a cache of at least 32k rows; never with rotary, left padding or an FP8 cache.
 TEST(CudaKvcachePlan, ForwardRouteRule) {
   EXPECT_EQ(decode::kLongCacheRouteMinRows, 17);
-  EXPECT_EQ(decode::kLongCacheRouteMinBytes, int64_t(64) << 20);
-  // B = 2, D = Dv = 128, 16-bit, Hk = 8: 8192 cache rows make 64 MiB of K/V.
-  const int long_cache = 8192;
+  EXPECT_EQ(decode::kLongCacheRouteMinBytes, int64_t(128) << 20);
+  EXPECT_EQ(decode::kL2CacheRouteMinRows, 24);
+  EXPECT_EQ(decode::kL2CacheRouteMinBytes, int64_t(64) << 20);
+  // B = 2, D = Dv = 128, 16-bit, Hk = 8: 16384 cache rows make 128 MiB of K/V, 8192 64 MiB.
+  const int long_cache = 16384, l2_cache = 8192;
   for (const auto& [sq, hq, hk, capacity, alibi, route] :
        {std::tuple<int, int, int, int, bool, bool>{48, 32, 8, 4096, false, true}, {47, 32, 8, 4096, false, false},
         {48, 32, 32, 4096, false, true}, {17, 32, 8, long_cache, false, true}, {16, 32, 8, long_cache, false, false},
         {17, 32, 8, long_cache - 1, false, false}, {17, 32, 32, long_cache, false, false},
         {17, 32, 8, long_cache, true, false}, {47, 32, 1, 131072, false, true}, {47, 32, 1, 65535, false, false},
-        {48, 32, 8, 131072, true, true}}) {
+        {23, 32, 1, 131071, false, false}, {24, 32, 8, l2_cache, false, true}, {23, 32, 8, l2_cache, false, false},
+        {24, 32, 8, l2_cache - 1, false, false}, {48, 32, 8, 131072, true, true}}) {
     KvcacheParams p = decode_params(2, sq, hq, hk, 128, capacity);
     p.kv_dtype = p.dtype;  // a 16-bit cache
     static const float kSlopes[32] = {};

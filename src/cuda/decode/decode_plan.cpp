@@ -297,8 +297,11 @@ int64_t route_cache_bytes(const KvcacheParams& p) {
 int forward_route_min_rows(const KvcacheParams& p) {
   // Beyond L2, a call whose forward packs reads each K/V tile once per packed tile, the decode kernels once per 16-row
   // m-block (decode_plan.hpp).
-  return sm80::gqa_packing_allowed(p) && route_cache_bytes(p) >= kLongCacheRouteMinBytes ? kLongCacheRouteMinRows
-                                                                                          : kForwardRouteMinRows;
+  if (!sm80::gqa_packing_allowed(p)) return kForwardRouteMinRows;
+  const int64_t bytes = route_cache_bytes(p);
+  return bytes >= kLongCacheRouteMinBytes ? kLongCacheRouteMinRows
+         : bytes >= kL2CacheRouteMinBytes ? kL2CacheRouteMinRows
+                                          : kForwardRouteMinRows;
 }
 
 int short_call_max_q(int heads_q, int heads_k, bool paged) {

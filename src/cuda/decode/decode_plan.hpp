@@ -484,25 +484,29 @@ KvcacheParams uniform_sequence_call(const AttentionParams& p, const int32_t* cac
 // reads nothing), the forward kernel over the cache with those counts as seqused_k, and NaN for the sequences whose
 // cache_seqlens entry was bad (kvcache.cpp, run_forward_route). Its num_splits is the forward's split count (at most 32).
 // With GQA packing (src/cuda/sm80/forward_packing.hpp: the forward reads a K/V tile once per packed tile) a call that
-// packs takes the route from kLongCacheRouteMinRows rows when its K/V at capacity (B x capacity x Hk x (D + Dv) x the
-// element size; the lengths are in device memory) is at least kLongCacheRouteMinBytes. Why bytes: the decode kernels
-// tile G x Sq packed rows in 16-row m-blocks that each stream the keys, which is cheap while the call's K/V stays in L2
-// (50 MiB on an H100 or H200) and costs a DRAM read per m-block beyond it. H100, bf16, D = 128, Hq 32 / Hk 8, causal,
-// 2026-12-06 16:30 UTC (bench/results/2026-12-06-1629-h100-kvcache-route-long-cache-and-t64.txt), decode kernels at
-// 17 rows against the packed forward (`flashattn run`) at 16: B = 1 over 8k (32 MiB) 40.0 against 47.3 us; B = 4 over
-// 8k (128 MiB) 108.6 against 79.9; B = 16 over 8k (512 MiB) 348.4 against 203.8; and through the route over 32k
-// (128 MiB at B = 1) 17 / 24 / 32 / 47 rows 102.4 / 113.8 / 185.5 / 202.6 -> 98.4 / 95.9 / 98.5 / 134.4 us, at B = 16
-// 1260.6 / 1373.9 / 1839.2 / 2741.4 -> 759.1 / 758.3 / 783.3 / 1724.7. The bound sits between the measured 32 and
-// 128 MiB (a candidate there; B = 1 over 16k is 64 MiB).
+// packs takes the route earlier when its K/V at capacity (B x capacity x Hk x (D + Dv) x the element size; the lengths
+// are in device memory) is large: from kLongCacheRouteMinRows rows at kLongCacheRouteMinBytes, from kL2CacheRouteMinRows
+// at kL2CacheRouteMinBytes. Why bytes: the decode kernels tile G x Sq packed rows in 16-row m-blocks that each stream
+// the keys, cheap while the call's K/V stays in L2 (50 MiB on an H100 or H200), a DRAM read per m-block beyond it.
+// H100, bf16, D = 128, Hq 32 / Hk 8, causal, decode kernels against the route, us (2026-12-06 16:30 and 17:24 UTC,
+// bench/results/2026-12-06-1629-h100-kvcache-route-long-cache-and-t64.txt, 2026-12-06-1723-h100-route-by-bytes-and-
+// packed-128.txt): 32 MiB (B = 1 over 8k) 17 rows 40.0 against the packed forward's 47.3 at 16; 64 MiB: B = 1 over 16k
+// 17 rows 59.0 against 70.6, 32 rows 100.4 against 73.2, B = 4 over 4k 24 rows 71.0 against 67.6, B = 16 over 1k 32
+// rows 76.7 against 74.7; 128 MiB: B = 1 over 32k 17 / 24 / 32 / 47 rows 102.4 / 113.8 / 185.5 / 202.6 against 98.4 /
+// 95.9 / 98.5 / 134.4, B = 4 over 8k 32 rows 144.2 against 90.6; 256 MiB and more: B = 16 over 4k 24 rows 185.6
+// against 133.7, over 8k 47 rows 749.1 against 439.6 (407.2 with the 128-row packed-only tile), over 32k 17 / 24 / 32
+// rows 1260.6 / 1373.9 / 1839.2 against 759.1 / 758.3 / 783.3.
 // Affects speed (and rounding) only.
 constexpr int kForwardRouteMinRows = 48;
-constexpr int kLongCacheRouteMinRows = 17;                          // calls that pack, with K/V of at least:
-constexpr int64_t kLongCacheRouteMinBytes = int64_t(64) << 20;
+constexpr int kLongCacheRouteMinRows = 17;                        // calls that pack, with K/V of at least:
+constexpr int64_t kLongCacheRouteMinBytes = int64_t(128) << 20;
+constexpr int kL2CacheRouteMinRows = 24;                          // and from this many rows with K/V of at least:
+constexpr int64_t kL2CacheRouteMinBytes = int64_t(64) << 20;
 // The call's K/V at capacity, as the route rule counts it.
 int64_t route_cache_bytes(const KvcacheParams& p);
 // The fewest query rows that take the forward route (a 16-bit cache without rotary, left padding or dropout): those
-// of a call that packs (sm80::gqa_packing_allowed) with K/V of at least kLongCacheRouteMinBytes take it from
-// kLongCacheRouteMinRows.
+// of a call that packs (sm80::gqa_packing_allowed) take it from kLongCacheRouteMinRows or kL2CacheRouteMinRows by
+// route_cache_bytes, else from kForwardRouteMinRows.
 int forward_route_min_rows(const KvcacheParams& p);
 inline bool wants_forward_route(const KvcacheParams& p) {
   return p.seqlen_q >= forward_route_min_rows(p) && p.kv_dtype == p.dtype && p.rotary_dim == 0 &&
