@@ -136,7 +136,11 @@ FORWARD_TILES = {
     # Packed views of 65-512 rows (17-128 query rows at G = 4) that do not split take a 128-row packing tile of their
     # own (packed_only: unpacked calls never run it): the 128-row compact and paged rows do not pack, so such a call ran
     # unpacked and read its keys G times (fa_kvcache's route, B = 16, 47 rows over 32k: 1724.7 us for 759-783 at 17-32
-    # rows, packed and split). A candidate (no GPU run yet).
+    # rows, packed and split). Measured (H100, 2026-12-06 17:24 UTC, one round; bench/results/2026-12-06-1723-h100-
+    # route-by-bytes-and-packed-128.txt): that call 1667.4 -> 1504.6 us; fa_forward B = 16, 47 rows over 8k 435.5 ->
+    # 388.2 us, 64 rows over 32k 1836.2 -> 1467.2, B = 64, 32 rows over 4k 872.9 -> 412.2; a paged step of 64 sequences
+    # of 32 tokens over 4k 936.6 -> 463.5 us, 32 of 64 over 2k 292.7 -> 261.6, 16 of 24 over 8k 245.6 -> 253.9 (split
+    # before). ptxas: 255 registers, 20 / 28 bytes of spill (dense / paged, sm_90a).
     (128, False): [*split_rows(Tile(64, 64, 4, 2), max_seqlen=64), *split_rows(Tile(128, 64, 4, 2)),
                    Tile(64, 64, 4, 2, paged_kv=True, max_seqlen=64, compact_epilogue=True, gqa_packing=True),
                    Tile(128, 64, 4, 2, paged_kv=True, max_seqlen=512, compact_epilogue=True, gqa_packing=True,
