@@ -487,7 +487,7 @@ void expect_matches(const std::string& what, const KvCase& c, const KvTensors& g
 int64_t route_cache_bytes(const KvCase& c) {
   return int64_t(c.batch) * c.capacity * c.heads_k * 2 * c.head_dim * (c.fp8 ? 1 : 2);
 }
-int cache_capacity_for(KvCase c, int64_t bytes) {
+[[maybe_unused]] int cache_capacity_for(KvCase c, int64_t bytes) {
   c.capacity = 1;
   const int64_t per_row = route_cache_bytes(c);
   const int64_t rows = (bytes + per_row - 1) / per_row;
@@ -1660,7 +1660,9 @@ TEST(CudaKvcache, ForwardRouteManyQueryRows) {
     fa_stats stats{};
     ASSERT_TRUE(run_gpu(c, t, &stats).ok()) << what;
     EXPECT_NE(std::string(stats.kernel).find("forward route"), std::string::npos) << what << " ran " << stats.kernel;
-    if (v.num_splits > 0) EXPECT_EQ(stats.num_splits, std::min(v.num_splits, 32)) << what;
+    if (v.num_splits > 0) {
+      EXPECT_EQ(stats.num_splits, std::min(v.num_splits, 32)) << what;
+    }
   }
 }
 
