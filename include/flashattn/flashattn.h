@@ -137,7 +137,10 @@ typedef struct fa_options {
    long context) runs split-KV: each query tile's keys are dealt to several CTAs, whose float32 partials one more kernel
    merges through their LSEs. The call then holds a stream-ordered scratch for the partials from the library's pool
    (fa_stats.scratch_bytes_peak; capturable in a CUDA graph) and reports the split count (fa_stats.num_splits). The
-   count depends on the shapes and the device only; results differ from an unsplit run by float32 rounding. A short
+   count depends on the shapes and the device only; results differ from an unsplit run by float32 rounding. A varlen
+   call is split by sequence: where its longest sequence alone would split, one more small kernel reads the sequence
+   lengths on the device, counts the query tiles that really run (a serving step's decode tokens go to the decode
+   kernels) and gives each sequence its own count (fa_stats.num_splits: the most a sequence may take). A short
    CUDA forward without ALiBi or dropout may run GQA-packed (the Hq / Hk query heads of a k/v head in one query tile,
    so that k/v are read once per tile; fa_stats.kernel ends in "gqa-packed"; rounding only).
    A CUDA forward that is not varlen (dense or paged k/v), without dropout, of at most max(1, min(16, 32 / (Hq / Hk)))

@@ -2,6 +2,7 @@
 // then the launch of the chosen row of the generated kernel table on the tensors' device and stream.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <string>
@@ -58,7 +59,7 @@ Status split_ctas_per_sm(int index, const AttentionParams& p, int* ctas) {
   if (cached && (*ctas = cache[index][p.device_id].load(std::memory_order_relaxed)) > 0) return Status();
   DeviceGuard guard(p.device_id);
   FA_CUDA_RETURN_IF_ERROR(guard.status());
-  FA_RETURN_IF_ERROR(generated::kKernelLaunch[index].forward_split(p, 0, ctas, p.stream));
+  FA_RETURN_IF_ERROR(generated::kKernelLaunch[index].forward_split(p, 0, sm80::ForwardSplitWork{}, ctas, p.stream));
   if (cached) cache[index][p.device_id].store(*ctas, std::memory_order_relaxed);
   return Status();
 }
@@ -73,20 +74,29 @@ Status plan_forward_rows(const AttentionParams& p, int forced_splits, ForwardKer
   const int split_index = split_alternative(plan->index, p, limits);
   if (split_index < 0) return Status();
   const KernelEntry& split_entry = kernel_entry(split_index);
-  int splits = 1;
-  if (forced_splits > 0) {
-    splits = forced_splits < sm80::kMaxForwardSplits ? forced_splits : sm80::kMaxForwardSplits;
-  } else {
-    DeviceAttributes device;
-    FA_RETURN_IF_ERROR(device_attributes(p.device_id, &device));
-    int ctas = 0;
-    FA_RETURN_IF_ERROR(split_ctas_per_sm(split_index, p, &ctas));
-    splits = sm80::forward_split_count(p, split_entry.block_m, split_entry.block_n, device.sm_count, ctas);
-  }
+  DeviceAttributes device;
+  FA_RETURN_IF_ERROR(device_attributes(p.device_id, &device));
+  int ctas = 0;
+  FA_RETURN_IF_ERROR(split_ctas_per_sm(split_index, p, &ctas));
+  // A varlen call is planned as its longest sequence alone (B = 1): if that would not split, no mix of the call's
+  // sequences does; if it would, the device's plan kernel decides per sequence (the work list, forward_split.hpp).
+  AttentionParams planned = p;
+  if (p.is_varlen()) planned.batch = 1;
+  const int splits = forced_splits > 0 ? std::min(forced_splits, sm80::kMaxForwardSplits)
+                                       : sm80::forward_split_count(planned, split_entry.block_m, split_entry.block_n,
+                                                                   device.sm_count, ctas);  // (the tests' count too)
+  const bool forced = forced_splits > 0 || sm80::forward_splits_for_tests() > 0;
   if (splits > 1) {
     plan->split_index = split_index;
     plan->splits = splits;
-    plan->scratch_bytes = sm80::forward_split_layout(p, splits).total_bytes;
+    if (p.is_varlen()) {
+      plan->work_list = true;
+      plan->work = sm80::forward_work_shape(p, split_entry.block_m, split_entry.block_n, device.sm_count, ctas,
+                                              forced ? splits : 0);
+      plan->scratch_bytes = sm80::forward_work_layout(p, plan->work).total_bytes;
+    } else {
+      plan->scratch_bytes = sm80::forward_split_layout(p, splits).total_bytes;
+    }
   }
   return Status();
 }
@@ -105,7 +115,9 @@ Status plan_forward_kernel(const AttentionParams& p, int forced_splits, ForwardK
   const KernelEntry& rows = kernel_entry(plan->splits > 1 ? plan->split_index : plan->index);
   if (!sm80::gqa_packing_pays(p, rows, packed_rows)) return Status();
   packed.pack_gqa = true;
-  packed.scratch_bytes = packed.splits > 1 ? sm80::forward_split_layout(p, packed.splits).total_bytes : 0;
+  // The grid-mode partials are rows of query heads (the call's own layout), sized by the call; the work list's are
+  // the packed tiles' (its shape is the view's).
+  if (packed.splits > 1 && !packed.work_list) packed.scratch_bytes = sm80::forward_split_layout(p, packed.splits).total_bytes;
   *plan = packed;
   return Status();
 }
@@ -116,18 +128,32 @@ Status run_forward_kernel(const AttentionParams& call, const ForwardKernelPlan& 
   AttentionParams p = call;
   p.pack_gqa = plan.pack_gqa ? 1 : 0;  // the kernels' grid and rows; the merge reads the call's rows either way
   if (plan.splits <= 1) return generated::kKernelLaunch[plan.index].forward(p, p.stream);
-  const sm80::ForwardSplitLayout layout = sm80::forward_split_layout(p, plan.splits);
   const auto stream = static_cast<cudaStream_t>(p.stream);
   void* owned = nullptr;
   if (scratch == nullptr) {
-    FA_RETURN_IF_ERROR(scratch_alloc(p.device_id, size_t(layout.total_bytes), stream, &owned));
+    FA_RETURN_IF_ERROR(scratch_alloc(p.device_id, size_t(plan.scratch_bytes), stream, &owned));
     scratch = owned;
   }
-  AttentionParams partial = p;  // the split kernel writes the partials where out and lse were
-  partial.out = scratch;
-  partial.lse = reinterpret_cast<float*>(static_cast<char*>(scratch) + layout.o_bytes);
+  const ForwardSplitLaunchFn split_kernel = generated::kKernelLaunch[plan.split_index].forward_split;
   const Status launched = [&]() -> Status {
-    FA_RETURN_IF_ERROR(generated::kKernelLaunch[plan.split_index].forward_split(partial, plan.splits, nullptr, p.stream));
+    char* const base = static_cast<char*>(scratch);
+    if (plan.work_list) {  // the plan kernel, the split kernel over its list (out and lse, or partials), the merge
+      const sm80::ForwardWorkLayout layout = sm80::forward_work_layout(p, plan.work);
+      sm80::ForwardSplitWork work;
+      auto* items = reinterpret_cast<sm80::SplitWorkItem*>(base);
+      work.items = items;
+      work.o_partial = reinterpret_cast<float*>(base + layout.items_bytes);
+      work.lse_partial = reinterpret_cast<float*>(base + layout.items_bytes + layout.o_bytes);
+      work.max_items = plan.work.max_items;
+      FA_RETURN_IF_ERROR(sm80::launch_forward_split_plan(p, plan.work, items, p.stream));
+      FA_RETURN_IF_ERROR(split_kernel(p, plan.splits, work, nullptr, p.stream));
+      return sm80::launch_forward_combine_work(p, plan.work, work, p.stream);
+    }
+    const sm80::ForwardSplitLayout layout = sm80::forward_split_layout(p, plan.splits);
+    AttentionParams partial = p;  // the split kernel writes the partials where out and lse were
+    partial.out = base;
+    partial.lse = reinterpret_cast<float*>(base + layout.o_bytes);
+    FA_RETURN_IF_ERROR(split_kernel(partial, plan.splits, sm80::ForwardSplitWork{}, nullptr, p.stream));
     return sm80::launch_forward_combine(p, plan.splits, static_cast<const float*>(partial.out), partial.lse, p.stream);
   }();
   const cudaError_t freed = owned != nullptr ? scratch_free(owned, stream) : cudaSuccess;

@@ -7,6 +7,7 @@
 
 #include "core/params.hpp"
 #include "core/status.hpp"
+#include "cuda/sm80/forward_split.hpp"
 
 namespace flashattn::cuda {
 
@@ -17,6 +18,9 @@ struct ForwardKernelPlan {
   int64_t scratch_bytes = 0;  // the split partials (0 unsplit)
   bool pack_gqa = false;     // the call runs GQA-packed (sm80/forward_packing.hpp): index / split_index are the packed
                              // call's rows, splits its split count
+  bool work_list = false;    // a varlen call split by sequence (sm80/forward_split.hpp): splits is the most splits of
+                             // a sequence, the device's plan kernel picks each sequence's; scratch holds the list too
+  sm80::ForwardWorkShape work;  // work_list: the list's shape
 };
 
 // forced_splits > 0: that many splits (capped at sm80::kMaxForwardSplits) where the bucket has a split row; 0: the plan's.

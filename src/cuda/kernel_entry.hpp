@@ -9,6 +9,10 @@
 
 namespace flashattn::cuda {
 
+namespace sm80 {
+struct ForwardSplitWork;  // sm80/forward_split.hpp: a work-list call's list and partials
+}  // namespace sm80
+
 enum class KernelKind { kForward, kBackward, kKvcache };  // kKvcache: src/cuda/decode/ (split-KV decode)
 // Which calls a decode row serves: the bucket's general row, or one taken in its place where decode_plan.hpp's rule
 // holds (kManyWaves: wants_many_waves_tile; kLongContiguous: wants_long_contiguous_tile). Affects speed only.
@@ -50,9 +54,11 @@ using ForwardLaunchFn = Status (*)(const AttentionParams& params, void* stream);
 using BackwardLaunchFn = Status (*)(const BackwardParams& params, void* stream);
 // kvcache: params.num_splits resolved by the plan, params.workspace aligned (src/cuda/decode/kvcache.cpp).
 using KvcacheLaunchFn = Status (*)(const KvcacheParams& params, void* stream);
-// forward split-KV rows: params.out / params.lse are the split partials (forward_split.hpp); ctas_per_sm non-null:
-// report the kernel's resident CTAs per SM on params.device_id instead of launching.
-using ForwardSplitLaunchFn = Status (*)(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream);
+// forward split-KV rows: params.out / params.lse are the split partials (forward_split.hpp), or, a work-list call
+// (work.items set), the call's out and lse; ctas_per_sm non-null: report the kernel's resident CTAs per SM on
+// params.device_id instead of launching.
+using ForwardSplitLaunchFn = Status (*)(const AttentionParams& params, int num_splits, const sm80::ForwardSplitWork& work,
+                                        int* ctas_per_sm, void* stream);
 struct KernelLaunch {
   ForwardLaunchFn forward;
   BackwardLaunchFn backward;

@@ -361,8 +361,9 @@ def kernel_cu(k):
 #include "{header}"
 
 namespace flashattn::cuda::generated {{
-Status {k.name}(const {params}& params, int num_splits, int* ctas_per_sm, void* stream) {{
-  return launch_forward_split_sm80<{config}>(params, num_splits, ctas_per_sm, static_cast<cudaStream_t>(stream));
+Status {k.name}(const {params}& params, int num_splits, const sm80::ForwardSplitWork& work, int* ctas_per_sm,
+{' ' * (len(k.name) + 8)}void* stream) {{
+  return launch_forward_split_sm80<{config}>(params, num_splits, work, ctas_per_sm, static_cast<cudaStream_t>(stream));
 }}
 }}  // namespace flashattn::cuda::generated
 """
@@ -410,7 +411,7 @@ def kernel_launchers_cpp(rows):
     for k in rows:
         _, _, params = KINDS[k.kind]
         if k.tile.split_kv:
-            lines.append(f"Status {k.name}(const {params}& params, int num_splits, int* ctas_per_sm, void* stream);")
+            lines.append(f"Status {k.name}(const {params}& params, int num_splits, const sm80::ForwardSplitWork& work, int* ctas_per_sm, void* stream);")
         else:
             lines.append(f"Status {k.name}(const {params}& params, void* stream);")
     lines += ["", "const KernelLaunch kKernelLaunch[] = {"]

@@ -429,6 +429,48 @@ TEST(CudaDispatch, ForwardSplitPlan) {
   EXPECT_EQ(sm80::split_partial_row(p, 2, 1, 3, 99), ((2 * 2 + 1) * 4 + 3) * 100 + 99);
 }
 
+// Varlen calls split by sequence (the work list): the rule the plan kernel applies to the tiles that really run, and
+// the list's bounds. H100 / H200 slots: 132 SMs x 2 CTAs.
+TEST(CudaDispatch, ForwardSplitWorkList) {
+  namespace sm80 = flashattn::cuda::sm80;
+  // the cap: one wave of slots over the unsplit CTAs, only below half the slots; forced wins, capped
+  EXPECT_EQ(sm80::work_split_cap(32, 264, 0), 8);   // a chunk of 512 packed rows in 128-row tiles x 8 K/V heads
+  EXPECT_EQ(sm80::work_split_cap(132, 264, 0), 2);
+  EXPECT_EQ(sm80::work_split_cap(133, 264, 0), 1);  // more than half the slots
+  EXPECT_EQ(sm80::work_split_cap(1, 264, 0), sm80::kMaxForwardSplits);
+  EXPECT_EQ(sm80::work_split_cap(0, 264, 0), 1);    // nothing runs
+  EXPECT_EQ(sm80::work_split_cap(5000, 264, 3), 3);
+  EXPECT_EQ(sm80::work_split_cap(8, 264, 100), sm80::kMaxForwardSplits);
+  // a sequence's share of it: at least kMinTilesPerSplit key tiles each; forced takes the cap, empty shares and all
+  EXPECT_EQ(sm80::work_sequence_splits(8, 128, 0), 8);  // 8k keys in 64-key tiles
+  EXPECT_EQ(sm80::work_sequence_splits(8, 20, 0), 5);
+  EXPECT_EQ(sm80::work_sequence_splits(8, 7, 0), 1);    // too few keys: one split, its own out and lse
+  EXPECT_EQ(sm80::work_sequence_splits(8, 0, 0), 1);
+  EXPECT_EQ(sm80::work_sequence_splits(5, 1, 5), 5);
+  EXPECT_EQ(sm80::work_partial_row(3, 8, 5, 128, 7), (3 * 8 + 5) * 128 + 7);
+  // the shape: B x tiles items unsplit, or one wave's (slots / heads) if more; partials for that wave's only
+  Case c;
+  c.batch = 17, c.sq = 512, c.hq = 8, c.hk = 8, c.d = 128;  // as the packed view of 17 sequences of <= 128 rows at G = 4
+  const AttentionParams p = params_for(c);
+  const sm80::ForwardWorkShape shape = sm80::forward_work_shape(p, 128, 64, 132, 2, 0);
+  EXPECT_EQ(shape.heads, 8);
+  EXPECT_EQ(shape.slots, 264);
+  EXPECT_EQ(shape.max_items, 17 * 4);
+  EXPECT_EQ(shape.partial_items, 264 / 8);
+  c.batch = 2;
+  const sm80::ForwardWorkShape few = sm80::forward_work_shape(params_for(c), 128, 64, 132, 2, 0);
+  EXPECT_EQ(few.max_items, 264 / 8);  // 8 tiles, split up to 33 items
+  EXPECT_EQ(few.partial_items, 264 / 8);
+  const sm80::ForwardWorkShape forced = sm80::forward_work_shape(params_for(c), 128, 64, 132, 2, 5);
+  EXPECT_EQ(forced.max_items, 2 * 4 * 5);
+  EXPECT_EQ(forced.partial_items, 2 * 4 * 5);
+  const sm80::ForwardWorkLayout layout = sm80::forward_work_layout(params_for(c), forced);
+  EXPECT_EQ(layout.items_bytes, (40 * 16 + 255) / 256 * 256);
+  EXPECT_EQ(layout.o_bytes, int64_t(40) * 8 * 128 * 128 * 4);
+  EXPECT_EQ(layout.lse_bytes, (40 * 8 * 128 * 4 + 255) / 256 * 256);
+  EXPECT_EQ(layout.total_bytes, layout.items_bytes + layout.o_bytes + layout.lse_bytes);
+}
+
 // GQA packing (src/cuda/sm80/forward_packing.hpp): when a call may pack, its packed view, the row mapping, and when it
 // pays; and, through the generated table, which rows short D = 128 calls run packed.
 TEST(CudaDispatch, GqaPackingPlan) {

@@ -1115,6 +1115,45 @@ TEST(CudaForward, SplitKvPlanAndCudaGraph) {
 #endif
 }
 
+// Varlen calls split by sequence (the work list, forward_split.hpp): the device's plan counts the query tiles that
+// really run, so a serving step of many decode tokens (the decode kernels') beside one chunk over a long prefix splits
+// the chunk, which the B x longest-sequence count never did; a sequence of few keys in the same call takes one split
+// and writes its rows itself, beside the merged ones. Each against the oracle (outputs poisoned), then captured into a
+// CUDA graph whose replays match the eager call bit for bit.
+TEST(CudaForward, VarlenSplitsBySequence) {
+  SKIP_WITHOUT_GPU();
+#if defined(FLASHATTN_WITH_CUDA)
+  auto rng = fa_test::make_rng("cuda_forward_varlen_work_list");
+  {
+    // 24 decode tokens and a chunk of 100 rows over 3000 keys (G = 4: 400 packed rows), paged, bf16
+    std::vector<int> lengths_q(24, 1), lengths_k(24, 700);
+    lengths_q[7] = 100;
+    lengths_k[7] = 3000;
+    Call c = varlen_paged_call(rng, lengths_q, lengths_k, 8, 2, 128, 16, FA_BFLOAT16, 3);
+    c.options.causal = 1;
+    const fa_stats stats = oracle_then_stats("24 decode tokens + a chunk of 100 over 3000 keys", c);
+    EXPECT_GT(stats.num_splits, 1) << stats.kernel;
+    EXPECT_NE(std::string(stats.kernel).find("sk splits="), std::string::npos) << stats.kernel;
+    EXPECT_NE(std::string(stats.kernel).find("combine"), std::string::npos) << stats.kernel;
+    Call eager = c;
+    ASSERT_TRUE(run_gpu(eager, nullptr).ok());
+    expect_graph_replays_match(c, eager);
+  }
+  for (const auto& [d, dtype, causal] : {std::tuple<int, fa_dtype, int>{128, FA_FLOAT16, 1}, {64, FA_BFLOAT16, 0},
+                                         {256, FA_FLOAT16, 1}}) {
+    // one long sequence (splits), one of few keys (one split: its own out and lse), an empty one, contiguous K/V
+    fa_test::Problem p = problem(4, 0, 0, 4, 2, d, dtype);
+    p.varlen_q = {50, 30, 0, 9};
+    p.varlen_k = {3000, 100, 0, 2200};
+    Call c = make_call(p, rng);
+    c.options.causal = causal;
+    const std::string what = "varlen D=" + std::to_string(d) + (causal ? " causal" : "");
+    const fa_stats stats = oracle_then_stats(what, c);
+    EXPECT_GT(stats.num_splits, 1) << what << " ran " << stats.kernel;
+  }
+#endif
+}
+
 // A bad block id in a split call: the shares that meet it are NaN, and the merge makes every row of that sequence NaN
 // (as the unsplit kernel does), the other sequences' rows finite.
 TEST(CudaForward, SplitKvBadBlockIdGivesNan) {

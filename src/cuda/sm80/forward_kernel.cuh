@@ -253,6 +253,9 @@ struct WithPagedKv : Base {
 // takes an even share of that tile's key tiles, and the epilogue writes, instead of out and lse, the share's partial
 // result in float32: O / rowsum, and the LSE in log2 units, at params.out / params.lse laid out as forward_split.hpp
 // says (the launcher points them at the split partials). forward_combine.cu then merges the shares through their LSEs.
+// A varlen call runs from a work list instead (forward_split.hpp): x is an item (sequence, query tile, split, the
+// sequence's splits) of the list its plan kernel wrote, the partials are per item, and an item of a sequence of one
+// split writes out and lse as the unsplit kernel does.
 // No dropout (the manifest gives it no such rows). The other kernels' machine code is unchanged by it (every step sits
 // under `if constexpr (kSplitKv)`). Affects speed only (the merge changes rounding).
 template <typename C, typename = void>
@@ -289,7 +292,8 @@ constexpr int forward_exchange_smem_bytes() {
 }
 
 template <typename C>
-__global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_kernel(const __grid_constant__ AttentionParams params) {
+__global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_kernel(const __grid_constant__ AttentionParams params,
+                                                                                   const ForwardSplitWork work) {
   using Element = typename C::Element;
   constexpr int kBlockM = C::kBlockM;
   constexpr int kBlockN = C::kBlockN;
@@ -338,16 +342,28 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
   const int quad_col = lane & 3;   // accumulator columns 2 quad_col, 2 quad_col + 1 of an n8 tile
 
   // Heaviest query tiles first (causal): the tail of the grid is then made of short CTAs. kSplitKv: x = query tile x
-  // splits + split (the launcher's grid is query tiles x splits wide).
+  // splits + split (the launcher's grid is query tiles x splits wide), or, a work-list call (varlen; forward_split.hpp),
+  // x = the item of the list this CTA takes: its sequence, query tile, split and the sequence's split count.
   // GQA packing (forward_packing.hpp): `pack` rows per query row, the grid's y a K/V head; the CTA's rows are packed
   // rows (query row r / pack of query head hk pack + r % pack). Unpacked, pack = 1 and a row is a query row of head h.
   const int pack = kGqaPacking ? gqa_pack_factor(params) : 1;
-  const int tile_linear = int(gridDim.x) - 1 - int(blockIdx.x);
-  const int num_splits = kSplitKv ? int(gridDim.x) / ((params.seqlen_q * pack + kBlockM - 1) / kBlockM) : 1;
-  const int m_block = kSplitKv ? tile_linear / num_splits : tile_linear;
-  const int split = kSplitKv ? tile_linear % num_splits : 0;
+  const bool work_list = kSplitKv && work.items != nullptr;
+  const SplitWorkItem cta = [&]() -> SplitWorkItem {
+    const int tile_linear = int(gridDim.x) - 1 - int(blockIdx.x);
+    if constexpr (kSplitKv) {
+      if (work_list) return work.items[blockIdx.x];
+      const int splits = int(gridDim.x) / ((params.seqlen_q * pack + kBlockM - 1) / kBlockM);
+      return SplitWorkItem{int(blockIdx.z), tile_linear / splits, tile_linear % splits, splits};
+    }
+    return SplitWorkItem{int(blockIdx.z), tile_linear, 0, 1};
+  }();
+  if constexpr (kSplitKv)
+    if (cta.b < 0) return;  // past the work list's end
+  const int num_splits = cta.splits;
+  const int m_block = cta.m_block;
+  const int split = cta.split;
   const int h = blockIdx.y;  // the query head; packed: the K/V head
-  const int b = blockIdx.z;
+  const int b = cta.b;
   const SequenceExtent ext = sequence_extent(params, b);
   const int rows_total = ext.seqlen_q * pack;  // this sequence's rows (packed rows when packed)
   const int row_begin = m_block * kBlockM;
@@ -926,12 +942,15 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
   // Warp groups: the partial sums share one max per row (see softmax_and_pv), so they add. The barrier in it
   // also means every warp of the group has done its last read of the group's Q rows (overwritten below).
   if constexpr (kGroupWarps > 1) group_reduce(sums, /*is_max=*/false);
-  if constexpr (kSplitKv) {
-    // The share's partial result, float32 (forward_split.hpp's layout): O / rowsum straight from the accumulators (a
+  // kSplitKv: the share's partials, except for a work-list item of a sequence of one split (its rows' out and lse).
+  if (kSplitKv && (!work_list || num_splits > 1)) {
+    // The share's partial result, float32 (forward_split.hpp's layouts): O / rowsum straight from the accumulators (a
     // quad's 4 threads store a row's 8 consecutive columns of an n8 tile: whole 32-byte sectors), and the LSE in log2
     // units. A row that saw no key of this share: O = 0, LSE = -inf; a poisoned CTA (bad block id): NaN, which the
-    // merge carries into out and lse.
-    float* const o_partial = static_cast<float*>(params.out);
+    // merge carries into out and lse. Grid mode: rows of query heads at params.out / params.lse; work list: rows of
+    // the item's tile at work.o_partial / work.lse_partial.
+    float* const o_partial = work_list ? work.o_partial : static_cast<float*>(params.out);
+    float* const lse_partial = work_list ? work.lse_partial : params.lse;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
@@ -941,9 +960,10 @@ __global__ void __launch_bounds__(C::kThreads, MinBlocksOf<C>::value) forward_ke
         const float sum = sums[mt][half];
         const bool no_visible_key = sum == 0.f;
         const float inv = poisoned ? NAN : (no_visible_key ? 0.f : 1.f / sum);
-        const int64_t partial_row = split_partial_row(params, split, b, head_of(r), query_of(r));
+        const int64_t partial_row = work_list ? work_partial_row(blockIdx.x, gridDim.y, h, kBlockM, r - row_begin)
+                                              : split_partial_row(params, split, b, head_of(r), query_of(r));
         if (part == 0 && quad_col == 0)
-          params.lse[partial_row] =
+          lse_partial[partial_row] =
               poisoned ? NAN : (no_visible_key ? -INFINITY : row_max[mt][half] * score_log2_scale + log2f(sum));
         float* const o_row = o_partial + partial_row * params.head_dim_v;
 #pragma unroll

@@ -64,16 +64,19 @@ Status launch_forward_sm80(const AttentionParams& p, cudaStream_t stream) {
   FA_RETURN_IF_ERROR(forward_grid_rows<C>(p, &tiles, &heads));
   const dim3 grid(uint32_t(tiles), heads, p.batch);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return Status();
-  kernel<<<grid, C::kThreads, kSmem, stream>>>(p);
+  kernel<<<grid, C::kThreads, kSmem, stream>>>(p, sm80::ForwardSplitWork{});
   FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status();
 }
 
-// A split-KV row (kSplitKv): grid (query tiles x num_splits, Hq or packed Hk, B), p.out / p.lse pointing at the float32 partials
-// (forward_split.hpp's layout; the caller allocates them and merges). ctas_per_sm non-null: the kernel's resident CTAs
-// per SM on p.device_id (the split plan's slots), nothing launched.
+// A split-KV row (kSplitKv). Grid mode (work.items null): grid (query tiles x num_splits, Hq or packed Hk, B), p.out /
+// p.lse pointing at the float32 partials (forward_split.hpp's layout; the caller allocates them and merges). Work list
+// (varlen; num_splits unused): grid (work.max_items, Hq or packed Hk), p.out / p.lse the call's, the partials at work's
+// pointers. ctas_per_sm non-null: the kernel's resident CTAs per SM on p.device_id (the split plan's slots), nothing
+// launched.
 template <typename C>
-Status launch_forward_split_sm80(const AttentionParams& p, int num_splits, int* ctas_per_sm, cudaStream_t stream) {
+Status launch_forward_split_sm80(const AttentionParams& p, int num_splits, const sm80::ForwardSplitWork& work,
+                                 int* ctas_per_sm, cudaStream_t stream) {
   static_assert(sm80::SplitKvOf<C>::value, "a split-KV row");
   constexpr int kSmem = forward_smem_bytes<C>();
   const auto kernel = &sm80::forward_kernel<C>;
@@ -85,11 +88,12 @@ Status launch_forward_split_sm80(const AttentionParams& p, int num_splits, int* 
   int64_t tiles = 0;
   int heads = 0;
   FA_RETURN_IF_ERROR(forward_grid_rows<C>(p, &tiles, &heads));
-  if (num_splits < 1 || tiles * num_splits > int64_t(INT32_MAX))
+  if (work.items == nullptr && (num_splits < 1 || tiles * num_splits > int64_t(INT32_MAX)))
     return error(FA_ERROR_INTERNAL, "forward split: %d splits of %lld query tiles", num_splits, (long long)tiles);
-  const dim3 grid(uint32_t(tiles * num_splits), heads, p.batch);
+  const dim3 grid = work.items != nullptr ? dim3(uint32_t(work.max_items), heads, 1)
+                                          : dim3(uint32_t(tiles * num_splits), heads, p.batch);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return Status();
-  kernel<<<grid, C::kThreads, kSmem, stream>>>(p);
+  kernel<<<grid, C::kThreads, kSmem, stream>>>(p, work);
   FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status();
 }

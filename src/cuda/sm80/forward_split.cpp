@@ -34,6 +34,34 @@ int forward_split_count(const AttentionParams& p, int block_m, int block_n, int 
   return splits >= 2 ? int(splits) : 1;
 }
 
+ForwardWorkShape forward_work_shape(const AttentionParams& p, int block_m, int block_n, int sm_count, int ctas_per_sm,
+                                    int forced) {
+  ForwardWorkShape s;
+  s.block_m = std::max(block_m, 1);
+  s.block_n = std::max(block_n, 1);
+  s.heads = std::max(p.heads_q, 1);
+  s.slots = int64_t(std::max(sm_count, 1)) * std::max(ctas_per_sm, 1);
+  s.forced = forced > 0 ? std::min(forced, kMaxForwardSplits) : 0;
+  const int64_t tiles = int64_t(std::max(p.batch, 0)) * ((int64_t(std::max(p.seqlen_q, 0)) + s.block_m - 1) / s.block_m);
+  // Unsplit, the list holds every tile (at most B x the longest sequence's); split, at most slots / heads items
+  // (work_split_cap: cap x tiles x heads <= slots).
+  const int64_t one_wave = s.slots / s.heads;
+  const int64_t items = s.forced > 0 ? tiles * s.forced : std::max(tiles, one_wave);
+  s.max_items = int(std::min<int64_t>(items, INT32_MAX));
+  s.partial_items = s.forced > 0 ? s.max_items : int(std::min<int64_t>(s.max_items, one_wave));
+  return s;
+}
+
+ForwardWorkLayout forward_work_layout(const AttentionParams& p, const ForwardWorkShape& shape) {
+  ForwardWorkLayout layout;
+  const int64_t rows = int64_t(shape.partial_items) * shape.heads * shape.block_m;
+  layout.items_bytes = aligned(int64_t(shape.max_items) * int64_t(sizeof(SplitWorkItem)));
+  layout.o_bytes = aligned(rows * p.head_dim_v * 4);
+  layout.lse_bytes = aligned(rows * 4);
+  layout.total_bytes = layout.items_bytes + layout.o_bytes + layout.lse_bytes;
+  return layout;
+}
+
 void set_forward_splits_for_tests(int splits) { g_splits_for_tests.store(std::max(splits, 0), std::memory_order_relaxed); }
 int forward_splits_for_tests() { return g_splits_for_tests.load(std::memory_order_relaxed); }
 

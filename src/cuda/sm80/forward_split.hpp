@@ -34,13 +34,84 @@ struct ForwardSplitLayout {
 ForwardSplitLayout forward_split_layout(const AttentionParams& p, int splits);
 
 // Split counts (affects speed and rounding only, never results beyond rounding; the same shapes on the same device
-// always split alike). A call splits when its CTAs (query tiles x Hq x B, with the longest sequence's tiles for
-// varlen) fill fewer than half of the device's CTA slots (SMs x resident CTAs per SM of the split kernel): it then
+// always split alike). A call splits when its CTAs (query tiles x Hq x B; a varlen call: its longest sequence's tiles
+// x Hq, B = 1, then by sequence on the device, below) fill fewer than half of the device's CTA slots (SMs x resident CTAs per SM of the split kernel): it then
 // takes the most splits that keep the grid within one wave of slots, at most kMaxForwardSplits and at least
 // kMinTilesPerSplit key tiles each (key tiles of max_seqlen_k). 1: no split.
 constexpr int kMaxForwardSplits = 32;   // the merge reads one LSE per lane of a warp
 constexpr int kMinTilesPerSplit = 4;    // below it a share's prologue and the merge cost more than the share saves
 int forward_split_count(const AttentionParams& p, int block_m, int block_n, int sm_count, int ctas_per_sm);
+
+// Varlen calls split by sequence (the work list). The rule above counts B x the longest sequence's query tiles, as
+// the grid of a varlen call does; but a serving step of 16 decode tokens (run by the decode kernels) beside one chunk
+// of 128 prompt tokens over an 8k prefix has 17 x 4 x 8 such CTAs, of which only the chunk's 32 do any work, each over
+// 8k keys: it never split (H100, 2026-12-06 16:29 UTC: 635 us, where the chunk alone, split, and the decodes took 290).
+// The sequences' lengths are on the device, so for a varlen call whose one longest sequence would split (the rule
+// above at B = 1), a one-CTA plan kernel (forward_combine.cu) reads cu_seqlens_q / cu_seqlens_k / seqused_k, counts
+// the query tiles the split kernel really runs (the sequences the decode kernels took excluded), applies the same rule
+// to that count and gives each sequence its own split count (fewer where its keys are few), and writes the list of
+// (sequence, query tile, split) items that the split kernel's CTAs take by blockIdx.x. An item of a sequence of one
+// split writes out and lse itself; the others write partials, which the merge combines. Affects speed and rounding only.
+//
+// The split count cap for all sequences, given the unsplit CTAs of the sequences that run (query tiles x grid heads)
+// and the device's slots; forced > 0 (tests): that many.
+FA_HD int work_split_cap(int64_t ctas, int64_t slots, int forced) {
+  if (forced > 0) return forced < kMaxForwardSplits ? forced : kMaxForwardSplits;
+  if (ctas < 1 || 2 * ctas > slots) return 1;
+  const int64_t cap = slots / ctas;
+  return cap < kMaxForwardSplits ? int(cap) : kMaxForwardSplits;
+}
+// The splits of one sequence of key_tiles key tiles under that cap: at least kMinTilesPerSplit tiles each (forced:
+// the cap, empty shares and all).
+FA_HD int work_sequence_splits(int cap, int64_t key_tiles, int forced) {
+  if (forced > 0) return cap;
+  const int64_t by_keys = key_tiles / kMinTilesPerSplit;
+  return by_keys < 2 ? 1 : (by_keys < cap ? int(by_keys) : cap);
+}
+
+// One item of the list: query tile m_block of sequence b, share `split` of `splits` of its key tiles. b < 0: past the
+// list's end (the CTA has nothing to do). The items of one (sequence, tile) are consecutive, split 0 first.
+struct SplitWorkItem {
+  int32_t b, m_block, split, splits;
+};
+// What the split kernel and the merge read of a work-list call (a kernel parameter beside AttentionParams; items null:
+// not a work-list call).
+struct ForwardSplitWork {
+  const SplitWorkItem* items = nullptr;
+  float* o_partial = nullptr;    // [partial_items][heads][block_m][Dv], float32, O / rowsum of the item's share
+  float* lse_partial = nullptr;  // [partial_items][heads][block_m], log2 units
+  int max_items = 0;             // the list's length: the split kernel's grid x
+};
+// The partial row of packed (or query) row `local` of item `item`'s tile, grid head h.
+FA_HD int64_t work_partial_row(int item, int heads, int h, int block_m, int local) {
+  return (int64_t(item) * heads + h) * block_m + local;
+}
+
+// A work-list call's shape, fixed by the host plan (sizes depend on it only).
+struct ForwardWorkShape {
+  int block_m = 0, block_n = 0;  // the split row's tile
+  int heads = 0;                 // the grid's heads: Hk packed, else Hq
+  int64_t slots = 0;             // SMs x resident CTAs of the split row
+  int forced = 0;                // > 0: every sequence takes that many splits (tests, fa_kvcache's num_splits)
+  int max_items = 0;             // the list's length (the split kernel's grid x): B x tiles, or slots / heads if more
+  int partial_items = 0;         // the items that may write partials: split items exist only where the whole list
+                                 // fits one wave (<= slots / heads); forced: all
+};
+// `p`: the call as the plan sees it (its packed view when packed: Hk heads of G x Sq rows).
+ForwardWorkShape forward_work_shape(const AttentionParams& p, int block_m, int block_n, int sm_count, int ctas_per_sm,
+                                    int forced);
+// Scratch of a work-list call: the list, then the O and LSE partials (each 256-byte aligned).
+struct ForwardWorkLayout {
+  int64_t items_bytes = 0, o_bytes = 0, lse_bytes = 0, total_bytes = 0;
+};
+ForwardWorkLayout forward_work_layout(const AttentionParams& p, const ForwardWorkShape& shape);
+
+// The plan kernel (writes shape.max_items items at `items`) and the merge of a work-list call; `p` is the call with
+// pack_gqa set as it runs.
+Status launch_forward_split_plan(const AttentionParams& p, const ForwardWorkShape& shape, SplitWorkItem* items,
+                                 void* stream);
+Status launch_forward_combine_work(const AttentionParams& p, const ForwardWorkShape& shape, const ForwardSplitWork& work,
+                                   void* stream);
 
 // Tests only (not part of the API): every later CUDA forward without dropout runs with `splits` splits (>= 1; 1 = never
 // split), capped at kMaxForwardSplits, instead of forward_split_count's; 0 restores the library's. A process-wide switch,

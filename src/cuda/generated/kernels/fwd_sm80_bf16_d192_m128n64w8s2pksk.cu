@@ -2,7 +2,8 @@
 #include "cuda/sm80/forward_launch.cuh"
 
 namespace flashattn::cuda::generated {
-Status fwd_sm80_bf16_d192_m128n64w8s2pksk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream) {
-  return launch_forward_split_sm80<sm80::WithSplitKv<sm80::WithPagedKv<sm80::WithGqaPacking<KernelConfig<__nv_bfloat16, 192, 128, 64, 8, 2, false>>>>>(params, num_splits, ctas_per_sm, static_cast<cudaStream_t>(stream));
+Status fwd_sm80_bf16_d192_m128n64w8s2pksk(const AttentionParams& params, int num_splits, const sm80::ForwardSplitWork& work, int* ctas_per_sm,
+                                          void* stream) {
+  return launch_forward_split_sm80<sm80::WithSplitKv<sm80::WithPagedKv<sm80::WithGqaPacking<KernelConfig<__nv_bfloat16, 192, 128, 64, 8, 2, false>>>>>(params, num_splits, work, ctas_per_sm, static_cast<cudaStream_t>(stream));
 }
 }  // namespace flashattn::cuda::generated

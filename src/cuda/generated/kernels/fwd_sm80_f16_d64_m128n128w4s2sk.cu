@@ -2,7 +2,8 @@
 #include "cuda/sm80/forward_launch.cuh"
 
 namespace flashattn::cuda::generated {
-Status fwd_sm80_f16_d64_m128n128w4s2sk(const AttentionParams& params, int num_splits, int* ctas_per_sm, void* stream) {
-  return launch_forward_split_sm80<sm80::WithSplitKv<sm80::WithGqaPacking<KernelConfig<__half, 64, 128, 128, 4, 2, false>>>>(params, num_splits, ctas_per_sm, static_cast<cudaStream_t>(stream));
+Status fwd_sm80_f16_d64_m128n128w4s2sk(const AttentionParams& params, int num_splits, const sm80::ForwardSplitWork& work, int* ctas_per_sm,
+                                       void* stream) {
+  return launch_forward_split_sm80<sm80::WithSplitKv<sm80::WithGqaPacking<KernelConfig<__half, 64, 128, 128, 4, 2, false>>>>(params, num_splits, work, ctas_per_sm, static_cast<cudaStream_t>(stream));
 }
 }  // namespace flashattn::cuda::generated
