@@ -10,6 +10,7 @@
 #include "cuda/common/check.hpp"
 #include "cuda/common/device_guard.hpp"
 #include "cuda/common/scratch_pool.hpp"
+#include "cuda/decode/decode_plan.hpp"
 #include "cuda/decode/kvcache.hpp"
 #include "cuda/cuda_backend.hpp"
 #include "cuda/device_info.hpp"
@@ -64,8 +65,9 @@ Status split_ctas_per_sm(int index, const AttentionParams& p, int* ctas) {
   return Status();
 }
 
-// The plan of `p` as given (packed or not: p.pack_gqa is the view's).
-Status plan_forward_rows(const AttentionParams& p, int forced_splits, ForwardKernelPlan* plan) {
+// The plan of `p` as given (packed or not: p.pack_gqa is the view's). min_rows: varlen, at least this many of the
+// view's rows run in the forward kernel (the sequences' rows less those the decode kernels may take), else -1.
+Status plan_forward_rows(const AttentionParams& p, int forced_splits, int64_t min_rows, ForwardKernelPlan* plan) {
   *plan = ForwardKernelPlan{};
   DeviceLimits limits;
   FA_RETURN_IF_ERROR(select(KernelKind::kForward, p, &limits, &plan->index));
@@ -86,7 +88,11 @@ Status plan_forward_rows(const AttentionParams& p, int forced_splits, ForwardKer
                                        : sm80::forward_split_count(planned, split_entry.block_m, split_entry.block_n,
                                                                    device.sm_count, ctas);  // (the tests' count too)
   const bool forced = forced_splits > 0 || sm80::forward_splits_for_tests() > 0;
-  if (splits > 1) {
+  // Varlen: the tiles that surely run already fill half the slots, so the plan kernel could only pick one split each.
+  const bool surely_full = p.is_varlen() && !forced && min_rows > 0 &&
+                           2 * ((min_rows + split_entry.block_m - 1) / split_entry.block_m) * p.heads_q >
+                               int64_t(device.sm_count) * ctas;
+  if (splits > 1 && !surely_full) {
     plan->split_index = split_index;
     plan->splits = splits;
     if (p.is_varlen()) {
@@ -107,10 +113,15 @@ Status plan_forward_rows(const AttentionParams& p, int forced_splits, ForwardKer
 // split count the same rules pick); packed where the rows it takes may pack and it reads K/V fewer times
 // (sm80/forward_packing.hpp). The split partials' layout is the call's own (rows of query heads) either way.
 Status plan_forward_kernel(const AttentionParams& p, int forced_splits, ForwardKernelPlan* plan) {
-  FA_RETURN_IF_ERROR(plan_forward_rows(p, forced_splits, plan));
+  // Varlen: the query rows that surely run in the forward kernel, all of q's less the most that the decode kernels may
+  // take (decode::short_sequence_max_q rows of each sequence, paged calls only).
+  const int64_t routed_rows = p.is_varlen() && p.is_paged() ? int64_t(p.batch) * decode::short_sequence_max_q(p) : 0;
+  const int64_t min_rows = p.is_varlen() ? std::max<int64_t>(0, int64_t(p.varlen_total_q) - routed_rows) : -1;
+  FA_RETURN_IF_ERROR(plan_forward_rows(p, forced_splits, min_rows, plan));
   if (!sm80::gqa_packing_allowed(p)) return Status();
   ForwardKernelPlan packed;
-  FA_RETURN_IF_ERROR(plan_forward_rows(sm80::gqa_packed_view(p), forced_splits, &packed));
+  const int64_t group = p.heads_q / p.heads_k;
+  FA_RETURN_IF_ERROR(plan_forward_rows(sm80::gqa_packed_view(p), forced_splits, min_rows < 0 ? -1 : min_rows * group, &packed));
   const KernelEntry& packed_rows = kernel_entry(packed.splits > 1 ? packed.split_index : packed.index);
   const KernelEntry& rows = kernel_entry(plan->splits > 1 ? plan->split_index : plan->index);
   if (!sm80::gqa_packing_pays(p, rows, packed_rows)) return Status();

@@ -1151,6 +1151,18 @@ TEST(CudaForward, VarlenSplitsBySequence) {
     const fa_stats stats = oracle_then_stats(what, c);
     EXPECT_GT(stats.num_splits, 1) << what << " ran " << stats.kernel;
   }
+  {
+    // 12 sequences of 256 rows over 1024 keys, Hq = Hk = 32: the longest alone would split (64 CTAs), but q's 3072 rows
+    // surely fill the device (768 CTAs): no plan kernel, no split
+    fa_test::Problem p = problem(12, 0, 0, 32, 32, 128, FA_BFLOAT16);
+    p.varlen_q.assign(12, 256);
+    p.varlen_k.assign(12, 1024);
+    Call c = make_call(p, rng);
+    fa_stats stats{};
+    ASSERT_TRUE(run_gpu(c, &stats).ok());
+    EXPECT_EQ(stats.num_splits, 1) << stats.kernel;
+    EXPECT_EQ(std::string(stats.kernel).find("combine"), std::string::npos) << stats.kernel;
+  }
 #endif
 }
 

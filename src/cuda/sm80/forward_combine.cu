@@ -174,9 +174,9 @@ __global__ void __launch_bounds__(kPlanThreads) forward_split_plan_kernel(const 
     __syncthreads();  // temp's last use is done
     BlockScan(temp.scan).ExclusiveSum(int64_t(m_tiles) * splits, first, chunk_items);
     first += base;
-    for (int m = 0; m < m_tiles; ++m)
+    for (int m = 0; m < m_tiles; ++m)  // the sequence's last (causal: heaviest) tile first, as the grid mode does
       for (int s = 0; s < splits; ++s) {
-        const int64_t e = first + int64_t(m) * splits + s;
+        const int64_t e = first + int64_t(m_tiles - 1 - m) * splits + s;
         if (e < shape.max_items) items[e] = SplitWorkItem{b, m, s, splits};  // always: max_items bounds the list
       }
     base += chunk_items;
