@@ -151,12 +151,12 @@ Status run_forward_kernel(const AttentionParams& call, const ForwardKernelPlan& 
     if (plan.work_list) {  // the plan kernel, the split kernel over its list (out and lse, or partials), the merge
       const sm80::ForwardWorkLayout layout = sm80::forward_work_layout(p, plan.work);
       sm80::ForwardSplitWork work;
-      auto* items = reinterpret_cast<sm80::SplitWorkItem*>(base);
-      work.items = items;
-      work.o_partial = reinterpret_cast<float*>(base + layout.items_bytes);
-      work.lse_partial = reinterpret_cast<float*>(base + layout.items_bytes + layout.o_bytes);
+      work.items = reinterpret_cast<sm80::SplitWorkItem*>(base);
+      work.merges = reinterpret_cast<int32_t*>(base + layout.items_bytes);
+      work.o_partial = reinterpret_cast<float*>(base + layout.items_bytes + layout.merges_bytes);
+      work.lse_partial = reinterpret_cast<float*>(base + layout.items_bytes + layout.merges_bytes + layout.o_bytes);
       work.max_items = plan.work.max_items;
-      FA_RETURN_IF_ERROR(sm80::launch_forward_split_plan(p, plan.work, items, p.stream));
+      FA_RETURN_IF_ERROR(sm80::launch_forward_split_plan(p, plan.work, work, p.stream));
       FA_RETURN_IF_ERROR(split_kernel(p, plan.splits, work, nullptr, p.stream));
       return sm80::launch_forward_combine_work(p, plan.work, work, p.stream);
     }

@@ -465,10 +465,12 @@ TEST(CudaDispatch, ForwardSplitWorkList) {
   EXPECT_EQ(forced.max_items, 2 * 4 * 5);
   EXPECT_EQ(forced.partial_items, 2 * 4 * 5);
   const sm80::ForwardWorkLayout layout = sm80::forward_work_layout(params_for(c), forced);
+  EXPECT_EQ(forced.max_merges, 20);  // each tile to merge has >= 2 of the 40 partial items
   EXPECT_EQ(layout.items_bytes, (40 * 16 + 255) / 256 * 256);
+  EXPECT_EQ(layout.merges_bytes, 256);  // the count and 20 entries
   EXPECT_EQ(layout.o_bytes, int64_t(40) * 8 * 128 * 128 * 4);
   EXPECT_EQ(layout.lse_bytes, (40 * 8 * 128 * 4 + 255) / 256 * 256);
-  EXPECT_EQ(layout.total_bytes, layout.items_bytes + layout.o_bytes + layout.lse_bytes);
+  EXPECT_EQ(layout.total_bytes, layout.items_bytes + layout.merges_bytes + layout.o_bytes + layout.lse_bytes);
 }
 
 // GQA packing (src/cuda/sm80/forward_packing.hpp): when a call may pack, its packed view, the row mapping, and when it

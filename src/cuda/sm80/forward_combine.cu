@@ -14,6 +14,7 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -26,6 +27,7 @@ namespace flashattn::cuda::sm80 {
 namespace {
 
 constexpr int kCombineWarps = 4;  // rows per CTA (affects speed only)
+constexpr int kCombineCtasPerSlot = 8;  // the work-list merge's grid: at most 8 CTAs per slot of the split kernel
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr int kMaxColumnsPerLane = 8;  // Dv <= 256: 2 float4 per lane
 
@@ -102,23 +104,26 @@ __global__ void __launch_bounds__(kCombineWarps * 32) forward_combine_kernel(con
             p.head_dim_v, out, p.lse != nullptr ? p.lse + lse_offset(p, b, ext, i, h) : nullptr);
 }
 
-// Work list: CTA (e, h) merges the tile of item e, grid head h, where e is split 0 of a sequence of >= 2 splits (its
-// shares are items e .. e + splits - 1); its warps take the tile's rows in turn. Other CTAs return at once.
+// Work list: one warp per row to merge, the rows of the merge list's tiles (M tiles x grid heads x block_m rows, a
+// tile's rows consecutive) dealt to the grid's warps in turn. Tile m is item e = merges[1 + m], split 0 of its tile,
+// whose shares are items e .. e + splits - 1.
 template <typename Element>
 __global__ void __launch_bounds__(kCombineWarps * 32) forward_combine_work_kernel(const __grid_constant__ AttentionParams p,
                                                                                  const ForwardWorkShape shape,
                                                                                  const ForwardSplitWork work) {
-  const int e = blockIdx.x;
-  const SplitWorkItem item = work.items[e];
-  if (item.b < 0 || item.split != 0 || item.splits < 2) return;
   const int lane = threadIdx.x & 31;
-  const int h = blockIdx.y;  // packed: the K/V head
   const int pack = gqa_pack_factor(p);
-  const SequenceExtent ext = sequence_extent(p, item.b);
-  const int row_begin = item.m_block * shape.block_m;
-  const int rows = min(shape.block_m, ext.seqlen_q * pack - row_begin);
-  for (int local = threadIdx.x >> 5; local < rows; local += kCombineWarps) {
-    const int r = row_begin + local;
+  const int64_t tile_rows = int64_t(shape.heads) * shape.block_m;
+  const int64_t rows = work.merges[0] * tile_rows;
+  for (int64_t f = int64_t(blockIdx.x) * kCombineWarps + (threadIdx.x >> 5); f < rows;
+       f += int64_t(gridDim.x) * kCombineWarps) {
+    const int e = work.merges[1 + f / tile_rows];
+    const int h = int(f % tile_rows) / shape.block_m;  // the grid head (packed: the K/V head)
+    const int local = int(f % shape.block_m);
+    const SplitWorkItem item = work.items[e];
+    const SequenceExtent ext = sequence_extent(p, item.b);
+    const int r = item.m_block * shape.block_m + local;
+    if (r >= ext.seqlen_q * pack) continue;  // the sequence's last tile, past its rows (warp-uniform)
     const int i = packed_query_row(r, pack);
     const int head = pack > 1 ? packed_query_head(r, h, pack) : h;
     const float share_lse =
@@ -146,7 +151,8 @@ __device__ int plan_sequence_tiles(const AttentionParams& p, const ForwardWorkSh
 }
 
 __global__ void __launch_bounds__(kPlanThreads) forward_split_plan_kernel(const __grid_constant__ AttentionParams p,
-                                                                         const ForwardWorkShape shape, SplitWorkItem* items) {
+                                                                         const ForwardWorkShape shape, ForwardSplitWork work) {
+  SplitWorkItem* const items = const_cast<SplitWorkItem*>(work.items);
   using BlockReduce = cub::BlockReduce<int64_t, kPlanThreads>;
   using BlockScan = cub::BlockScan<int64_t, kPlanThreads>;
   __shared__ union {
@@ -164,24 +170,31 @@ __global__ void __launch_bounds__(kPlanThreads) forward_split_plan_kernel(const 
   if (threadIdx.x == 0) shared_total = total;
   __syncthreads();
   const int cap = work_split_cap(shared_total * shape.heads, shape.slots, shape.forced);
-  int64_t base = 0;  // items of the sequences before this chunk
+  int64_t base = 0, merge_base = 0;  // items and tiles to merge of the sequences before this chunk
   for (int chunk = 0; chunk < p.batch; chunk += kPlanThreads) {
     const int b = chunk + int(threadIdx.x);
     int key_tiles = 0;
     const int m_tiles = b < p.batch ? plan_sequence_tiles(p, shape, pack, b, &key_tiles) : 0;
     const int splits = work_sequence_splits(cap, key_tiles, shape.forced);
-    int64_t first = 0, chunk_items = 0;
+    int64_t first = 0, chunk_items = 0, first_merge = 0, chunk_merges = 0;
     __syncthreads();  // temp's last use is done
     BlockScan(temp.scan).ExclusiveSum(int64_t(m_tiles) * splits, first, chunk_items);
+    __syncthreads();
+    BlockScan(temp.scan).ExclusiveSum(splits > 1 ? int64_t(m_tiles) : 0, first_merge, chunk_merges);
     first += base;
-    for (int m = 0; m < m_tiles; ++m)  // the sequence's last (causal: heaviest) tile first, as the grid mode does
-      for (int s = 0; s < splits; ++s) {
-        const int64_t e = first + int64_t(m_tiles - 1 - m) * splits + s;
-        if (e < shape.max_items) items[e] = SplitWorkItem{b, m, s, splits};  // always: max_items bounds the list
-      }
+    first_merge += merge_base;
+    for (int m = 0; m < m_tiles; ++m) {  // the sequence's last (causal: heaviest) tile first, as the grid mode does
+      const int64_t tile_first = first + int64_t(m_tiles - 1 - m) * splits;
+      for (int s = 0; s < splits; ++s)  // always inside the bounds (forward_work_shape), checked all the same
+        if (tile_first + s < shape.max_items) items[tile_first + s] = SplitWorkItem{b, m, s, splits};
+      const int64_t merge = first_merge + (m_tiles - 1 - m);
+      if (splits > 1 && merge < shape.max_merges) work.merges[1 + merge] = int32_t(tile_first);
+    }
     base += chunk_items;
+    merge_base += chunk_merges;
   }
   for (int64_t e = base + threadIdx.x; e < shape.max_items; e += kPlanThreads) items[e] = SplitWorkItem{-1, 0, 0, 0};
+  if (threadIdx.x == 0) work.merges[0] = int32_t(merge_base < shape.max_merges ? merge_base : shape.max_merges);
 }
 
 }  // namespace
@@ -201,11 +214,11 @@ Status launch_forward_combine(const AttentionParams& p, int splits, const float*
   return Status();
 }
 
-Status launch_forward_split_plan(const AttentionParams& p, const ForwardWorkShape& shape, SplitWorkItem* items,
+Status launch_forward_split_plan(const AttentionParams& p, const ForwardWorkShape& shape, const ForwardSplitWork& work,
                                  void* stream) {
-  if (shape.max_items < 1 || shape.block_m < 1 || shape.block_n < 1 || shape.heads < 1)
+  if (shape.max_items < 1 || shape.max_merges < 1 || shape.block_m < 1 || shape.block_n < 1 || shape.heads < 1)
     return error(FA_ERROR_INTERNAL, "forward split plan: a list of %d items of %d-row tiles", shape.max_items, shape.block_m);
-  forward_split_plan_kernel<<<1, kPlanThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, shape, items);
+  forward_split_plan_kernel<<<1, kPlanThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, shape, work);
   FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return Status();
 }
@@ -214,8 +227,11 @@ Status launch_forward_combine_work(const AttentionParams& p, const ForwardWorkSh
                                    void* stream) {
   if (p.head_dim_v > 32 * kMaxColumnsPerLane || p.head_dim_v % 4 != 0)
     return error(FA_ERROR_INTERNAL, "forward combine: Dv %d outside its limits", p.head_dim_v);
-  const dim3 grid(shape.partial_items, shape.heads);  // split items lie in [0, partial_items) (forward_work_shape)
-  if (grid.x == 0 || grid.y == 0) return Status();
+  // Warps for every row the merge list may hold, at most kCombineCtasPerSlot CTAs per slot of the split kernel (the
+  // warps then take several rows each; affects speed only).
+  const int64_t max_rows = int64_t(shape.max_merges) * shape.heads * shape.block_m;
+  const int64_t ctas = std::min<int64_t>((max_rows + kCombineWarps - 1) / kCombineWarps, shape.slots * kCombineCtasPerSlot);
+  const dim3 grid(uint32_t(std::max<int64_t>(ctas, 1)));
   const auto s = static_cast<cudaStream_t>(stream);
   if (p.dtype == FA_BFLOAT16)
     forward_combine_work_kernel<__nv_bfloat16><<<grid, kCombineWarps * 32, 0, s>>>(p, shape, work);

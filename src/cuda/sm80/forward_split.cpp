@@ -49,6 +49,7 @@ ForwardWorkShape forward_work_shape(const AttentionParams& p, int block_m, int b
   const int64_t items = s.forced > 0 ? tiles * s.forced : std::max(tiles, one_wave);
   s.max_items = int(std::min<int64_t>(items, INT32_MAX));
   s.partial_items = s.forced > 0 ? s.max_items : int(std::min<int64_t>(s.max_items, one_wave));
+  s.max_merges = std::max(1, s.partial_items / 2);
   return s;
 }
 
@@ -56,9 +57,10 @@ ForwardWorkLayout forward_work_layout(const AttentionParams& p, const ForwardWor
   ForwardWorkLayout layout;
   const int64_t rows = int64_t(shape.partial_items) * shape.heads * shape.block_m;
   layout.items_bytes = aligned(int64_t(shape.max_items) * int64_t(sizeof(SplitWorkItem)));
+  layout.merges_bytes = aligned((1 + int64_t(shape.max_merges)) * 4);
   layout.o_bytes = aligned(rows * p.head_dim_v * 4);
   layout.lse_bytes = aligned(rows * 4);
-  layout.total_bytes = layout.items_bytes + layout.o_bytes + layout.lse_bytes;
+  layout.total_bytes = layout.items_bytes + layout.merges_bytes + layout.o_bytes + layout.lse_bytes;
   return layout;
 }
 

@@ -80,6 +80,7 @@ struct ForwardSplitWork {
   const SplitWorkItem* items = nullptr;
   float* o_partial = nullptr;    // [partial_items][heads][block_m][Dv], float32, O / rowsum of the item's share
   float* lse_partial = nullptr;  // [partial_items][heads][block_m], log2 units
+  int32_t* merges = nullptr;     // [0]: M, then the M items that are split 0 of a tile of >= 2 splits (the merge's)
   int max_items = 0;             // the list's length: the split kernel's grid x
 };
 // The partial row of packed (or query) row `local` of item `item`'s tile, grid head h.
@@ -96,19 +97,20 @@ struct ForwardWorkShape {
   int max_items = 0;             // the list's length (the split kernel's grid x): B x tiles, or slots / heads if more
   int partial_items = 0;         // the items that may write partials: split items exist only where the whole list
                                  // fits one wave (<= slots / heads); forced: all
+  int max_merges = 0;            // tiles to merge: each has >= 2 of the partial items
 };
 // `p`: the call as the plan sees it (its packed view when packed: Hk heads of G x Sq rows).
 ForwardWorkShape forward_work_shape(const AttentionParams& p, int block_m, int block_n, int sm_count, int ctas_per_sm,
                                     int forced);
-// Scratch of a work-list call: the list, then the O and LSE partials (each 256-byte aligned).
+// Scratch of a work-list call: the list, the merge list, then the O and LSE partials (each 256-byte aligned).
 struct ForwardWorkLayout {
-  int64_t items_bytes = 0, o_bytes = 0, lse_bytes = 0, total_bytes = 0;
+  int64_t items_bytes = 0, merges_bytes = 0, o_bytes = 0, lse_bytes = 0, total_bytes = 0;
 };
 ForwardWorkLayout forward_work_layout(const AttentionParams& p, const ForwardWorkShape& shape);
 
-// The plan kernel (writes shape.max_items items at `items`) and the merge of a work-list call; `p` is the call with
-// pack_gqa set as it runs.
-Status launch_forward_split_plan(const AttentionParams& p, const ForwardWorkShape& shape, SplitWorkItem* items,
+// The plan kernel (writes shape.max_items items at work.items and the merge list at work.merges) and the merge of a
+// work-list call; `p` is the call with pack_gqa set as it runs.
+Status launch_forward_split_plan(const AttentionParams& p, const ForwardWorkShape& shape, const ForwardSplitWork& work,
                                  void* stream);
 Status launch_forward_combine_work(const AttentionParams& p, const ForwardWorkShape& shape, const ForwardSplitWork& work,
                                    void* stream);
