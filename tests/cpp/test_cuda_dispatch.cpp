@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "api/validate.hpp"
 #include "cuda/dispatch.hpp"
@@ -471,6 +472,63 @@ TEST(CudaDispatch, ForwardSplitWorkList) {
   EXPECT_EQ(layout.o_bytes, int64_t(40) * 8 * 128 * 128 * 4);
   EXPECT_EQ(layout.lse_bytes, (40 * 8 * 128 * 4 + 255) / 256 * 256);
   EXPECT_EQ(layout.total_bytes, layout.items_bytes + layout.merges_bytes + layout.o_bytes + layout.lse_bytes);
+}
+
+// The list the plan kernel writes, built on the host from the same pieces (its two scans done in order): 16 decode
+// tokens the decode kernels take (no tiles), a chunk of 128 rows over 8k keys and one of 40 rows over 300 keys, packed
+// at G = 4 into 128-row tiles of 8 K/V heads. Every (sequence, tile) appears once per split, its splits consecutive and
+// split 0 first, a sequence's last tile first; the merge list points at split 0 of each tile of >= 2 splits.
+TEST(CudaDispatch, ForwardSplitWorkListItems) {
+  namespace sm80 = flashattn::cuda::sm80;
+  using sm80::SplitWorkItem;
+  Case c;
+  c.batch = 18, c.sq = 512, c.hq = 8, c.hk = 8, c.d = 128;  // the packed view's shape
+  const sm80::ForwardWorkShape shape = sm80::forward_work_shape(params_for(c), 128, 64, 132, 2, 0);
+  std::vector<int> m_tiles(18, 0), key_tiles(18, 1);
+  m_tiles[16] = 4, key_tiles[16] = 128;  // 512 packed rows; 8192 keys in 64-key tiles
+  m_tiles[17] = 2, key_tiles[17] = 5;    // 160 packed rows; 300 keys
+  int64_t total = 0;
+  for (int t : m_tiles) total += t;
+  const int cap = sm80::work_split_cap(total * shape.heads, shape.slots, shape.forced);
+  EXPECT_EQ(cap, 264 / 48);
+  std::vector<SplitWorkItem> items(shape.max_items, SplitWorkItem{-1, 0, 0, 0});
+  std::vector<int32_t> merges(1 + shape.max_merges, -7);
+  int64_t first = 0, first_merge = 0;
+  for (int b = 0; b < 18; ++b) {
+    const int splits = sm80::work_sequence_splits(cap, key_tiles[b], shape.forced);
+    sm80::write_sequence_work(shape, b, m_tiles[b], splits, first, first_merge, items.data(), merges.data());
+    first += int64_t(m_tiles[b]) * splits;
+    if (splits > 1) first_merge += m_tiles[b];
+  }
+  merges[0] = int32_t(first_merge);
+  ASSERT_EQ(first, 4 * 5 + 2);
+  ASSERT_LE(first, shape.max_items);
+  for (int e = 0; e < 20; ++e) {
+    const SplitWorkItem it = items[e];
+    EXPECT_EQ(it.b, 16) << e;
+    EXPECT_EQ(it.m_block, 3 - e / 5) << e;
+    EXPECT_EQ(it.split, e % 5) << e;
+    EXPECT_EQ(it.splits, 5) << e;
+  }
+  for (int e = 20; e < 22; ++e) {
+    EXPECT_EQ(items[e].b, 17) << e;
+    EXPECT_EQ(items[e].m_block, 21 - e) << e;
+    EXPECT_EQ(items[e].splits, 1) << e;
+  }
+  EXPECT_EQ(items[22].b, -1);
+  ASSERT_EQ(merges[0], 4);
+  for (int m = 0; m < 4; ++m) {
+    EXPECT_EQ(merges[1 + m], 5 * m) << m;
+    const SplitWorkItem it = items[merges[1 + m]];
+    EXPECT_EQ(it.split, 0) << m;
+    EXPECT_EQ(it.splits, 5) << m;
+    // its shares are the next items, partials inside the bound the scratch holds
+    EXPECT_LE(merges[1 + m] + it.splits, shape.partial_items) << m;
+    for (int s = 1; s < it.splits; ++s) {
+      EXPECT_EQ(items[merges[1 + m] + s].m_block, it.m_block);
+      EXPECT_EQ(items[merges[1 + m] + s].split, s);
+    }
+  }
 }
 
 // GQA packing (src/cuda/sm80/forward_packing.hpp): when a call may pack, its packed view, the row mapping, and when it

@@ -181,15 +181,7 @@ __global__ void __launch_bounds__(kPlanThreads) forward_split_plan_kernel(const 
     BlockScan(temp.scan).ExclusiveSum(int64_t(m_tiles) * splits, first, chunk_items);
     __syncthreads();
     BlockScan(temp.scan).ExclusiveSum(splits > 1 ? int64_t(m_tiles) : 0, first_merge, chunk_merges);
-    first += base;
-    first_merge += merge_base;
-    for (int m = 0; m < m_tiles; ++m) {  // the sequence's last (causal: heaviest) tile first, as the grid mode does
-      const int64_t tile_first = first + int64_t(m_tiles - 1 - m) * splits;
-      for (int s = 0; s < splits; ++s)  // always inside the bounds (forward_work_shape), checked all the same
-        if (tile_first + s < shape.max_items) items[tile_first + s] = SplitWorkItem{b, m, s, splits};
-      const int64_t merge = first_merge + (m_tiles - 1 - m);
-      if (splits > 1 && merge < shape.max_merges) work.merges[1 + merge] = int32_t(tile_first);
-    }
+    write_sequence_work(shape, b, m_tiles, splits, first + base, first_merge + merge_base, items, work.merges);
     base += chunk_items;
     merge_base += chunk_merges;
   }

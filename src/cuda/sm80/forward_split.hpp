@@ -102,6 +102,20 @@ struct ForwardWorkShape {
 // `p`: the call as the plan sees it (its packed view when packed: Hk heads of G x Sq rows).
 ForwardWorkShape forward_work_shape(const AttentionParams& p, int block_m, int block_n, int sm_count, int ctas_per_sm,
                                     int forced);
+// Writes sequence b's items, its m_tiles tiles x splits (the last tile, causal: the heaviest, first; a tile's splits
+// consecutive, split 0 first) from list index `first`, and, where it splits, the list index of each tile's split 0
+// into merges[1 + first_merge ...] in the same order. Nothing past the shape's bounds (which the plan's counts never
+// reach). The plan kernel calls it per sequence after its scans; the host tests build whole lists with it.
+FA_HD void write_sequence_work(const ForwardWorkShape& shape, int b, int m_tiles, int splits, int64_t first,
+                               int64_t first_merge, SplitWorkItem* items, int32_t* merges) {
+  for (int m = 0; m < m_tiles; ++m) {
+    const int64_t tile_first = first + int64_t(m_tiles - 1 - m) * splits;
+    for (int s = 0; s < splits; ++s)
+      if (tile_first + s < shape.max_items) items[tile_first + s] = SplitWorkItem{b, m, s, splits};
+    const int64_t merge = first_merge + (m_tiles - 1 - m);
+    if (splits > 1 && merge < shape.max_merges) merges[1 + merge] = int32_t(tile_first);
+  }
+}
 // Scratch of a work-list call: the list, the merge list, then the O and LSE partials (each 256-byte aligned).
 struct ForwardWorkLayout {
   int64_t items_bytes = 0, merges_bytes = 0, o_bytes = 0, lse_bytes = 0, total_bytes = 0;
