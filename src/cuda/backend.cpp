@@ -80,22 +80,24 @@ Status plan_forward_rows(const AttentionParams& p, int forced_splits, int64_t mi
   FA_RETURN_IF_ERROR(device_attributes(p.device_id, &device));
   int ctas = 0;
   FA_RETURN_IF_ERROR(split_ctas_per_sm(split_index, p, &ctas));
-  // A varlen call is planned as its longest sequence alone (B = 1): if that would not split, no mix of the call's
-  // sequences does; if it would, the device's plan kernel decides per sequence (the work list, forward_split.hpp).
+  // A varlen call of several sequences is planned as its longest sequence alone (B = 1): if that would not split, no
+  // mix of the call's sequences does; if it would, the device's plan kernel decides per sequence (the work list,
+  // forward_split.hpp). One sequence: the grid mode's count is its own (no plan kernel).
+  const bool by_sequence = p.is_varlen() && p.batch > 1;
   AttentionParams planned = p;
-  if (p.is_varlen()) planned.batch = 1;
+  if (by_sequence) planned.batch = 1;
   const int splits = forced_splits > 0 ? std::min(forced_splits, sm80::kMaxForwardSplits)
                                        : sm80::forward_split_count(planned, split_entry.block_m, split_entry.block_n,
                                                                    device.sm_count, ctas);  // (the tests' count too)
   const bool forced = forced_splits > 0 || sm80::forward_splits_for_tests() > 0;
   // Varlen: the tiles that surely run already fill half the slots, so the plan kernel could only pick one split each.
-  const bool surely_full = p.is_varlen() && !forced && min_rows > 0 &&
+  const bool surely_full = by_sequence && !forced && min_rows > 0 &&
                            2 * ((min_rows + split_entry.block_m - 1) / split_entry.block_m) * p.heads_q >
                                int64_t(device.sm_count) * ctas;
   if (splits > 1 && !surely_full) {
     plan->split_index = split_index;
     plan->splits = splits;
-    if (p.is_varlen()) {
+    if (by_sequence) {
       plan->work_list = true;
       plan->work = sm80::forward_work_shape(p, split_entry.block_m, split_entry.block_n, device.sm_count, ctas,
                                               forced ? splits : 0);
