@@ -34,24 +34,26 @@ struct ForwardSplitLayout {
 ForwardSplitLayout forward_split_layout(const AttentionParams& p, int splits);
 
 // Split counts (affects speed and rounding only, never results beyond rounding; the same shapes on the same device
-// always split alike). A call splits when its CTAs (query tiles x Hq x B; a varlen call: its longest sequence's tiles
-// x Hq, B = 1, then by sequence on the device, below) fill fewer than half of the device's CTA slots (SMs x resident CTAs per SM of the split kernel): it then
-// takes the most splits that keep the grid within one wave of slots, at most kMaxForwardSplits and at least
-// kMinTilesPerSplit key tiles each (key tiles of max_seqlen_k). 1: no split.
+// always split alike). A call splits when its CTAs (query tiles x Hq x B; a varlen call of several sequences: its
+// longest sequence's tiles x Hq, then by sequence on the device, below) fill fewer than half of the device's CTA slots
+// (SMs x resident CTAs per SM of the split kernel): it then takes the most splits that keep the grid within one wave of
+// slots, at most kMaxForwardSplits and at least kMinTilesPerSplit key tiles each (key tiles of max_seqlen_k). 1: no
+// split.
 constexpr int kMaxForwardSplits = 32;   // the merge reads one LSE per lane of a warp
 constexpr int kMinTilesPerSplit = 4;    // below it a share's prologue and the merge cost more than the share saves
 int forward_split_count(const AttentionParams& p, int block_m, int block_n, int sm_count, int ctas_per_sm);
 
-// Varlen calls split by sequence (the work list). The rule above counts B x the longest sequence's query tiles, as
-// the grid of a varlen call does; but a serving step of 16 decode tokens (run by the decode kernels) beside one chunk
-// of 128 prompt tokens over an 8k prefix has 17 x 4 x 8 such CTAs, of which only the chunk's 32 do any work, each over
-// 8k keys: it never split (H100, 2026-12-06 16:29 UTC: 635 us, where the chunk alone, split, and the decodes took 290).
-// The sequences' lengths are on the device, so for a varlen call whose one longest sequence would split (the rule
-// above at B = 1), a one-CTA plan kernel (forward_combine.cu) reads cu_seqlens_q / cu_seqlens_k / seqused_k, counts
-// the query tiles the split kernel really runs (the sequences the decode kernels took excluded), applies the same rule
-// to that count and gives each sequence its own split count (fewer where its keys are few), and writes the list of
-// (sequence, query tile, split) items that the split kernel's CTAs take by blockIdx.x. An item of a sequence of one
-// split writes out and lse itself; the others write partials, which the merge combines. Affects speed and rounding only.
+// Varlen calls split by sequence (the work list). The rule above counts B x the longest sequence's query tiles, as the
+// grid of a varlen call does; but a serving step of 16 decode tokens (run by the decode kernels) beside one chunk of
+// 128 prompt tokens over an 8k prefix has 17 x 4 x 8 such CTAs, of which only the chunk's 32 do any work, each over 8k
+// keys: it never split (H100, 2026-12-06 16:29 UTC: 635 us, where the chunk alone, split, and the decodes took 290).
+// The sequences' lengths are on the device, so for a varlen call of several sequences whose longest one alone would
+// split (the rule above at B = 1; not where q's rows surely fill half the slots), a one-CTA plan kernel
+// (forward_combine.cu) reads cu_seqlens_q / cu_seqlens_k / seqused_k, counts the query tiles the split kernel really
+// runs (the sequences the decode kernels took excluded), applies the same rule to that count and gives each sequence
+// its own split count (fewer where its keys are few), and writes the list of (sequence, query tile, split) items that
+// the split kernel's CTAs take by blockIdx.x. An item of a sequence of one split writes out and lse itself; the others
+// write partials, which the merge combines. Affects speed and rounding only.
 //
 // The split count cap for all sequences, given the unsplit CTAs of the sequences that run (query tiles x grid heads)
 // and the device's slots; forced > 0 (tests): that many.
@@ -93,7 +95,7 @@ struct ForwardWorkShape {
   int block_m = 0, block_n = 0;  // the split row's tile
   int heads = 0;                 // the grid's heads: Hk packed, else Hq
   int64_t slots = 0;             // SMs x resident CTAs of the split row
-  int forced = 0;                // > 0: every sequence takes that many splits (tests, fa_kvcache's num_splits)
+  int forced = 0;                // > 0: every sequence takes that many splits (the tests' count)
   int max_items = 0;             // the list's length (the split kernel's grid x): B x tiles, or slots / heads if more
   int partial_items = 0;         // the items that may write partials: split items exist only where the whole list
                                  // fits one wave (<= slots / heads); forced: all
