@@ -1,6 +1,6 @@
 // The merge of the forward's split-KV partials (forward_split.hpp): one warp per (sequence, head, query row); for a
-// varlen call, also the plan kernel that writes its work list, and the merge of the list's partials (a CTA per split
-// tile and grid head).
+// varlen call, also the plan kernel that writes its work list, and the merge of the list's partials (one warp per row
+// of the merge list's tiles).
 //
 // Share s of a row holds O_s = (sum over its keys of p_j v_j) / (sum of p_j) and its LSE l_s (log2 units). Then
 //   L = m + log2(sum_s 2^(l_s - m)),  m = max_s l_s,     O = sum_s 2^(l_s - L) O_s,
