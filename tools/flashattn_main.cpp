@@ -1020,7 +1020,7 @@ int command_step(int argc, char** argv) {
     std::string h =
         "flashattn step: one continuous-batching step over a paged KV cache on random inputs: --decode sequences\n"
         "that each add 1 token (or --decode-tokens) to --cache keys, beside --prefill sequences that each add a --chunk\n"
-        "of prompt tokens to --prefill-cache keys. Every new token attends causally (bottom-right). Timed four ways:\n"
+        "of prompt tokens to --prefill-cache keys. Every new token attends causally (bottom-right). Timed five ways:\n"
         "  append    fa_kvcache_append of every sequence's new K/V rows (the write half alone)\n"
         "  mixed     that append + ONE causal varlen fa_forward over the pool: the step as a server with requests\n"
         "            of mixed lengths runs it (2 calls, whatever the mix)\n"
@@ -1028,6 +1028,9 @@ int command_step(int argc, char** argv) {
         "            or --decode-tokens, split-KV), the prefills in another (Sq = chunk)\n"
         "  split     that append + fa_kvcache over the decodes (no append, split-KV) + one causal varlen\n"
         "            fa_forward over the prefills: any prefill lengths, decodes through the decode kernels (3 calls)\n"
+        "  concurrent split (CUDA, with decodes and prefills) with its decode call on a second stream, forked\n"
+        "            after the append and joined by events: what running a step's two independent halves side by side gives\n"
+        "            (--check checks its out: it runs after split, into the same rows)\n"
         "  --decode N           decoding sequences (default 64)\n"
         "  --decode-tokens T    tokens each decoding sequence adds (default 1; > 1: speculative tokens to verify)\n"
         "  --cache S            keys already cached in each decoding sequence (default 4096)\n"
@@ -1048,7 +1051,7 @@ int command_step(int argc, char** argv) {
         "                       threshold at its maximum, as a server would set it). The library's builds before\n"
         "                       393d8b9 took the mixed step's fa_forward scratch from that pool, which otherwise unmaps\n"
         "                       it at each synchronisation (an A/B against them); later builds use a pool of their own\n"
-        "  --pipelined          also time mixed, grouped and split as --iters steps issued back to back with one\n"
+        "  --pipelined          also time mixed, grouped, split and concurrent as --iters steps issued back to back with one\n"
         "                       synchronisation after them (per step: the total / iters), as a server queues its steps\n"
         "  --json FILE          also write the result as JSON\n"
         "Reported: time per step (eager calls, launch included; the calls allocate only the CUDA paged forward's\n"
@@ -1275,15 +1278,46 @@ int command_step(int argc, char** argv) {
     if (st.ok() && prefills > 0) st = flashattn::forward(run.split_prefills, options);
     return st;
   };
+  // concurrent (CUDA, decodes and prefills both): split's calls with the decode call on a second stream, forked after
+  // the append and joined before the step ends (events): what running the two independent halves of a step side by
+  // side would give. A measurement of the tool's own; the library runs a call's work on the caller's stream.
+  std::function<Status()> concurrent;
+#if defined(FLASHATTN_WITH_CUDA)
+  cudaStream_t side = nullptr;
+  cudaEvent_t forked = nullptr, joined = nullptr;
+  if (device && decodes > 0 && prefills > 0) {
+    if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaEventCreateWithFlags(&forked, cudaEventDisableTiming) != cudaSuccess ||
+        cudaEventCreateWithFlags(&joined, cudaEventDisableTiming) != cudaSuccess)
+      Args::fail("concurrent: could not create a stream and two events");
+    concurrent = [&]() -> Status {
+      const auto main_stream = static_cast<cudaStream_t>(options.stream);
+      Status st = flashattn::kvcache_append(run.append, options);
+      if (!st.ok()) return st;
+      if (cudaEventRecord(forked, main_stream) != cudaSuccess || cudaStreamWaitEvent(side, forked, 0) != cudaSuccess)
+        return Status(FA_ERROR_DEVICE, "concurrent: fork failed");
+      fa_options side_options = options;
+      side_options.stream = side;
+      st = flashattn::kvcache(run.split_decodes, side_options);
+      if (st.ok()) st = flashattn::forward(run.split_prefills, options);
+      if (cudaEventRecord(joined, side) != cudaSuccess || cudaStreamWaitEvent(main_stream, joined, 0) != cudaSuccess)
+        return Status(FA_ERROR_DEVICE, "concurrent: join failed");
+      return st;
+    };
+  }
+#endif
   const Timing t_append = time_call(append, device, warmup, iters, 30);
   const Timing t_mixed = time_call(mixed, device, warmup, iters, 60);
   const Timing t_grouped = time_call(grouped, device, warmup, iters, 60);
   const Timing t_split = time_call(split, device, warmup, iters, 60);
-  double piped[3] = {-1, -1, -1};  // mixed, grouped, split (--pipelined)
+  Timing t_concurrent;
+  if (concurrent) t_concurrent = time_call(concurrent, device, warmup, iters, 60);
+  double piped[4] = {-1, -1, -1, -1};  // mixed, grouped, split, concurrent (--pipelined)
   if (pipelined) {
     piped[0] = time_call_pipelined(mixed, device, warmup, iters);
     piped[1] = time_call_pipelined(grouped, device, warmup, iters);
     piped[2] = time_call_pipelined(split, device, warmup, iters);
+    if (concurrent) piped[3] = time_call_pipelined(concurrent, device, warmup, iters);
   }
   const double kv_bytes = double(cu_k.back()) * hk * (d + dv) * es;
   std::printf("flashattn step: %d decodes (+%d token%s, %d cached) and %d prefills (+%d tokens, %d cached), %d new rows, "
@@ -1301,10 +1335,15 @@ int command_step(int argc, char** argv) {
   std::printf("split:   %10.3f us (median of %d, min %.3f us)  K/V %s at %.1f GB/s  (split / grouped %.3f)\n",
               t_split.median_s * 1e6, t_split.iterations, t_split.min_s * 1e6, human_bytes(kv_bytes).c_str(),
               kv_bytes / t_split.median_s / 1e9, t_split.median_s / t_grouped.median_s);
+  if (concurrent)
+    std::printf("concurrent: %7.3f us (median of %d, min %.3f us)  K/V %s at %.1f GB/s  (concurrent / grouped %.3f; "
+                "split with its decode call on a second stream)\n",
+                t_concurrent.median_s * 1e6, t_concurrent.iterations, t_concurrent.min_s * 1e6, human_bytes(kv_bytes).c_str(),
+                kv_bytes / t_concurrent.median_s / 1e9, t_concurrent.median_s / t_grouped.median_s);
   if (pipelined)
-    std::printf("pipelined (%d steps back to back, one synchronisation): mixed %.3f us, grouped %.3f us, split %.3f us "
-                "per step (mixed / grouped %.3f)\n",
-                iters, piped[0] * 1e6, piped[1] * 1e6, piped[2] * 1e6, piped[0] / piped[1]);
+    std::printf("pipelined (%d steps back to back, one synchronisation): mixed %.3f us, grouped %.3f us, split %.3f us, "
+                "concurrent %.3f us per step (mixed / grouped %.3f)\n",
+                iters, piped[0] * 1e6, piped[1] * 1e6, piped[2] * 1e6, piped[3] * 1e6, piped[0] / piped[1]);
 
   int status = 0;
   double err_mixed = -1, err_grouped = -1, err_split = -1;
@@ -1339,14 +1378,23 @@ int command_step(int argc, char** argv) {
       << ",\"D\":" << d << ",\"Dv\":" << dv << ",\"dtype\":\"" << flashattn::dtype_name(dtype) << "\",\"backend\":\""
       << backend_label(backend) << "\",\"us_append\":" << t_append.median_s * 1e6 << ",\"us_mixed\":"
       << t_mixed.median_s * 1e6 << ",\"us_grouped\":" << t_grouped.median_s * 1e6 << ",\"us_split\":" << t_split.median_s * 1e6;
+    if (concurrent) f << ",\"us_concurrent\":" << t_concurrent.median_s * 1e6;
     if (pipelined)
       f << ",\"us_mixed_pipelined\":" << piped[0] * 1e6 << ",\"us_grouped_pipelined\":" << piped[1] * 1e6
         << ",\"us_split_pipelined\":" << piped[2] * 1e6;
+    if (pipelined && concurrent) f << ",\"us_concurrent_pipelined\":" << piped[3] * 1e6;
     if (check)
       f << ",\"check_rel_l2_mixed\":" << err_mixed << ",\"check_rel_l2_grouped\":" << err_grouped
         << ",\"check_rel_l2_split\":" << err_split;
     f << "}\n";
   }
+#if defined(FLASHATTN_WITH_CUDA)
+  if (side != nullptr) {  // (the concurrent step's; all its work is done: check and timing synchronised)
+    cudaEventDestroy(forked);
+    cudaEventDestroy(joined);
+    cudaStreamDestroy(side);
+  }
+#endif
   return status;
 }
 

@@ -1130,3 +1130,41 @@ TEST(CudaKvcachePlan, ShortSequencesOfAPagedVarlenForward) {
   EXPECT_EQ(whole.block_table, nullptr);
   EXPECT_TRUE(decode::check_kvcache_support(whole).ok()) << decode::check_kvcache_support(whole).message();
 }
+
+// The routed call's split count is planned for routed_sequences_bound sequences (decode_plan.hpp): at least every
+// sequence of at most T rows there can be, whatever the counts; the steps of `flashattn step` exactly; at least 1.
+TEST(CudaKvcachePlan, RoutedSequencesBound) {
+  auto call = [](int batch, int max_seqlen_q, int64_t total_q) {
+    flashattn::AttentionParams p{};
+    p.batch = batch;
+    p.seqlen_q = max_seqlen_q;
+    p.varlen_total_q = total_q;
+    return p;
+  };
+  EXPECT_EQ(decode::routed_sequences_bound(call(17, 128, 16 + 128), 4), 16);            // 16 decodes + a chunk of 128
+  EXPECT_EQ(decode::routed_sequences_bound(call(66, 512, 64 + 2 * 512), 4), 64);        // 64 + 2 chunks of 512
+  EXPECT_EQ(decode::routed_sequences_bound(call(6, 64, 4 + 2 * 64), 4), 4);             // 4 + 2 chunks of 64
+  EXPECT_EQ(decode::routed_sequences_bound(call(260, 256, 256 + 4 * 256), 4), 259);     // 256 + 4 chunks of 256
+  EXPECT_EQ(decode::routed_sequences_bound(call(8, 4, 8 * 3), 4), 8);                   // every sequence short
+  EXPECT_EQ(decode::routed_sequences_bound(call(3, 600, 3 * 600), 4), 1);               // no short one: at least 1
+  EXPECT_EQ(decode::routed_sequences_bound(call(9, 40, 8 * 5 + 40), 5), 8);             // 8 of T rows + one of 40
+  std::mt19937_64 rng(11);
+  for (int trial = 0; trial < 20000; ++trial) {
+    const int batch = 1 + int(rng() % 300), t = 1 + int(rng() % 16);
+    std::vector<int> counts(static_cast<size_t>(batch));
+    int longest = 0, routed = 0;
+    int64_t total = 0;
+    for (int& n : counts) {
+      n = rng() % 3 == 0 ? int(rng() % 2000) : int(rng() % (t + 1));  // chunks (any count) and short sequences (0..T)
+      longest = std::max(longest, n);
+      total += n;
+      routed += n >= 1 && n <= t ? 1 : 0;
+    }
+    const int max_seqlen_q = longest + int(rng() % 3);  // an upper bound, not always the longest itself
+    if (max_seqlen_q < 1) continue;
+    const int bound = decode::routed_sequences_bound(call(batch, max_seqlen_q, total), std::min(t, max_seqlen_q));
+    EXPECT_GE(bound, routed) << "B " << batch << " T " << t << " total " << total;
+    EXPECT_GE(bound, 1);
+    EXPECT_LE(bound, batch);
+  }
+}

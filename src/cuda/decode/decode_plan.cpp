@@ -322,6 +322,14 @@ int short_sequence_max_q(const AttentionParams& p) {
   return max_q;
 }
 
+int routed_sequences_bound(const AttentionParams& p, int max_q) {
+  const int64_t batch = p.batch, longest = p.seqlen_q;  // varlen: seqlen_q is max_seqlen_q
+  if (batch < 1 || max_q < 1 || longest <= max_q) return p.batch < 1 ? 1 : p.batch;
+  const int64_t excess = int64_t(p.varlen_total_q) - batch * max_q;  // rows beyond T per sequence, all of the longer ones'
+  const int64_t longer = excess <= 0 ? 0 : (excess + (longest - max_q) - 1) / (longest - max_q);
+  return int(std::max<int64_t>(1, batch - longer));
+}
+
 namespace {
 // The forward's cache, heads, scale, mask, softcap, ALiBi and stream as a fa_kvcache-shaped call over `cache_seqlens`
 // key counts: no varlen indices, no append, rotary, left padding or index checks; num_splits 0 (planned).

@@ -335,9 +335,18 @@ Status run_short_sequences(const AttentionParams& p, ShortSequences* routed) {
   }
   if (!p.is_varlen()) return Status();  // the decode kernels refused it: the forward kernel computes every row
   // The plan depends on the shapes only: planned with the forward's q / out standing in for the padded buffers (both
-  // 16-byte aligned, as the padded rows are).
+  // 16-byte aligned, as the padded rows are). The split count is that of the sequences that can be short
+  // (routed_sequences_bound); the call's own selection at that count then sizes the workspace for all B.
   Selection s;
-  const Status selected = select(short_sequence_call(p, max_q, const_cast<void*>(p.q), p.out, p.lse, nullptr), &s);
+  KvcacheParams planned = short_sequence_call(p, max_q, const_cast<void*>(p.q), p.out, p.lse, nullptr);
+  const int full_batch = planned.batch;
+  planned.batch = routed_sequences_bound(p, max_q);
+  Status selected = select(planned, &s);
+  if (selected.ok() && planned.batch != full_batch) {
+    planned.batch = full_batch;
+    planned.num_splits = s.plan.num_splits;
+    selected = select(planned, &s);
+  }
   if (selected.code() == FA_ERROR_UNSUPPORTED || selected.code() == FA_ERROR_NOT_COMPILED) return Status();
   FA_RETURN_IF_ERROR(selected);
   const KvcacheLaunchFn launch = generated::kKernelLaunch[s.index].kvcache;
