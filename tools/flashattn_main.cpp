@@ -1053,6 +1053,8 @@ int command_step(int argc, char** argv) {
         "                       it at each synchronisation (an A/B against them); later builds use a pool of their own\n"
         "  --pipelined          also time mixed, grouped, split and concurrent as --iters steps issued back to back with one\n"
         "                       synchronisation after them (per step: the total / iters), as a server queues its steps\n"
+        "  --side-priority      concurrent: the decode call's stream at the device's greatest priority (else least)\n"
+        "  --forward-first      concurrent: the prefills' forward enqueued before the decode call (else after)\n"
         "  --json FILE          also write the result as JSON\n"
         "Reported: time per step (eager calls, launch included; the calls allocate only the CUDA paged forward's\n"
         "stream-ordered scratch for its decode tokens).\n";
@@ -1074,6 +1076,8 @@ int command_step(int argc, char** argv) {
   const bool keep_pool = a.flag("keep-pool");
   const bool seqused = a.flag("seqused");
   const bool pipelined = a.flag("pipelined");
+  const bool side_priority = a.flag("side-priority");
+  const bool forward_first = a.flag("forward-first");
   const std::string json = a.str("json", "");
   a.finish();
   if (decodes < 0 || prefills < 0 || decodes + prefills < 1) Args::fail("--decode and --prefill: >= 0, one of them >= 1");
@@ -1286,7 +1290,9 @@ int command_step(int argc, char** argv) {
   cudaStream_t side = nullptr;
   cudaEvent_t forked = nullptr, joined = nullptr;
   if (device && decodes > 0 && prefills > 0) {
-    if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) != cudaSuccess ||
+    int least = 0, greatest = 0;  // --side-priority: the decode call's stream at the device's greatest priority
+    if (cudaDeviceGetStreamPriorityRange(&least, &greatest) != cudaSuccess ||
+        cudaStreamCreateWithPriority(&side, cudaStreamNonBlocking, side_priority ? greatest : least) != cudaSuccess ||
         cudaEventCreateWithFlags(&forked, cudaEventDisableTiming) != cudaSuccess ||
         cudaEventCreateWithFlags(&joined, cudaEventDisableTiming) != cudaSuccess)
       Args::fail("concurrent: could not create a stream and two events");
@@ -1298,8 +1304,13 @@ int command_step(int argc, char** argv) {
         return Status(FA_ERROR_DEVICE, "concurrent: fork failed");
       fa_options side_options = options;
       side_options.stream = side;
-      st = flashattn::kvcache(run.split_decodes, side_options);
-      if (st.ok()) st = flashattn::forward(run.split_prefills, options);
+      if (forward_first) {  // --forward-first: the prefills' forward enqueued before the decode call
+        st = flashattn::forward(run.split_prefills, options);
+        if (st.ok()) st = flashattn::kvcache(run.split_decodes, side_options);
+      } else {
+        st = flashattn::kvcache(run.split_decodes, side_options);
+        if (st.ok()) st = flashattn::forward(run.split_prefills, options);
+      }
       if (cudaEventRecord(joined, side) != cudaSuccess || cudaStreamWaitEvent(main_stream, joined, 0) != cudaSuccess)
         return Status(FA_ERROR_DEVICE, "concurrent: join failed");
       return st;
