@@ -10,6 +10,7 @@
 #include "cuda/common/check.hpp"
 #include "cuda/common/device_guard.hpp"
 #include "cuda/common/scratch_pool.hpp"
+#include "cuda/common/stream_fork.hpp"
 #include "cuda/decode/decode_plan.hpp"
 #include "cuda/decode/kvcache.hpp"
 #include "cuda/cuda_backend.hpp"
@@ -187,20 +188,30 @@ Status forward(const AttentionParams& p) {
   // K/V head's query heads and split long key ranges (decode_plan.hpp, short_sequence_max_q); the forward kernel
   // then skips them. Only the paged instantiation knows to skip (forward_kernel.cuh). A call that is not varlen, of
   // at most T query rows (a decode step over a dense or paged cache), runs in the decode kernels whole, in place.
+  // The routed sequences and the forward kernel's read and write disjoint rows: the decode half goes on a side stream
+  // (common/stream_fork.hpp) and runs beside the forward kernel, joined before the call returns.
   decode::ShortSequences routed;
-  if (entry.paged_kv || !p.is_varlen()) FA_RETURN_IF_ERROR(decode::run_short_sequences(p, &routed));
+  StreamFork fork;
+  if (entry.paged_kv || !p.is_varlen()) FA_RETURN_IF_ERROR(decode::run_short_sequences(p, &routed, &fork));
   const bool all_routed = routed.max_q > 0 && routed.max_q >= p.seqlen_q;  // max_seqlen_q bounds every sequence
   int splits = 1;
   int64_t split_bytes = 0;
   const char* kernel_name = entry.name;
+  Status ran;
   if (!all_routed) {
     AttentionParams rest = p;
     rest.routed_seqlen_q = uint8_t(routed.max_q);
-    FA_RETURN_IF_ERROR(run_forward_kernel(rest, plan, nullptr));
+    ran = run_forward_kernel(rest, plan, nullptr);
     splits = plan.splits;
     split_bytes = plan.scratch_bytes;
     if (plan.splits > 1) kernel_name = kernel_entry(plan.split_index).name;
   }
+  const Status joined = fork.join();  // (also on an error: the routed half's scratch is freed after it, in stream order)
+  const cudaError_t freed = routed.scratch != nullptr ? scratch_free(routed.scratch, static_cast<cudaStream_t>(p.stream))
+                                                      : cudaSuccess;
+  FA_RETURN_IF_ERROR(ran);
+  FA_RETURN_IF_ERROR(joined);
+  FA_CUDA_RETURN_IF_ERROR(freed);
   if (p.stats != nullptr) {
     // Both scratches are held at once only between the decode call's launch and its free: stream order frees the
     // first before the second is taken, so the peak is the larger.

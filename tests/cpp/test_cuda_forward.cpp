@@ -19,6 +19,7 @@
 #include "api/validate.hpp"
 #include "core/philox.hpp"
 #include "cpu/reference/reference.hpp"
+#include "cuda/common/stream_fork.hpp"
 #include "cuda/sm80/forward_split.hpp"
 #include "testing.hpp"
 
@@ -149,6 +150,7 @@ class DeviceCall {
   void download(HostTensor& t) {
     EXPECT_EQ(cudaMemcpy(t.data(), buffers_.at(&t), size_t(t.storage_bytes()), cudaMemcpyDeviceToHost), cudaSuccess);
   }
+  void* device_data(const HostTensor& t) const { return buffers_.at(&t); }
 
  private:
   void upload(HostTensor* t) {
@@ -960,6 +962,61 @@ TEST(CudaForward, VarlenPagedShortSequencesInACudaGraph) {
     ASSERT_EQ(std::string(stats.kernel).find("in place") != std::string::npos, in_place) << stats.kernel;
     expect_graph_replays_match(c, eager);
   }
+#endif
+}
+
+// The routed sequences run on a side stream beside the forward kernel (src/cuda/common/stream_fork.hpp): the same
+// bytes as with both halves on the caller's stream, and the call keeps the caller's stream order. On a stream of its
+// own, behind a 1 GiB memset (a few hundred microseconds), out and lse are poisoned by a memset, the call runs, and its
+// out and lse are copied to the host, all enqueued without a wait in between: a side half that started before the
+// poison (no fork wait) would be overwritten by it, and a copy that ran before the side half ended (no join) would
+// read poison. A decode sequence over 60000 keys keeps the side half longer than the forward's.
+TEST(CudaForward, VarlenPagedShortSequencesBesideTheForward) {
+  SKIP_WITHOUT_GPU();
+#if defined(FLASHATTN_WITH_CUDA)
+  auto rng = fa_test::make_rng("cuda_forward_varlen_paged_side_stream");
+  Call c = varlen_paged_call(rng, {1, 3, 37, 1, 130, 2}, {60000, 200, 500, 900, 700, 1}, 32, 8, 128, 16, FA_BFLOAT16, 1);
+  c.options.causal = 1;
+  Call serial = c;
+  flashattn::cuda::set_stream_fork_for_tests(false);
+  fa_stats stats{};
+  const Status serial_status = run_gpu(serial, &stats);
+  flashattn::cuda::set_stream_fork_for_tests(true);
+  ASSERT_TRUE(serial_status.ok()) << serial_status.to_string();
+  ASSERT_NE(std::string(stats.kernel).find("dec_"), std::string::npos) << stats.kernel;
+  ASSERT_NE(std::string(stats.kernel).find("fwd_"), std::string::npos) << stats.kernel;
+  Call forked = c;
+  ASSERT_TRUE(run_gpu(forked).ok());
+  EXPECT_EQ(std::memcmp(forked.out.data(), serial.out.data(), size_t(serial.out.storage_bytes())), 0);
+  EXPECT_EQ(std::memcmp(forked.lse.data(), serial.lse.data(), size_t(serial.lse.storage_bytes())), 0);
+
+  Call ordered = c;
+  DeviceCall d(ordered);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  void* slow = nullptr;
+  const size_t slow_bytes = size_t(1) << 30;
+  ASSERT_EQ(cudaMalloc(&slow, slow_bytes), cudaSuccess);
+  fa_options o = d.options();
+  o.stream = stream;
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_EQ(cudaMemsetAsync(slow, round, slow_bytes, stream), cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(d.device_data(ordered.out), 0xff, size_t(ordered.out.storage_bytes()), stream), cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(d.device_data(ordered.lse), 0xff, size_t(ordered.lse.storage_bytes()), stream), cudaSuccess);
+    const Status s = flashattn::forward(d.args(), o);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    ASSERT_EQ(cudaMemcpyAsync(ordered.out.data(), d.device_data(ordered.out), size_t(ordered.out.storage_bytes()),
+                              cudaMemcpyDeviceToHost, stream),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemcpyAsync(ordered.lse.data(), d.device_data(ordered.lse), size_t(ordered.lse.storage_bytes()),
+                              cudaMemcpyDeviceToHost, stream),
+              cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_EQ(std::memcmp(ordered.out.data(), serial.out.data(), size_t(serial.out.storage_bytes())), 0) << "round " << round;
+    EXPECT_EQ(std::memcmp(ordered.lse.data(), serial.lse.data(), size_t(serial.lse.storage_bytes())), 0) << "round " << round;
+  }
+  cudaFree(slow);
+  cudaStreamDestroy(stream);
 #endif
 }
 

@@ -11,6 +11,7 @@
 #include "cuda/common/check.hpp"
 #include "cuda/common/device_guard.hpp"
 #include "cuda/common/scratch_pool.hpp"
+#include "cuda/common/stream_fork.hpp"
 #include "cuda/decode/decode_aux.hpp"
 #include "cuda/decode/decode_plan.hpp"
 #include "cuda/decode/short_sequences.hpp"
@@ -325,7 +326,7 @@ Status run_uniform_sequences(const AttentionParams& p, int max_q, ShortSequences
   return Status();
 }
 
-Status run_short_sequences(const AttentionParams& p, ShortSequences* routed) {
+Status run_short_sequences(const AttentionParams& p, ShortSequences* routed, StreamFork* fork) {
   *routed = ShortSequences{};
   const int max_q = short_sequence_max_q(p);
   if (max_q == 0) return Status();
@@ -375,14 +376,26 @@ Status run_short_sequences(const AttentionParams& p, ShortSequences* routed) {
   kv.num_splits = s.plan.num_splits;
   kv.workspace = s.plan.workspace_bytes > 0 ? base + seqlens_bytes + q_bytes + out_bytes + lse_bytes : nullptr;
   kv.workspace_bytes = s.plan.workspace_bytes;
+  // With a fork (the forward kernel runs too), the three launches go on the side stream, after the allocation above on
+  // the forward's stream; the caller joins after enqueueing the forward kernel, then frees (routed->scratch).
+  const Status forked = fork != nullptr && max_q < p.seqlen_q ? fork->fork(p.device_id, stream) : Status();
+  const cudaStream_t launch_stream = fork != nullptr && forked.ok() ? fork->stream() : stream;
+  kv.stream = launch_stream;
   const Status launched = [&]() -> Status {
-    FA_RETURN_IF_ERROR(launch_gather_short_sequences(p, buffers, stream));
-    FA_RETURN_IF_ERROR(launch(kv, stream));
-    return launch_scatter_short_sequences(p, buffers, stream);
+    FA_RETURN_IF_ERROR(forked);
+    FA_RETURN_IF_ERROR(launch_gather_short_sequences(p, buffers, launch_stream));
+    FA_RETURN_IF_ERROR(launch(kv, launch_stream));
+    return launch_scatter_short_sequences(p, buffers, launch_stream);
   }();
-  const cudaError_t freed = scratch_free(scratch, stream);
-  FA_RETURN_IF_ERROR(launched);
-  FA_CUDA_RETURN_IF_ERROR(freed);
+  if (!launched.ok() || fork == nullptr || !fork->forked()) {  // the free in stream order after the launches
+    const Status joined = fork != nullptr ? fork->join() : Status();
+    const cudaError_t freed = scratch_free(scratch, stream);
+    FA_RETURN_IF_ERROR(launched);
+    FA_RETURN_IF_ERROR(joined);
+    FA_CUDA_RETURN_IF_ERROR(freed);
+  } else {
+    routed->scratch = scratch;  // freed by the caller after its join
+  }
   routed->max_q = max_q;
   routed->scratch_bytes = total;
   routed->num_splits = s.plan.num_splits;

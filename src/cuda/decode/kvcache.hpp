@@ -27,6 +27,10 @@
 #include "core/params.hpp"
 #include "core/status.hpp"
 
+namespace flashattn::cuda {
+class StreamFork;  // common/stream_fork.hpp
+}  // namespace flashattn::cuda
+
 namespace flashattn::cuda::decode {
 
 Status plan_kvcache(const KvcacheParams& params, fa_kvcache_plan* plan);
@@ -43,13 +47,19 @@ Status run_kvcache_append(const KvcacheAppendParams& params);
 // CUDA graph). When every sequence has max_seqlen_q <= T rows (a decode step), the decode call runs in place on the
 // forward's q / out / lse instead (decode_plan.hpp, uniform_short_sequences). `routed.max_q` = 0 when nothing was
 // routed (a call the rule or the decode kernels do not take: the forward kernel then computes every row).
+//
+// `fork` (optional; the forward kernel will run too): the gather, the decode call and the scatter go on the fork's side
+// stream (common/stream_fork.hpp) when it forks, after the scratch's allocation on the forward's stream; the caller then
+// enqueues the forward kernel, joins, and frees `routed.scratch` on the forward's stream. Without a fork, or where it
+// does not fork, everything is on the forward's stream and the scratch is freed here (`routed.scratch` null).
 struct ShortSequences {
   int max_q = 0;                  // the sequences of 1 to max_q query rows were computed (the forward kernel skips them)
   bool in_place = false;          // every sequence had max_seqlen_q rows: one decode call over the forward's tensors
   int64_t scratch_bytes = 0;      // the stream-ordered allocation
+  void* scratch = nullptr;        // forked: the allocation, for the caller to free on the forward's stream after the join
   int num_splits = 1;             // of the decode call
   const char* kernel = nullptr;   // its table row's name
 };
-Status run_short_sequences(const AttentionParams& params, ShortSequences* routed);
+Status run_short_sequences(const AttentionParams& params, ShortSequences* routed, StreamFork* fork = nullptr);
 
 }  // namespace flashattn::cuda::decode

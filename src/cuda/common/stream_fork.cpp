@@ -1,0 +1,91 @@
+// The side streams of StreamFork (stream_fork.hpp), one per device, created on first use and kept for the process.
+#include "cuda/common/stream_fork.hpp"
+
+#include <atomic>
+
+#include "cuda/common/check.hpp"
+
+namespace flashattn::cuda {
+namespace {
+
+constexpr int kMaxDevices = 64;  // devices beyond it never fork
+
+struct SideStream {
+  std::mutex mutex;  // held from a fork to its join
+  cudaStream_t stream = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;  // reused by every fork: each wait is enqueued right after its record
+};
+
+SideStream& side_of(int device) {
+  static SideStream sides[kMaxDevices];  // (never destroyed: the CUDA context may be gone at exit)
+  return sides[device];
+}
+
+std::atomic<bool> g_fork_enabled{true};
+
+struct Capture {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+};
+cudaError_t capture_of(cudaStream_t stream, Capture* c) { return cudaStreamGetCaptureInfo(stream, &c->status, &c->id); }
+
+}  // namespace
+
+void set_stream_fork_for_tests(bool enabled) { g_fork_enabled.store(enabled, std::memory_order_relaxed); }
+
+Status StreamFork::fork(int device, cudaStream_t origin) {
+  origin_ = origin;
+  if (forked() || device < 0 || device >= kMaxDevices || !g_fork_enabled.load(std::memory_order_relaxed)) return Status();
+  SideStream& side = side_of(device);
+  std::unique_lock<std::mutex> lock(side.mutex);
+  Capture origin_capture;
+  FA_CUDA_RETURN_IF_ERROR(capture_of(origin, &origin_capture));
+  if (origin_capture.status == cudaStreamCaptureStatusInvalidated) return Status();  // the capture fails anyway
+  if (side.stream == nullptr) {
+    if (origin_capture.status != cudaStreamCaptureStatusNone) return Status();  // create outside captures only
+    int least = 0, greatest = 0;
+    FA_CUDA_RETURN_IF_ERROR(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    cudaStream_t stream = nullptr;
+    cudaEvent_t fork_event = nullptr, join_event = nullptr;
+    cudaError_t made = cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, greatest);
+    if (made == cudaSuccess) made = cudaEventCreateWithFlags(&fork_event, cudaEventDisableTiming);
+    if (made == cudaSuccess) made = cudaEventCreateWithFlags(&join_event, cudaEventDisableTiming);
+    if (made != cudaSuccess) {
+      if (join_event != nullptr) cudaEventDestroy(join_event);
+      if (fork_event != nullptr) cudaEventDestroy(fork_event);
+      if (stream != nullptr) cudaStreamDestroy(stream);
+      FA_CUDA_RETURN_IF_ERROR(made);
+    }
+    side.stream = stream;
+    side.fork = fork_event;
+    side.join = join_event;
+  }
+  // The side stream is in a capture until that capture ends: fork only into the same one (or, uncaptured, from an
+  // uncaptured origin).
+  Capture side_capture;
+  FA_CUDA_RETURN_IF_ERROR(capture_of(side.stream, &side_capture));
+  const bool side_captured = side_capture.status != cudaStreamCaptureStatusNone;
+  const bool origin_captured = origin_capture.status != cudaStreamCaptureStatusNone;
+  if (side_captured != origin_captured || (side_captured && side_capture.id != origin_capture.id)) return Status();
+  FA_CUDA_RETURN_IF_ERROR(cudaEventRecord(side.fork, origin));
+  FA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side.stream, side.fork, 0));
+  side_ = side.stream;
+  join_event_ = side.join;
+  lock_ = std::move(lock);
+  return Status();
+}
+
+Status StreamFork::join() {
+  if (!forked()) return Status();
+  const cudaError_t recorded = cudaEventRecord(join_event_, side_);
+  const cudaError_t waited = recorded == cudaSuccess ? cudaStreamWaitEvent(origin_, join_event_, 0) : recorded;
+  lock_.unlock();
+  FA_CUDA_RETURN_IF_ERROR(waited);
+  return Status();
+}
+
+StreamFork::~StreamFork() {
+  if (forked()) (void)join();
+}
+
+}  // namespace flashattn::cuda
