@@ -19,12 +19,13 @@
 #include "api/validate.hpp"
 #include "core/philox.hpp"
 #include "cpu/reference/reference.hpp"
-#include "cuda/common/stream_fork.hpp"
 #include "cuda/sm80/forward_split.hpp"
 #include "testing.hpp"
 
 #if defined(FLASHATTN_WITH_CUDA)
 #include <cuda_runtime.h>
+
+#include "cuda/common/stream_fork.hpp"
 #endif
 
 namespace {
@@ -907,6 +908,15 @@ TEST(CudaForward, VarlenPagedShortSequenceBadBlockIdGivesNan) {
 }
 
 #if defined(FLASHATTN_WITH_CUDA)
+// Sets whether the paged varlen forward's routed half may fork onto a side stream (common/stream_fork.hpp; off by
+// default for now) for the scope, then restores the setting.
+struct ForkSwitch {
+  explicit ForkSwitch(bool fork) { flashattn::cuda::set_stream_fork_for_tests(fork); }
+  ~ForkSwitch() { flashattn::cuda::set_stream_fork_for_tests(was); }
+  void set(bool fork) { flashattn::cuda::set_stream_fork_for_tests(fork); }
+  const bool was = flashattn::cuda::stream_fork_for_tests();
+};
+
 // Captures the call into a CUDA graph on a stream of its own (after one eager call there: kernel attributes are set
 // outside the capture) and replays it twice over poisoned out and lse: each replay must write `eager`'s bytes.
 void expect_graph_replays_match(Call& c, const Call& eager) {
@@ -949,10 +959,15 @@ TEST(CudaForward, VarlenPagedShortSequencesInACudaGraph) {
   SKIP_WITHOUT_GPU();
 #if defined(FLASHATTN_WITH_CUDA)
   auto rng = fa_test::make_rng("cuda_forward_varlen_paged_short_graph");
-  // The gather route beside the forward kernel, and a decode step in place (every sequence 1 row; key counts copied).
+  ForkSwitch fork_switch(false);
+  // The gather route beside the forward kernel (its decode half on the caller's stream, then on the side stream:
+  // common/stream_fork.hpp), and a decode step in place (every sequence 1 row; key counts copied).
+  for (const bool fork : {false, true})
   for (const std::vector<int>& lengths_q : {std::vector<int>{1, 1, 37, 4, 1}, std::vector<int>{1, 1, 1, 1, 1}}) {
     const bool in_place = lengths_q[2] == 1;
-    SCOPED_TRACE(in_place ? "in place" : "gather route");
+    if (fork && in_place) continue;  // (nothing to fork)
+    fork_switch.set(fork);
+    SCOPED_TRACE(in_place ? "in place" : fork ? "gather route, forked" : "gather route");
     Call c = varlen_paged_call(rng, lengths_q, {3000, 200, 500, 900, 1}, 32, 8, 128, 16, FA_BFLOAT16, 1);
     c.options.causal = 1;
     Call eager = c;
@@ -977,11 +992,12 @@ TEST(CudaForward, VarlenPagedShortSequencesBesideTheForward) {
   auto rng = fa_test::make_rng("cuda_forward_varlen_paged_side_stream");
   Call c = varlen_paged_call(rng, {1, 3, 37, 1, 130, 2}, {60000, 200, 500, 900, 700, 1}, 32, 8, 128, 16, FA_BFLOAT16, 1);
   c.options.causal = 1;
+  // Off for the serial reference, then on (it is off by default for now: stream_fork.hpp).
+  ForkSwitch fork_switch(false);
   Call serial = c;
-  flashattn::cuda::set_stream_fork_for_tests(false);
   fa_stats stats{};
   const Status serial_status = run_gpu(serial, &stats);
-  flashattn::cuda::set_stream_fork_for_tests(true);
+  fork_switch.set(true);
   ASSERT_TRUE(serial_status.ok()) << serial_status.to_string();
   ASSERT_NE(std::string(stats.kernel).find("dec_"), std::string::npos) << stats.kernel;
   ASSERT_NE(std::string(stats.kernel).find("fwd_"), std::string::npos) << stats.kernel;

@@ -21,7 +21,7 @@ SideStream& side_of(int device) {
   return sides[device];
 }
 
-std::atomic<bool> g_fork_enabled{true};
+std::atomic<bool> g_fork_enabled{kStreamForkByDefault};
 
 struct Capture {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -32,6 +32,7 @@ cudaError_t capture_of(cudaStream_t stream, Capture* c) { return cudaStreamGetCa
 }  // namespace
 
 void set_stream_fork_for_tests(bool enabled) { g_fork_enabled.store(enabled, std::memory_order_relaxed); }
+bool stream_fork_for_tests() { return g_fork_enabled.load(std::memory_order_relaxed); }
 
 Status StreamFork::fork(int device, cudaStream_t origin) {
   origin_ = origin;
