@@ -461,8 +461,8 @@ KvcacheParams short_sequence_call(const AttentionParams& p, int max_q, void* q, 
 // others have more than T and at most max_seqlen_q = M, so total_q <= x M + (B - x) T for x of them, and
 // x >= (total_q - B T) / (M - T). The decode call's grid keeps a row of CTAs per sequence, but its split count is
 // planned for this many (at least 1): the longer sequences' CTAs find no key and leave at once, so a step of 16
-// decodes beside one prompt chunk splits as 16 decodes do (B = 17 planned as 17 took 3 splits, 2 slot waves of the
-// H200, where 16 take 1: one CTA per SM). An upper bound: at G = 4 (T = 4), 16 decodes + a chunk of 128 give 16, 64 +
+// decodes beside one prompt chunk splits as 16 decodes do (B = 17 planned as 17 took 3 splits, 2 slot waves of 132
+// SMs, where 16 take 1: one CTA per SM). An upper bound: at G = 4 (T = 4), 16 decodes + a chunk of 128 give 16, 64 +
 // 2 chunks of 512 give 64, 4 + 2 chunks of 64 give 4, 256 + 4 chunks of 256 give 259. Affects speed only.
 int routed_sequences_bound(const AttentionParams& p, int max_q);
 
