@@ -379,7 +379,7 @@ Status run_short_sequences(const AttentionParams& p, ShortSequences* routed, Str
   // With a fork (the forward kernel runs too), the three launches go on the side stream, after the allocation above on
   // the forward's stream; the caller joins after enqueueing the forward kernel, then frees (routed->scratch).
   const Status forked = fork != nullptr && max_q < p.seqlen_q ? fork->fork(p.device_id, stream) : Status();
-  const cudaStream_t launch_stream = fork != nullptr && forked.ok() ? fork->stream() : stream;
+  const cudaStream_t launch_stream = fork != nullptr && fork->forked() ? fork->stream() : stream;
   kv.stream = launch_stream;
   const Status launched = [&]() -> Status {
     FA_RETURN_IF_ERROR(forked);
