@@ -975,7 +975,10 @@ TEST(CudaForward, VarlenPagedShortSequencesInACudaGraph) {
     ASSERT_TRUE(run_gpu(eager, &stats).ok());
     ASSERT_NE(std::string(stats.kernel).find("dec_"), std::string::npos) << stats.kernel;
     ASSERT_EQ(std::string(stats.kernel).find("in place") != std::string::npos, in_place) << stats.kernel;
+    const int64_t forks = flashattn::cuda::stream_forks_made_for_tests();
     expect_graph_replays_match(c, eager);
+    // forked: its eager call and its capture both fork (the capture takes the side stream in)
+    EXPECT_EQ(flashattn::cuda::stream_forks_made_for_tests(), forks + (fork ? 2 : 0));
   }
 #endif
 }
@@ -1002,7 +1005,9 @@ TEST(CudaForward, VarlenPagedShortSequencesBesideTheForward) {
   ASSERT_NE(std::string(stats.kernel).find("dec_"), std::string::npos) << stats.kernel;
   ASSERT_NE(std::string(stats.kernel).find("fwd_"), std::string::npos) << stats.kernel;
   Call forked = c;
+  const int64_t forks_before = flashattn::cuda::stream_forks_made_for_tests();
   ASSERT_TRUE(run_gpu(forked).ok());
+  ASSERT_EQ(flashattn::cuda::stream_forks_made_for_tests(), forks_before + 1) << "the call did not fork";
   EXPECT_EQ(std::memcmp(forked.out.data(), serial.out.data(), size_t(serial.out.storage_bytes())), 0);
   EXPECT_EQ(std::memcmp(forked.lse.data(), serial.lse.data(), size_t(serial.lse.storage_bytes())), 0);
 
@@ -1019,8 +1024,10 @@ TEST(CudaForward, VarlenPagedShortSequencesBesideTheForward) {
     ASSERT_EQ(cudaMemsetAsync(slow, round, slow_bytes, stream), cudaSuccess);
     ASSERT_EQ(cudaMemsetAsync(d.device_data(ordered.out), 0xff, size_t(ordered.out.storage_bytes()), stream), cudaSuccess);
     ASSERT_EQ(cudaMemsetAsync(d.device_data(ordered.lse), 0xff, size_t(ordered.lse.storage_bytes()), stream), cudaSuccess);
+    const int64_t forks = flashattn::cuda::stream_forks_made_for_tests();
     const Status s = flashattn::forward(d.args(), o);
     ASSERT_TRUE(s.ok()) << s.to_string();
+    ASSERT_EQ(flashattn::cuda::stream_forks_made_for_tests(), forks + 1) << "round " << round << ": the call did not fork";
     ASSERT_EQ(cudaMemcpyAsync(ordered.out.data(), d.device_data(ordered.out), size_t(ordered.out.storage_bytes()),
                               cudaMemcpyDeviceToHost, stream),
               cudaSuccess);

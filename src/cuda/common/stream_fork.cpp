@@ -22,6 +22,7 @@ SideStream& side_of(int device) {
 }
 
 std::atomic<bool> g_fork_enabled{kStreamForkByDefault};
+std::atomic<int64_t> g_forks_made{0};
 
 struct Capture {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -33,6 +34,7 @@ cudaError_t capture_of(cudaStream_t stream, Capture* c) { return cudaStreamGetCa
 
 void set_stream_fork_for_tests(bool enabled) { g_fork_enabled.store(enabled, std::memory_order_relaxed); }
 bool stream_fork_for_tests() { return g_fork_enabled.load(std::memory_order_relaxed); }
+int64_t stream_forks_made_for_tests() { return g_forks_made.load(std::memory_order_relaxed); }
 
 Status StreamFork::fork(int device, cudaStream_t origin) {
   origin_ = origin;
@@ -61,18 +63,19 @@ Status StreamFork::fork(int device, cudaStream_t origin) {
     side.fork = fork_event;
     side.join = join_event;
   }
-  // The side stream is in a capture until that capture ends: fork only into the same one (or, uncaptured, from an
-  // uncaptured origin).
+  // A side stream that joined a capture stays in it until that capture ends: then fork only from the same capture.
+  // An uncaptured side stream forks from anywhere (from a capturing origin it joins that capture at the fork).
   Capture side_capture;
   FA_CUDA_RETURN_IF_ERROR(capture_of(side.stream, &side_capture));
   const bool side_captured = side_capture.status != cudaStreamCaptureStatusNone;
   const bool origin_captured = origin_capture.status != cudaStreamCaptureStatusNone;
-  if (side_captured != origin_captured || (side_captured && side_capture.id != origin_capture.id)) return Status();
+  if (side_captured && (!origin_captured || side_capture.id != origin_capture.id)) return Status();
   FA_CUDA_RETURN_IF_ERROR(cudaEventRecord(side.fork, origin));
   FA_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side.stream, side.fork, 0));
   side_ = side.stream;
   join_event_ = side.join;
   lock_ = std::move(lock);
+  g_forks_made.fetch_add(1, std::memory_order_relaxed);
   return Status();
 }
 

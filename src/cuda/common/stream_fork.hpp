@@ -19,6 +19,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <mutex>
 
 #include "core/status.hpp"
@@ -63,5 +64,7 @@ constexpr bool kStreamForkByDefault = false;
 // caller's stream, one after the other. A process-wide switch.
 void set_stream_fork_for_tests(bool enabled);
 bool stream_fork_for_tests();
+// Tests: how many forks the process has made (that a test's call did fork).
+int64_t stream_forks_made_for_tests();
 
 }  // namespace flashattn::cuda
