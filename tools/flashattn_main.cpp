@@ -33,6 +33,8 @@
 
 #if defined(FLASHATTN_WITH_CUDA)
 #include <cuda_runtime.h>
+
+#include "cuda/common/stream_fork.hpp"  // --fork: the library's side-stream switch
 #endif
 
 namespace {
@@ -1055,6 +1057,9 @@ int command_step(int argc, char** argv) {
         "                       synchronisation after them (per step: the total / iters), as a server queues its steps\n"
         "  --side-priority      concurrent: the decode call's stream at the device's greatest priority (else least)\n"
         "  --forward-first      concurrent: the prefills' forward enqueued before the decode call (else after)\n"
+        "  --fork               CUDA: also time the mixed step with the library's side-stream fork on (its routed\n"
+        "                       decode half beside its forward kernel; src/cuda/common/stream_fork.hpp) and with it\n"
+        "                       off, alternating in this process: the lines `mixed (fork on)` / `mixed (fork off)`\n"
         "  --json FILE          also write the result as JSON\n"
         "Reported: time per step (eager calls, launch included; the calls allocate only the CUDA paged forward's\n"
         "stream-ordered scratch for its decode tokens).\n";
@@ -1078,6 +1083,7 @@ int command_step(int argc, char** argv) {
   const bool pipelined = a.flag("pipelined");
   const bool side_priority = a.flag("side-priority");
   const bool forward_first = a.flag("forward-first");
+  const bool fork_ab = a.flag("fork");
   const std::string json = a.str("json", "");
   a.finish();
   if (decodes < 0 || prefills < 0 || decodes + prefills < 1) Args::fail("--decode and --prefill: >= 0, one of them >= 1");
@@ -1085,6 +1091,7 @@ int command_step(int argc, char** argv) {
     Args::fail("--cache >= 0, --prefill-cache >= 0, --chunk >= 1, --decode-tokens >= 1 and --page >= 1 are required");
   if (backend == FA_BACKEND_CUDA && fa_cuda_device_count() == 0)
     Args::fail("--backend cuda: no CUDA device found (or this build has no CUDA)");
+  if (fork_ab && backend != FA_BACKEND_CUDA) Args::fail("--fork: needs --backend cuda");
   const bool device = backend == FA_BACKEND_CUDA;
   const fa_device_kind where = device ? FA_DEVICE_CUDA : FA_DEVICE_CPU;
   const int64_t es = flashattn::dtype_size(dtype);
@@ -1323,6 +1330,29 @@ int command_step(int argc, char** argv) {
   const Timing t_split = time_call(split, device, warmup, iters, 60);
   Timing t_concurrent;
   if (concurrent) t_concurrent = time_call(concurrent, device, warmup, iters, 60);
+  // --fork: the mixed step with the library's fork on and off, alternating (three rounds of each), so that both see
+  // the same clocks; the process's setting is restored after.
+  Timing t_fork[2];            // [0] off, [1] on: the best median of the rounds
+  double piped_fork[2] = {-1, -1};
+  int64_t forks_made = 0;      // by the fork-on rounds (0: the mixed call never forked)
+#if defined(FLASHATTN_WITH_CUDA)
+  if (fork_ab) {
+    const bool was = flashattn::cuda::stream_fork_enabled();
+    for (int round = 0; round < 3; ++round)
+      for (int on = 0; on < 2; ++on) {
+        flashattn::cuda::set_stream_fork_enabled(on != 0);
+        const int64_t before = flashattn::cuda::stream_forks_made();
+        const Timing t = time_call(mixed, device, warmup, iters, 60);
+        if (round == 0 || t.median_s < t_fork[on].median_s) t_fork[on] = t;
+        if (pipelined) {
+          const double p = time_call_pipelined(mixed, device, warmup, iters);
+          if (round == 0 || p < piped_fork[on]) piped_fork[on] = p;
+        }
+        if (on) forks_made += flashattn::cuda::stream_forks_made() - before;
+      }
+    flashattn::cuda::set_stream_fork_enabled(was);
+  }
+#endif
   double piped[4] = {-1, -1, -1, -1};  // mixed, grouped, split, concurrent (--pipelined)
   if (pipelined) {
     piped[0] = time_call_pipelined(mixed, device, warmup, iters);
@@ -1355,6 +1385,17 @@ int command_step(int argc, char** argv) {
     std::printf("pipelined (%d steps back to back, one synchronisation): mixed %.3f us, grouped %.3f us, split %.3f us, "
                 "concurrent %.3f us per step (mixed / grouped %.3f)\n",
                 iters, piped[0] * 1e6, piped[1] * 1e6, piped[2] * 1e6, piped[3] * 1e6, piped[0] / piped[1]);
+
+  if (fork_ab) {
+    for (int on = 1; on >= 0; --on)
+      std::printf("mixed (fork %s): %8.3f us (best median of 3 rounds of %d, min %.3f us)%s\n", on ? "on" : "off",
+                  t_fork[on].median_s * 1e6, t_fork[on].iterations, t_fork[on].min_s * 1e6,
+                  pipelined ? (" pipelined " + std::to_string(piped_fork[on] * 1e6) + " us per step").c_str() : "");
+    std::printf("mixed (fork on / off) %.3f%s; forks made by the fork-on rounds: %lld%s\n",
+                t_fork[1].median_s / t_fork[0].median_s,
+                pipelined ? (", pipelined " + std::to_string(piped_fork[1] / piped_fork[0])).c_str() : "",
+                (long long)forks_made, forks_made == 0 ? " (the call never forked: nothing routed, or a capture)" : "");
+  }
 
   int status = 0;
   double err_mixed = -1, err_grouped = -1, err_split = -1;
@@ -1394,6 +1435,10 @@ int command_step(int argc, char** argv) {
       f << ",\"us_mixed_pipelined\":" << piped[0] * 1e6 << ",\"us_grouped_pipelined\":" << piped[1] * 1e6
         << ",\"us_split_pipelined\":" << piped[2] * 1e6;
     if (pipelined && concurrent) f << ",\"us_concurrent_pipelined\":" << piped[3] * 1e6;
+    if (fork_ab)
+      f << ",\"us_mixed_fork_off\":" << t_fork[0].median_s * 1e6 << ",\"us_mixed_fork_on\":" << t_fork[1].median_s * 1e6
+        << ",\"us_mixed_fork_off_pipelined\":" << piped_fork[0] * 1e6 << ",\"us_mixed_fork_on_pipelined\":"
+        << piped_fork[1] * 1e6 << ",\"forks_made\":" << forks_made;
     if (check)
       f << ",\"check_rel_l2_mixed\":" << err_mixed << ",\"check_rel_l2_grouped\":" << err_grouped
         << ",\"check_rel_l2_split\":" << err_split;

@@ -911,10 +911,10 @@ TEST(CudaForward, VarlenPagedShortSequenceBadBlockIdGivesNan) {
 // Sets whether the paged varlen forward's routed half may fork onto a side stream (common/stream_fork.hpp; off by
 // default for now) for the scope, then restores the setting.
 struct ForkSwitch {
-  explicit ForkSwitch(bool fork) { flashattn::cuda::set_stream_fork_for_tests(fork); }
-  ~ForkSwitch() { flashattn::cuda::set_stream_fork_for_tests(was); }
-  void set(bool fork) { flashattn::cuda::set_stream_fork_for_tests(fork); }
-  const bool was = flashattn::cuda::stream_fork_for_tests();
+  explicit ForkSwitch(bool fork) { flashattn::cuda::set_stream_fork_enabled(fork); }
+  ~ForkSwitch() { flashattn::cuda::set_stream_fork_enabled(was); }
+  void set(bool fork) { flashattn::cuda::set_stream_fork_enabled(fork); }
+  const bool was = flashattn::cuda::stream_fork_enabled();
 };
 
 // Captures the call into a CUDA graph on a stream of its own (after one eager call there: kernel attributes are set
@@ -975,10 +975,10 @@ TEST(CudaForward, VarlenPagedShortSequencesInACudaGraph) {
     ASSERT_TRUE(run_gpu(eager, &stats).ok());
     ASSERT_NE(std::string(stats.kernel).find("dec_"), std::string::npos) << stats.kernel;
     ASSERT_EQ(std::string(stats.kernel).find("in place") != std::string::npos, in_place) << stats.kernel;
-    const int64_t forks = flashattn::cuda::stream_forks_made_for_tests();
+    const int64_t forks = flashattn::cuda::stream_forks_made();
     expect_graph_replays_match(c, eager);
     // forked: its eager call and its capture both fork (the capture takes the side stream in)
-    EXPECT_EQ(flashattn::cuda::stream_forks_made_for_tests(), forks + (fork ? 2 : 0));
+    EXPECT_EQ(flashattn::cuda::stream_forks_made(), forks + (fork ? 2 : 0));
   }
 #endif
 }
@@ -1005,9 +1005,9 @@ TEST(CudaForward, VarlenPagedShortSequencesBesideTheForward) {
   ASSERT_NE(std::string(stats.kernel).find("dec_"), std::string::npos) << stats.kernel;
   ASSERT_NE(std::string(stats.kernel).find("fwd_"), std::string::npos) << stats.kernel;
   Call forked = c;
-  const int64_t forks_before = flashattn::cuda::stream_forks_made_for_tests();
+  const int64_t forks_before = flashattn::cuda::stream_forks_made();
   ASSERT_TRUE(run_gpu(forked).ok());
-  ASSERT_EQ(flashattn::cuda::stream_forks_made_for_tests(), forks_before + 1) << "the call did not fork";
+  ASSERT_EQ(flashattn::cuda::stream_forks_made(), forks_before + 1) << "the call did not fork";
   EXPECT_EQ(std::memcmp(forked.out.data(), serial.out.data(), size_t(serial.out.storage_bytes())), 0);
   EXPECT_EQ(std::memcmp(forked.lse.data(), serial.lse.data(), size_t(serial.lse.storage_bytes())), 0);
 
@@ -1024,10 +1024,10 @@ TEST(CudaForward, VarlenPagedShortSequencesBesideTheForward) {
     ASSERT_EQ(cudaMemsetAsync(slow, round, slow_bytes, stream), cudaSuccess);
     ASSERT_EQ(cudaMemsetAsync(d.device_data(ordered.out), 0xff, size_t(ordered.out.storage_bytes()), stream), cudaSuccess);
     ASSERT_EQ(cudaMemsetAsync(d.device_data(ordered.lse), 0xff, size_t(ordered.lse.storage_bytes()), stream), cudaSuccess);
-    const int64_t forks = flashattn::cuda::stream_forks_made_for_tests();
+    const int64_t forks = flashattn::cuda::stream_forks_made();
     const Status s = flashattn::forward(d.args(), o);
     ASSERT_TRUE(s.ok()) << s.to_string();
-    ASSERT_EQ(flashattn::cuda::stream_forks_made_for_tests(), forks + 1) << "round " << round << ": the call did not fork";
+    ASSERT_EQ(flashattn::cuda::stream_forks_made(), forks + 1) << "round " << round << ": the call did not fork";
     ASSERT_EQ(cudaMemcpyAsync(ordered.out.data(), d.device_data(ordered.out), size_t(ordered.out.storage_bytes()),
                               cudaMemcpyDeviceToHost, stream),
               cudaSuccess);

@@ -32,9 +32,9 @@ cudaError_t capture_of(cudaStream_t stream, Capture* c) { return cudaStreamGetCa
 
 }  // namespace
 
-void set_stream_fork_for_tests(bool enabled) { g_fork_enabled.store(enabled, std::memory_order_relaxed); }
-bool stream_fork_for_tests() { return g_fork_enabled.load(std::memory_order_relaxed); }
-int64_t stream_forks_made_for_tests() { return g_forks_made.load(std::memory_order_relaxed); }
+void set_stream_fork_enabled(bool enabled) { g_fork_enabled.store(enabled, std::memory_order_relaxed); }
+bool stream_fork_enabled() { return g_fork_enabled.load(std::memory_order_relaxed); }
+int64_t stream_forks_made() { return g_forks_made.load(std::memory_order_relaxed); }
 
 Status StreamFork::fork(int device, cudaStream_t origin) {
   origin_ = origin;

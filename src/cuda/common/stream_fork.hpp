@@ -62,9 +62,9 @@ constexpr bool kStreamForkByDefault = false;
 
 // Tests and measurements: whether calls may fork at all (default kStreamForkByDefault); false runs both halves on the
 // caller's stream, one after the other. A process-wide switch.
-void set_stream_fork_for_tests(bool enabled);
-bool stream_fork_for_tests();
+void set_stream_fork_enabled(bool enabled);
+bool stream_fork_enabled();
 // Tests: how many forks the process has made (that a test's call did fork).
-int64_t stream_forks_made_for_tests();
+int64_t stream_forks_made();
 
 }  // namespace flashattn::cuda
