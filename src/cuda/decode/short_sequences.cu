@@ -2,13 +2,22 @@
 // Dv are multiples of 8 16-bit elements on CUDA, and every row start is 16-byte aligned: dispatch.cpp's rules) and
 // depend on no dtype. Grid: (chunks of the rows, B); a sequence's routing is recomputed from its extent in each. And the
 // key counts of the in-place decode step (one thread per sequence).
+// On sm_90+ the gather, the scatter and the key counts launch as programmatic dependents of the kernel before them
+// (programmatic_launch.cuh) and let the next kernel launch at once: the decode kernel after the gather (or the key
+// counts) is itself such a dependent, and the gather follows the append kernel, which lets it launch at once too; so
+// each launch overlaps the kernel before it instead of following its end. Each waits (griddepcontrol.wait) before it
+// touches global memory. Affects speed only.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
 #include "cuda/common/check.hpp"
+#include "cuda/decode/cache_rows.cuh"
+#include "cuda/decode/decode_plan.hpp"
+#include "cuda/decode/programmatic_launch.cuh"
 #include "cuda/decode/short_sequences.hpp"
 
 namespace flashattn::cuda::decode {
@@ -25,6 +34,8 @@ __device__ __forceinline__ int routed_rows(const SequenceExtent& ext, int max_q)
 
 __global__ void __launch_bounds__(kCopyThreads) gather_kernel(const __grid_constant__ AttentionParams p,
                                                               const ShortSequenceRows rows) {
+  wait_for_previous_grids();  // (programmatic launch) the kernels before it are done and their writes visible
+  allow_next_grid_launch();   // the decode kernel waits for this grid's end in its own wait
   const int b = blockIdx.y;
   const SequenceExtent ext = sequence_extent(p, b);
   const int n = routed_rows(ext, rows.max_q);
@@ -49,6 +60,8 @@ __global__ void __launch_bounds__(kCopyThreads) gather_kernel(const __grid_const
 
 __global__ void __launch_bounds__(kCopyThreads) scatter_kernel(const __grid_constant__ AttentionParams p,
                                                                const ShortSequenceRows rows) {
+  wait_for_previous_grids();  // (programmatic launch) the decode call's out and lse are written from here
+  allow_next_grid_launch();
   const int b = blockIdx.y;
   const SequenceExtent ext = sequence_extent(p, b);
   const int n = routed_rows(ext, rows.max_q);
@@ -78,6 +91,8 @@ __global__ void __launch_bounds__(kCopyThreads) scatter_kernel(const __grid_cons
 }
 
 __global__ void __launch_bounds__(kCopyThreads) key_counts_kernel(const __grid_constant__ AttentionParams p, int32_t* key_counts) {
+  wait_for_previous_grids();  // (programmatic launch) as the gather
+  allow_next_grid_launch();
   const int b = int(blockIdx.x) * kCopyThreads + int(threadIdx.x);
   if (b < p.batch) key_counts[b] = sequence_extent(p, b).seqlen_k;
 }
@@ -119,21 +134,46 @@ unsigned copy_blocks(int64_t chunks) {
   return unsigned(std::clamp<int64_t>((chunks + kCopyThreads - 1) / kCopyThreads, 1, kMaxCopyBlocks));
 }
 
+// Whether the three kernels above may launch as programmatic dependents on `device`: compute capability 9.0+ and
+// their image compiled for it (a build for sm_80 only runs on an H100 through compute_80 PTX, whose kernels have no
+// griddepcontrol.wait: as dependents they would read before the kernel before them is done; decode_launch.cuh, the
+// same rule). Asked once per device (< 64; others: never).
+bool programmatic_on(int device) {
+  static std::atomic<uint64_t> asked{0}, yes{0};  // bit d: device d asked; and the answer was yes
+  if (!kProgrammaticLaunch || device < 0 || device >= 64) return false;
+  const uint64_t bit = uint64_t(1) << device;
+  if ((asked.load(std::memory_order_acquire) & bit) != 0) return (yes.load(std::memory_order_relaxed) & bit) != 0;
+  int major = 0;
+  cudaFuncAttributes gather{}, scatter{}, counts{};
+  const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+                  cudaFuncGetAttributes(&gather, gather_kernel) == cudaSuccess &&
+                  cudaFuncGetAttributes(&scatter, scatter_kernel) == cudaSuccess &&
+                  cudaFuncGetAttributes(&counts, key_counts_kernel) == cudaSuccess;
+  if (!ok) {
+    cudaGetLastError();  // (clear it: an ordinary launch then reports any real fault)
+    return false;
+  }
+  const bool on = major >= 9 && gather.ptxVersion >= 90 && scatter.ptxVersion >= 90 && counts.ptxVersion >= 90;
+  if (on) yes.fetch_or(bit, std::memory_order_relaxed);
+  asked.fetch_or(bit, std::memory_order_release);
+  return on;
+}
+
 }  // namespace
 
 Status launch_gather_short_sequences(const AttentionParams& p, const ShortSequenceRows& rows, void* stream) {
   if (p.batch == 0 || rows.max_q == 0) return Status();
   const dim3 grid(copy_blocks(int64_t(rows.max_q) * p.heads_q * (p.head_dim / 8)), unsigned(p.batch));
-  gather_kernel<<<grid, kCopyThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, rows);
-  FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  FA_CUDA_RETURN_IF_ERROR(launch_decode_kernel(&gather_kernel, grid, dim3(kCopyThreads), 0, static_cast<cudaStream_t>(stream),
+                                               programmatic_on(p.device_id), 0u, 0, p, rows));
   return Status();
 }
 
 Status launch_sequence_key_counts(const AttentionParams& p, int32_t* key_counts, void* stream) {
   if (p.batch == 0) return Status();
-  key_counts_kernel<<<unsigned((p.batch + kCopyThreads - 1) / kCopyThreads), kCopyThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      p, key_counts);
-  FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  FA_CUDA_RETURN_IF_ERROR(launch_decode_kernel(&key_counts_kernel, dim3(unsigned((p.batch + kCopyThreads - 1) / kCopyThreads)),
+                                               dim3(kCopyThreads), 0, static_cast<cudaStream_t>(stream),
+                                               programmatic_on(p.device_id), 0u, 0, p, key_counts));
   return Status();
 }
 
@@ -156,8 +196,8 @@ Status launch_route_poison_bad(const KvcacheParams& p, const int32_t* bad, void*
 Status launch_scatter_short_sequences(const AttentionParams& p, const ShortSequenceRows& rows, void* stream) {
   if (p.batch == 0 || rows.max_q == 0) return Status();
   const dim3 grid(copy_blocks(int64_t(rows.max_q) * p.heads_q * (p.head_dim_v / 8)), unsigned(p.batch));
-  scatter_kernel<<<grid, kCopyThreads, 0, static_cast<cudaStream_t>(stream)>>>(p, rows);
-  FA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  FA_CUDA_RETURN_IF_ERROR(launch_decode_kernel(&scatter_kernel, grid, dim3(kCopyThreads), 0, static_cast<cudaStream_t>(stream),
+                                               programmatic_on(p.device_id), 0u, 0, p, rows));
   return Status();
 }
 
