@@ -26,6 +26,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/common/stream_fork.hpp"
+#include "cuda/decode/kvcache.hpp"
 #endif
 
 namespace {
@@ -552,8 +553,8 @@ TEST(CudaForward, VarlenQueriesOverPagedKv) {
 }
 
 // A varlen call over a paged cache (a serving step) for one CUDA forward call: its sequences of 1 to T query rows
-// (T = max(1, 16 / G), decode_plan.hpp's short_sequence_max_q) run in the decode kernels between a gather and a scatter
-// copy, the others in the forward kernel. Every sequence's out and lse rows against the float64 oracle, outputs
+// (T = max(1, 16 / G), decode_plan.hpp's short_sequence_max_q) run in the decode kernels, which read and write their
+// rows in the forward's own tensors, the others in the forward kernel. Every sequence's out and lse rows against the float64 oracle, outputs
 // poisoned: lengths 0, 1, T, T + 1 and a chunk beside long caches (split-KV), key counts below the query count (rows
 // with no key), G = 1, 4, 8 and 32, block sizes 16 and 5, causal or not, a window, softcap with ALiBi, and a call whose
 // sequences are all short (the forward kernel does not run). The kernel name says which kernels ran.
@@ -952,7 +953,7 @@ void expect_graph_replays_match(Call& c, const Call& eager) {
 }
 #endif
 
-// The routed call (gather, decode call, scatter, forward; its scratch from the library's pool) and the in-place decode
+// The routed call (key counts, decode call, forward; its scratch from the library's pool) and the in-place decode
 // step (key counts, decode call) capture into a CUDA graph on a stream of their own, and each replay writes the eager
 // call's out and lse, bit for bit, over poisoned ones.
 TEST(CudaForward, VarlenPagedShortSequencesInACudaGraph) {
@@ -960,14 +961,14 @@ TEST(CudaForward, VarlenPagedShortSequencesInACudaGraph) {
 #if defined(FLASHATTN_WITH_CUDA)
   auto rng = fa_test::make_rng("cuda_forward_varlen_paged_short_graph");
   ForkSwitch fork_switch(false);
-  // The gather route beside the forward kernel (its decode half on the caller's stream, then on the side stream:
+  // The routed call beside the forward kernel (its decode half on the caller's stream, then on the side stream:
   // common/stream_fork.hpp), and a decode step in place (every sequence 1 row; key counts copied).
   for (const bool fork : {false, true})
   for (const std::vector<int>& lengths_q : {std::vector<int>{1, 1, 37, 4, 1}, std::vector<int>{1, 1, 1, 1, 1}}) {
     const bool in_place = lengths_q[2] == 1;
     if (fork && in_place) continue;  // (nothing to fork)
     fork_switch.set(fork);
-    SCOPED_TRACE(in_place ? "in place" : fork ? "gather route, forked" : "gather route");
+    SCOPED_TRACE(in_place ? "in place" : fork ? "routed, forked" : "routed");
     Call c = varlen_paged_call(rng, lengths_q, {3000, 200, 500, 900, 1}, 32, 8, 128, 16, FA_BFLOAT16, 1);
     c.options.causal = 1;
     Call eager = c;
@@ -1040,6 +1041,50 @@ TEST(CudaForward, VarlenPagedShortSequencesBesideTheForward) {
   }
   cudaFree(slow);
   cudaStreamDestroy(stream);
+#endif
+}
+
+// The routed sequences' two ways (src/cuda/decode/kvcache.hpp, set_routed_copies_for_tests): the decode call over the
+// forward's own rows (the default: no gather, no scatter; padding rows neither read nor written) and over padded
+// copies give the same bytes, over poisoned out and lse, on the caller's stream and forked. The lengths put routed
+// sequences first (sequence 0's padding rows would lie before q's first row), back to back (a padding row of one is a
+// row of the one before), before and after long ones and beside empty ones.
+TEST(CudaForward, VarlenPagedShortSequencesInPlaceMatchTheCopies) {
+  SKIP_WITHOUT_GPU();
+#if defined(FLASHATTN_WITH_CUDA)
+  auto rng = fa_test::make_rng("cuda_forward_varlen_paged_in_place_rows");
+  struct Copies {  // the setting for the scope (default: in place)
+    ~Copies() { flashattn::cuda::decode::set_routed_copies_for_tests(false); }
+    void set(bool copies) { flashattn::cuda::decode::set_routed_copies_for_tests(copies); }
+  } copies_switch;
+  ForkSwitch fork_switch(false);
+  struct Heads {
+    int hq, hk;
+  };
+  for (const Heads heads : {Heads{32, 8}, Heads{8, 8}, Heads{16, 2}})
+    for (const std::vector<int>& lengths_q : {std::vector<int>{1, 2, 1, 37, 3, 0, 1, 130, 2},
+                                              std::vector<int>{2, 40, 1, 1, 1, 1, 65, 1}})
+      for (const bool fork : {false, true}) {
+        const std::vector<int> lengths_k = {3000, 200, 17, 900, 1, 64, 700, 1500, 5};
+        const std::vector<int> keys(lengths_k.begin(), lengths_k.begin() + int(lengths_q.size()));
+        Call c = varlen_paged_call(rng, lengths_q, keys, heads.hq, heads.hk, 128, 16, FA_BFLOAT16, 1);
+        c.options.causal = 1;
+        const std::string what = "Hq " + std::to_string(heads.hq) + " / Hk " + std::to_string(heads.hk) + " lengths " +
+                                 std::to_string(lengths_q.size()) + (fork ? " forked" : "");
+        fork_switch.set(fork);
+        Call copied = c, in_place = c;
+        for (Call* call : {&copied, &in_place}) {  // (run_gpu poisons out and lse)
+          copies_switch.set(call == &copied);
+          fa_stats stats{};
+          const Status st = run_gpu(*call, &stats);
+          ASSERT_TRUE(st.ok()) << what << ": " << st.to_string();
+          EXPECT_NE(std::string(stats.kernel).find("dec_"), std::string::npos) << what << " ran " << stats.kernel;
+        }
+        copies_switch.set(false);
+        EXPECT_EQ(std::memcmp(in_place.out.data(), copied.out.data(), size_t(copied.out.storage_bytes())), 0) << what;
+        EXPECT_EQ(std::memcmp(in_place.lse.data(), copied.lse.data(), size_t(copied.lse.storage_bytes())), 0) << what;
+        check_against_oracle(what, in_place);
+      }
 #endif
 }
 

@@ -224,11 +224,18 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(const __grid_c
       const int row = idx / quads, col = (idx % quads) * 4;
       const int r = rows.row_begin + row;
       const int i = r / args.group, h = hk * args.group + r % args.group;
+      // Varlen rows (decode_work.hpp; the forward's cu_seqlens_q, written before the call like cache_seqlens): the
+      // forward's rows, and none for a padding row (the whole group has this item: it agrees).
+      const QueryRows q_rows = p.cu_seqlens_q != nullptr ? varlen_query_rows(p, b) : QueryRows{};
+      if (i < q_rows.first) used = 0;
       const int64_t prow = partial_row(p, b, h, i);
       lse_p += prow + lane * split_stride;
       part_p += ((prow + lane * split_stride) * dv + col) / 4;
-      out_at = b * p.out_batch_stride + int64_t(i) * p.out_row_stride + h * p.out_head_stride + col;
-      if (col == 0 && p.lse != nullptr) lse_at = b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride;
+      out_at = query_rows_offset(p, q_rows, b, p.out_batch_stride, p.out_row_stride) + int64_t(i) * p.out_row_stride +
+               h * p.out_head_stride + col;
+      if (col == 0 && p.lse != nullptr)
+        lse_at = query_rows_offset(p, q_rows, b, p.lse_batch_stride, p.lse_row_stride) + h * p.lse_head_stride +
+                 int64_t(i) * p.lse_row_stride;
     }
   }
   // Kept before the wait (an empty volatile asm is never moved across the wait's).

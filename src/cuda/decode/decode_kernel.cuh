@@ -296,6 +296,18 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // issued before those tiles' copies (the compiler barrier keeps them there): behind the copies in the memory
   // pipeline they arrived ~1 us later (H200 timeline, 2026-12-01).
   const int cached = p.cache_seqlens[b];
+  // Varlen rows (paged kernels only: the routed short sequences of a paged varlen forward; decode_work.hpp,
+  // varlen_query_rows): where this sequence's rows are in the forward's q / out / lse, loaded beside the length (the
+  // same round trip). Dense calls: the batch strides, as before.
+  const bool varlen_rows = kPaged && p.cu_seqlens_q != nullptr;
+  QueryRows qrows;
+  if constexpr (kPaged)
+    if (varlen_rows) qrows = varlen_query_rows(p, b);
+  auto row_offset = [&](int64_t batch_stride, int64_t row_stride) -> int64_t {
+    if constexpr (kPaged) return query_rows_offset(p, qrows, b, batch_stride, row_stride);
+    return b * batch_stride;
+  };
+  auto call_row = [&](int i) { return !varlen_rows || i >= qrows.first; };  // not a padding row
   // cache_leftpad: the sequence's keys start there (decode_work.hpp). Without it (kLeftPad false) key_floor is 0 at
   // compile time and unused.
   const int key_floor = kLeftPad ? key_floor_of(p, b) : 0;
@@ -370,11 +382,18 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     for (int idx = tid; idx < kBlockM * QTile::kChunksPerRow; idx += kThreads) {
       const int row = idx / QTile::kChunksPerRow, chunk = idx % QTile::kChunksPerRow;
       const int r = row_begin + row;
-      const bool valid = row < block_rows_used && chunk < d_chunks;
       const int i = r / group, h = hk * group + r % group;
-      const Element* src = valid ? q_gmem + b * p.q_batch_stride + int64_t(i) * p.q_row_stride + h * p.q_head_stride + chunk * 8
+      const bool valid = row < block_rows_used && chunk < d_chunks && call_row(i);
+      const Element* src = valid ? q_gmem + row_offset(p.q_batch_stride, p.q_row_stride) + int64_t(i) * p.q_row_stride +
+                                       h * p.q_head_stride + chunk * 8
                                  : q_gmem;
-      cp_async_16(q_smem + QTile::chunk_offset(row, chunk), src, valid);
+      if (varlen_rows) {  // plain loads and stores (no commit group; the loop's first barrier orders them before Q's use)
+        uint4 value = make_uint4(0u, 0u, 0u, 0u);
+        if (valid) value = *reinterpret_cast<const uint4*>(src);
+        *reinterpret_cast<uint4*>(smem + QTile::chunk_offset(row, chunk)) = value;
+      } else {
+        cp_async_16(q_smem + QTile::chunk_offset(row, chunk), src, valid);
+      }
     }
   };
   // The plain path's copies of one pass: this thread's chunks of one row of a tile (kColBlocks column blocks, K
@@ -409,7 +428,8 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
   // row of slot l of those tiles (as rows_now of the paged block ids below).
   auto copy_first_tiles = [&](int first_tile, uint32_t slot_rows) {
     const BlockRows q_rows = block_rows(args, m_block, 0);  // the rows do not depend on the length
-    copy_q(q_rows.row_begin, q_rows.rows);
+    // (varlen rows: Q is copied at its place below instead; its rows' loads come after the tiles' copies)
+    if (!varlen_rows) copy_q(q_rows.row_begin, q_rows.rows);
 #pragma unroll 1
     for (int n = 0; n < kStages - 1; ++n) {
       const uint32_t k_tile = kv_smem + uint32_t(n) * 2u * StageTile::kBytes + load_lane;
@@ -465,6 +485,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
                     work.tile_end - work.tile_begin >= kStages - 1 && (work.tile_begin + kStages - 1) * kBlockN <= seqlen_k;
   if (kPaged && first_kept) first_kept = __all_sync(0xffffffffu, lane >= (kStages - 1) * kSlots || first_ids == guess_ids);
   if (first_copied >= 0 && !first_kept) cp_async_wait<0>();  // never leave (or refill) stages a copy may still target
+  // Varlen rows: a sequence that is the forward kernel's has no row here (its key count is 0: no split copied a tile,
+  // and all of a cluster's CTAs are this sequence's, so they leave together).
+  if (varlen_rows && qrows.first >= p.seqlen_q) {
+    cp_async_wait<0>();
+    return;
+  }
 
   // Direct result of a row without any key work: NaN (bad cache_seqlens entry) or empty (no visible key:
   // out = 0, lse = -inf). Written by split 0; the combine kernel skips these m-blocks.
@@ -474,13 +500,15 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       const int i = r / group, h = hk * group + r % group;
       const uint32_t packed = ElementTraits<Element>::pack(value, value);
       const uint4 v = make_uint4(packed, packed, packed, packed);
-      *reinterpret_cast<uint4*>(out_gmem + b * p.out_batch_stride + int64_t(i) * p.out_row_stride + h * p.out_head_stride +
-                                chunk * 8) = v;
+      if (call_row(i))
+        *reinterpret_cast<uint4*>(out_gmem + row_offset(p.out_batch_stride, p.out_row_stride) + int64_t(i) * p.out_row_stride +
+                                  h * p.out_head_stride + chunk * 8) = v;
     }
     if (p.lse != nullptr)
       for (int r = rows.row_begin + tid; r < rows.row_begin + rows.rows; r += kThreads) {
         const int i = r / group, h = hk * group + r % group;
-        p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] = lse_value;
+        if (call_row(i))
+          p.lse[row_offset(p.lse_batch_stride, p.lse_row_stride) + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] = lse_value;
       }
   };
   if (!length_ok) {
@@ -529,11 +557,13 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
           acc.x += w * part.x, acc.y += w * part.y, acc.z += w * part.z, acc.w += w * part.w;
         }
       const float inv = any_nan ? NAN : (weight_sum > 0.f ? rcp_approx(weight_sum) : 0.f);
-      Element* out_row = out_gmem + b * p.out_batch_stride + int64_t(i) * p.out_row_stride + h * p.out_head_stride + col;
+      if (!call_row(i)) continue;  // a padding row (varlen rows): its place is another sequence's
+      Element* out_row = out_gmem + row_offset(p.out_batch_stride, p.out_row_stride) + int64_t(i) * p.out_row_stride +
+                         h * p.out_head_stride + col;
       *reinterpret_cast<uint2*>(out_row) = make_uint2(ElementTraits<Element>::pack(acc.x * inv, acc.y * inv),
                                                       ElementTraits<Element>::pack(acc.z * inv, acc.w * inv));
       if (col == 0 && p.lse != nullptr)
-        p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] =
+        p.lse[row_offset(p.lse_batch_stride, p.lse_row_stride) + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] =
             any_nan ? NAN : (weight_sum > 0.f ? (lse_max + log2_approx(weight_sum)) * kLn2 : -INFINITY);
     }
     C::stamp(C::kStampClusterRead, p.out);
@@ -563,8 +593,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       if (row >= rows.rows || chunk >= d_chunks) continue;
       const int r = rows.row_begin + row;
       const int i = r / group, h = hk * group + r % group;
-      const uint4 v = *reinterpret_cast<const uint4*>(q_gmem + b * p.q_batch_stride + int64_t(i) * p.q_row_stride +
-                                                      h * p.q_head_stride + chunk * 8);
+      if (!call_row(i)) continue;
+      const uint4 v = *reinterpret_cast<const uint4*>(q_gmem + row_offset(p.q_batch_stride, p.q_row_stride) +
+                                                      int64_t(i) * p.q_row_stride + h * p.q_head_stride + chunk * 8);
       const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
@@ -612,9 +643,9 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       const int r = rows.row_begin + row;
       const int i = r / group, h = hk * group + r % group;
       uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;  // pairs 0..3, 4..7 of the group
-      if (row < rows.rows && group16 < p.head_dim / 16) {
-        const uint4* src = reinterpret_cast<const uint4*>(q_gmem + b * p.q_batch_stride + int64_t(i) * p.q_row_stride +
-                                                          h * p.q_head_stride + group16 * 16);
+      if (row < rows.rows && group16 < p.head_dim / 16 && call_row(i)) {
+        const uint4* src = reinterpret_cast<const uint4*>(q_gmem + row_offset(p.q_batch_stride, p.q_row_stride) +
+                                                          int64_t(i) * p.q_row_stride + h * p.q_head_stride + group16 * 16);
         lo = src[0];
         hi = src[1];
       }
@@ -631,7 +662,7 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     }
   } else if (p.rotary_dim == 0) {
     // Q does not depend on the length: copied with the early or speculative tiles, even when those are drained.
-    if (first_copied < 0) copy_q(rows.row_begin, rows.rows);
+    if (first_copied < 0 || varlen_rows) copy_q(rows.row_begin, rows.rows);
   } else {
     // Positions: cached + i when causal or windowed (each query is a new token), else all at `cached`.
     const bool per_token_positions = p.window_left >= 0 || p.window_right >= 0;
@@ -639,11 +670,12 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
       const int row = idx / (kHeadDim / 2), q = idx % (kHeadDim / 2);
       const int r = rows.row_begin + row;
       const int i = r / group, h = hk * group + r % group;
-      const bool valid = row < rows.rows && q < p.head_dim / 2;
+      const bool valid = row < rows.rows && q < p.head_dim / 2 && call_row(i);
       const RotaryPair pair = valid ? rotary_pair(p, q) : RotaryPair{2 * q, 2 * q + 1, false};
       float x0 = 0.f, x1 = 0.f;
       if (valid) {
-        const Element* src = q_gmem + b * p.q_batch_stride + int64_t(i) * p.q_row_stride + h * p.q_head_stride;
+        const Element* src = q_gmem + row_offset(p.q_batch_stride, p.q_row_stride) + int64_t(i) * p.q_row_stride +
+                             h * p.q_head_stride;
         x0 = float(src[pair.first]);
         x1 = float(src[pair.second]);
         if (pair.rotated) rotate_pair<Element>(p, per_token_positions ? cached + i : cached, q, &x0, &x1);
@@ -1224,14 +1256,17 @@ __global__ void __launch_bounds__(C::kThreads, C::kMinCtasPerSm) decode_kernel(c
     const float lse_log2 = bad ? NAN : (no_visible_key ? -INFINITY : merged_max + log2_approx(merged_sum));
     const bool lse_thread = col_lane == 0;
     if (direct) {
-      Element* out_row = out_gmem + b * p.out_batch_stride + int64_t(i) * p.out_row_stride + h * p.out_head_stride;
+      if (!call_row(i)) continue;  // a padding row (varlen rows): its place is another sequence's
+      Element* out_row = out_gmem + row_offset(p.out_batch_stride, p.out_row_stride) + int64_t(i) * p.out_row_stride +
+                         h * p.out_head_stride;
 #pragma unroll
       for (int k = 0; k < kColSteps; ++k)
         if (32 * k + col_lane < out_cols)
           *reinterpret_cast<uint2*>(out_row + 32 * k + col_lane) =
               make_uint2(ElementTraits<Element>::pack(v[k].x, v[k].y), ElementTraits<Element>::pack(v[k].z, v[k].w));
       if (lse_thread && p.lse != nullptr)
-        p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] = lse_log2 * kLn2;
+        p.lse[row_offset(p.lse_batch_stride, p.lse_row_stride) + h * p.lse_head_stride + int64_t(i) * p.lse_row_stride] =
+            lse_log2 * kLn2;
     } else if (clustered) {
 #pragma unroll
       for (int k = 0; k < kColSteps; ++k)

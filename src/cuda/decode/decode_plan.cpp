@@ -365,6 +365,16 @@ KvcacheParams short_sequence_call(const AttentionParams& p, int max_q, void* q, 
   return kv;
 }
 
+KvcacheParams varlen_rows_call(const AttentionParams& p, int max_q, const int32_t* cache_seqlens) {
+  KvcacheParams kv = decode_call_of(p, cache_seqlens);  // q / out / lse and their row and head strides: the forward's
+  kv.seqlen_q = max_q;
+  kv.cu_seqlens_q = p.cu_seqlens_q;
+  kv.q_batch_stride = 0;
+  kv.out_batch_stride = 0;
+  kv.lse_batch_stride = 0;
+  return kv;
+}
+
 bool uniform_short_sequences(const AttentionParams& p, int max_q) {
   return max_q > 0 && p.seqlen_q <= max_q && (!p.is_varlen() || int64_t(p.varlen_total_q) == int64_t(p.batch) * p.seqlen_q);
 }

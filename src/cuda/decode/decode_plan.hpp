@@ -457,6 +457,11 @@ int short_call_max_q(int heads_q, int heads_k, bool paged);
 // max_seqlen_k (p.seqlen_k), which bounds every length.
 KvcacheParams short_sequence_call(const AttentionParams& p, int max_q, void* q, void* out, float* lse,
                                   const int32_t* cache_seqlens);
+// The same call over the forward's own q / out / lse (varlen rows, decode_work.hpp's varlen_query_rows): cu_seqlens_q
+// the forward's, seqlen_q = T, the batch strides 0, the row and head strides the forward's; its kernels read each
+// routed sequence's queries where they are and write its rows of out and lse there, and touch no other row. What the
+// paged varlen forward runs (kvcache.cpp, run_short_sequences): no gather before it, no scatter after it.
+KvcacheParams varlen_rows_call(const AttentionParams& p, int max_q, const int32_t* cache_seqlens);
 // The most sequences of such a varlen call that can have at most T = max_q rows (the decode call's working rows): the
 // others have more than T and at most max_seqlen_q = M, so total_q <= x M + (B - x) T for x of them, and
 // x >= (total_q - B T) / (M - T). The decode call's grid keeps a row of CTAs per sequence, but its split count is

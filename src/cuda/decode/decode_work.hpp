@@ -134,6 +134,27 @@ FA_HD int64_t partial_row(const KvcacheParams& p, int b, int h, int i) {
   return (int64_t(b) * p.heads_q + h) * p.seqlen_q + i;
 }
 
+// Where sequence b's query rows are in q, out and lse. A dense call (p.cu_seqlens_q null): row i at b x the batch
+// strides + i x the row strides, every row [0, Sq) the call's. Varlen rows (p.cu_seqlens_q set: the routed short
+// sequences of a paged varlen forward, kvcache.cpp's run_short_sequences, read and written in the forward's own
+// tensors, the batch strides unused): cu_seqlens_q is the forward's, Sq = T, and sequence b's n = cu[b + 1] - cu[b]
+// queries are left-padded to the call's T rows: row i is the forward's row row0 + i, row0 = cu[b + 1] - T, and rows
+// i < first = T - n are padding, neither read (zeros) nor written; a sequence with n outside [1, T] is the forward
+// kernel's: first = T, no row (its CTAs leave; its key count, 0, makes the combine kernel skip it).
+struct QueryRows {
+  int row0 = 0;   // varlen rows: the forward's row of row 0 (< 0 where sequence 0 has padding rows)
+  int first = 0;  // the first row that is the call's
+};
+FA_HD QueryRows varlen_query_rows(const KvcacheParams& p, int b) {
+  const int end = p.cu_seqlens_q[b + 1];
+  const int n = end - p.cu_seqlens_q[b];
+  return QueryRows{end - p.seqlen_q, n >= 1 && n <= p.seqlen_q ? p.seqlen_q - n : p.seqlen_q};
+}
+// Offset (elements) of sequence b's row 0 in a tensor with these strides.
+FA_HD int64_t query_rows_offset(const KvcacheParams& p, const QueryRows& rows, int b, int64_t batch_stride, int64_t row_stride) {
+  return p.cu_seqlens_q != nullptr ? int64_t(rows.row0) * row_stride : b * batch_stride;
+}
+
 // The combine kernel's shape (decode_aux.cu), shared by its launcher and its CTAs; affects speed only. Each output
 // item (a packed row's 4 columns) is merged by combine_lanes(num_splits) neighbouring lanes, each loading at most
 // kCombineSplitsPerLane splits at once; an m-block's items are dealt to combine_chunks CTAs of kCombineThreads.

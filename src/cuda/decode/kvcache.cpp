@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 
@@ -30,6 +31,10 @@ Status decode_device(int device, DecodeDevice* out) {
   *out = DecodeDevice{a.device, a.sm_major, a.sm_minor, a.sm_count, a.smem_per_block_optin, a.smem_per_sm};
   return Status();
 }
+
+// Tests: the routed short sequences through padded copies (gather, decode call, scatter) instead of the decode call
+// over the forward's own rows (run_short_sequences). Process-wide.
+std::atomic<bool> g_routed_copies{false};
 
 struct Selection {
   int index = -1;  // row of the generated kernel table
@@ -326,6 +331,8 @@ Status run_uniform_sequences(const AttentionParams& p, int max_q, ShortSequences
   return Status();
 }
 
+void set_routed_copies_for_tests(bool copies) { g_routed_copies.store(copies, std::memory_order_relaxed); }
+
 Status run_short_sequences(const AttentionParams& p, ShortSequences* routed, StreamFork* fork) {
   *routed = ShortSequences{};
   const int max_q = short_sequence_max_q(p);
@@ -335,11 +342,18 @@ Status run_short_sequences(const AttentionParams& p, ShortSequences* routed, Str
     if (routed->max_q > 0) return Status();
   }
   if (!p.is_varlen()) return Status();  // the decode kernels refused it: the forward kernel computes every row
-  // The plan depends on the shapes only: planned with the forward's q / out standing in for the padded buffers (both
-  // 16-byte aligned, as the padded rows are). The split count is that of the sequences that can be short
-  // (routed_sequences_bound); the call's own selection at that count then sizes the workspace for all B.
+  // Two ways to the same values: the decode call over the forward's own rows (varlen_rows_call: the key counts, the
+  // call), or over padded copies (short_sequence_call: the gather, the call, the scatter; the tests' other way,
+  // set_routed_copies_for_tests). The plan depends on the shapes only: planned with the forward's q / out standing
+  // in for the padded buffers (both 16-byte aligned, as the padded rows are). The split count is that of the
+  // sequences that can be short (routed_sequences_bound); the call's own selection at that count then sizes the
+  // workspace for all B.
+  const bool copies = g_routed_copies.load(std::memory_order_relaxed);
+  auto call_of = [&](void* q, void* out, float* lse, const int32_t* counts) {
+    return copies ? short_sequence_call(p, max_q, q, out, lse, counts) : varlen_rows_call(p, max_q, counts);
+  };
   Selection s;
-  KvcacheParams planned = short_sequence_call(p, max_q, const_cast<void*>(p.q), p.out, p.lse, nullptr);
+  KvcacheParams planned = call_of(const_cast<void*>(p.q), p.out, p.lse, nullptr);
   const int full_batch = planned.batch;
   planned.batch = routed_sequences_bound(p, max_q);
   Status selected = select(planned, &s);
@@ -353,10 +367,10 @@ Status run_short_sequences(const AttentionParams& p, ShortSequences* routed, Str
   const KvcacheLaunchFn launch = generated::kKernelLaunch[s.index].kvcache;
   if (launch == nullptr) return error(FA_ERROR_INTERNAL, "kernel table row %s has no kvcache launcher", kernel_entry(s.index).name);
 
-  // Scratch: key counts, padded q and out (16-bit: the CUDA rules), lse, then the decode call's split partials (aligned
-  // by make_decode_args).
+  // Scratch: key counts, (copies: padded q and out (16-bit: the CUDA rules), lse,) then the decode call's split
+  // partials (aligned by make_decode_args).
   auto aligned = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
-  const int64_t rows = int64_t(p.batch) * max_q * p.heads_q;
+  const int64_t rows = copies ? int64_t(p.batch) * max_q * p.heads_q : 0;
   const int64_t seqlens_bytes = aligned(int64_t(p.batch) * 4);
   const int64_t q_bytes = aligned(rows * p.head_dim * 2);
   const int64_t out_bytes = aligned(rows * p.head_dim_v * 2);
@@ -369,20 +383,26 @@ Status run_short_sequences(const AttentionParams& p, ShortSequences* routed, Str
   ShortSequenceRows buffers;
   buffers.max_q = max_q;
   buffers.cache_seqlens = reinterpret_cast<int32_t*>(base);
-  buffers.q = base + seqlens_bytes;
-  buffers.out = base + seqlens_bytes + q_bytes;
-  buffers.lse = p.lse != nullptr ? reinterpret_cast<float*>(base + seqlens_bytes + q_bytes + out_bytes) : nullptr;
-  KvcacheParams kv = short_sequence_call(p, max_q, buffers.q, buffers.out, buffers.lse, buffers.cache_seqlens);
+  if (copies) {
+    buffers.q = base + seqlens_bytes;
+    buffers.out = base + seqlens_bytes + q_bytes;
+    buffers.lse = p.lse != nullptr ? reinterpret_cast<float*>(base + seqlens_bytes + q_bytes + out_bytes) : nullptr;
+  }
+  KvcacheParams kv = call_of(buffers.q, buffers.out, buffers.lse, buffers.cache_seqlens);
   kv.num_splits = s.plan.num_splits;
   kv.workspace = s.plan.workspace_bytes > 0 ? base + seqlens_bytes + q_bytes + out_bytes + lse_bytes : nullptr;
   kv.workspace_bytes = s.plan.workspace_bytes;
-  // With a fork (the forward kernel runs too), the three launches go on the side stream, after the allocation above on
-  // the forward's stream; the caller joins after enqueueing the forward kernel, then frees (routed->scratch).
+  // With a fork (the forward kernel runs too), the launches go on the side stream, after the allocation above on the
+  // forward's stream; the caller joins after enqueueing the forward kernel, then frees (routed->scratch).
   const Status forked = fork != nullptr && max_q < p.seqlen_q ? fork->fork(p.device_id, stream) : Status();
   const cudaStream_t launch_stream = fork != nullptr && fork->forked() ? fork->stream() : stream;
   kv.stream = launch_stream;
   const Status launched = [&]() -> Status {
     FA_RETURN_IF_ERROR(forked);
+    if (!copies) {
+      FA_RETURN_IF_ERROR(launch_routed_key_counts(p, max_q, buffers.cache_seqlens, launch_stream));
+      return launch(kv, launch_stream);
+    }
     FA_RETURN_IF_ERROR(launch_gather_short_sequences(p, buffers, launch_stream));
     FA_RETURN_IF_ERROR(launch(kv, launch_stream));
     return launch_scatter_short_sequences(p, buffers, launch_stream);

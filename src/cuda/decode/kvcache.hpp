@@ -41,17 +41,20 @@ Status run_kvcache_append(const KvcacheAppendParams& params);
 
 // A forward's short sequences (decode_plan.hpp, short_sequence_max_q: a paged varlen call's decode tokens, or all of a
 // call that is not varlen, of at most T query rows) through the decode kernels, on the
-// forward's stream: gather (their queries, left-padded to T rows, and key counts), the decode call (attention, combine),
-// scatter (their out and lse rows). The call's scratch (the padded rows and the split partials) is a stream-ordered
-// allocation from the library's pool (common/scratch_pool.hpp), freed on the stream after the scatter (capturable in a
-// CUDA graph). When every sequence has max_seqlen_q <= T rows (a decode step), the decode call runs in place on the
-// forward's q / out / lse instead (decode_plan.hpp, uniform_short_sequences). `routed.max_q` = 0 when nothing was
-// routed (a call the rule or the decode kernels do not take: the forward kernel then computes every row).
+// forward's stream: the key counts (a routed sequence's keys, 0 for the others), then the decode call (attention,
+// combine) over the forward's own q / out / lse, its sequences' queries left-padded to T rows in place (decode_plan.hpp,
+// varlen_rows_call; decode_work.hpp, varlen_query_rows): it reads and writes the routed sequences' rows only. The
+// call's scratch (the key counts and the split partials) is a stream-ordered allocation from the library's pool
+// (common/scratch_pool.hpp), freed on the stream after the call (capturable in a CUDA graph). When every sequence has
+// max_seqlen_q <= T rows (a decode step), one decode call over the forward's tensors as they are (decode_plan.hpp,
+// uniform_short_sequences). `routed.max_q` = 0 when nothing was routed (a call the rule or the decode kernels do not
+// take: the forward kernel then computes every row).
 //
-// `fork` (optional; the forward kernel will run too): the gather, the decode call and the scatter go on the fork's side
+// `fork` (optional; the forward kernel will run too): the key counts and the decode call go on the fork's side
 // stream (common/stream_fork.hpp) when it forks, after the scratch's allocation on the forward's stream; the caller then
 // enqueues the forward kernel, joins, and frees `routed.scratch` on the forward's stream. Without a fork, or where it
-// does not fork, everything is on the forward's stream and the scratch is freed here (`routed.scratch` null).
+// does not fork, everything is on the forward's stream and the scratch is freed here (`routed.scratch` null). (The
+// tests' other way, set_routed_copies_for_tests: a gather into padded copies, the call, a scatter back.)
 struct ShortSequences {
   int max_q = 0;                  // the sequences of 1 to max_q query rows were computed (the forward kernel skips them)
   bool in_place = false;          // every sequence had max_seqlen_q rows: one decode call over the forward's tensors
@@ -61,5 +64,9 @@ struct ShortSequences {
   const char* kernel = nullptr;   // its table row's name
 };
 Status run_short_sequences(const AttentionParams& params, ShortSequences* routed, StreamFork* fork = nullptr);
+// Tests: true routes the short sequences through padded copies of their rows (a gather before the decode call, a
+// scatter after it) instead of the decode call over the forward's own rows (decode_plan.hpp, varlen_rows_call; the
+// default). Both give the same values. Process-wide.
+void set_routed_copies_for_tests(bool copies);
 
 }  // namespace flashattn::cuda::decode

@@ -22,6 +22,9 @@ struct ShortSequenceRows {
 
 // Fills cache_seqlens and q from the forward's cu_seqlens_q / cu_seqlens_k / seqused_k and q (`p`).
 Status launch_gather_short_sequences(const AttentionParams& p, const ShortSequenceRows& rows, void* stream);
+// Fills cache_seqlens alone (as the gather does; one thread per sequence): the decode call over the forward's own rows
+// (decode_plan.hpp, varlen_rows_call), which needs no copies.
+Status launch_routed_key_counts(const AttentionParams& p, int max_q, int32_t* cache_seqlens, void* stream);
 // Writes key_counts[b] = sequence b's key count (from cu_seqlens_k / seqused_k) for every b: the uniform route without
 // seqused_k (decode_plan.hpp, uniform_short_sequences).
 Status launch_sequence_key_counts(const AttentionParams& p, int32_t* key_counts, void* stream);
