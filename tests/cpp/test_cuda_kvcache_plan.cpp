@@ -1079,6 +1079,53 @@ TEST(CudaKvcachePlan, ShortSequencesOfAPagedVarlenForward) {
   EXPECT_EQ(kv.routed_seqlen_q, 0);
   EXPECT_TRUE(decode::check_kvcache_support(kv).ok()) << decode::check_kvcache_support(kv).message();
 
+  // The call the forward runs: over its own q / out / lse, varlen rows (decode_work.hpp). Sequences of 1, 0, 4, 5, 2
+  // and 300 rows at T = 4: rows left-padded to 4 in place; the 0-, 5- and 300-row ones are the forward kernel's.
+  {
+    flashattn::AttentionParams f = p;
+    static const int32_t cu_q[] = {0, 1, 1, 5, 10, 12, 312};
+    f.cu_seqlens_q = cu_q;
+    f.q = q;
+    f.out = out;
+    f.lse = lse;
+    f.q_row_stride = 32 * 128 + 64;  // the forward's own strides, padded rows
+    f.out_row_stride = 32 * 128 + 8;
+    f.lse_row_stride = 1;
+    f.lse_head_stride = 312;  // varlen lse (Hq, total_q)
+    const KvcacheParams rows = decode::varlen_rows_call(f, 4, index);
+    EXPECT_EQ(rows.cu_seqlens_q, cu_q);
+    EXPECT_EQ(rows.q, static_cast<const void*>(q));
+    EXPECT_EQ(rows.out, static_cast<void*>(out));
+    EXPECT_EQ(rows.lse, lse);
+    EXPECT_EQ(rows.cache_seqlens, index);
+    EXPECT_EQ(rows.seqlen_q, 4);
+    EXPECT_EQ(rows.q_row_stride, 32 * 128 + 64);
+    EXPECT_EQ(rows.out_row_stride, 32 * 128 + 8);
+    EXPECT_EQ(rows.lse_head_stride, 312);
+    EXPECT_EQ(rows.q_batch_stride, 0);
+    EXPECT_EQ(rows.out_batch_stride, 0);
+    EXPECT_EQ(rows.lse_batch_stride, 0);
+    EXPECT_EQ(rows.cu_seqlens_k, nullptr);
+    EXPECT_EQ(rows.routed_seqlen_q, 0);
+    EXPECT_TRUE(decode::check_kvcache_support(rows).ok()) << decode::check_kvcache_support(rows).message();
+    // Row i of sequence b is the forward's row cu[b + 1] - 4 + i; rows below `first` are padding (none: 4).
+    const int row0[] = {-3, -3, 1, 6, 8, 308}, first[] = {3, 4, 0, 4, 2, 4};
+    for (int b = 0; b < 6; ++b) {
+      const decode::QueryRows r = decode::varlen_query_rows(rows, b);
+      EXPECT_EQ(r.row0, row0[b]) << b;
+      EXPECT_EQ(r.first, first[b]) << b;
+      EXPECT_EQ(decode::query_rows_offset(rows, r, b, 0, rows.out_row_stride), int64_t(row0[b]) * (32 * 128 + 8)) << b;
+      // a row the call writes is one of the sequence's own
+      for (int i = r.first; i < 4; ++i) {
+        EXPECT_GE(r.row0 + i, cu_q[b]) << b;
+        EXPECT_LT(r.row0 + i, cu_q[b + 1]) << b;
+      }
+    }
+    // A dense call keeps its batch strides.
+    const decode::QueryRows dense{};
+    EXPECT_EQ(decode::query_rows_offset(kv, dense, 3, kv.out_batch_stride, kv.out_row_stride), 3 * kv.out_batch_stride);
+  }
+
   // In place when every sequence has max_seqlen_q <= T rows (total_q = B x max_seqlen_q): the forward's own tensors.
   flashattn::AttentionParams step = p;
   step.seqlen_q = 2;
