@@ -188,9 +188,9 @@ Status forward(const AttentionParams& p) {
   // K/V head's query heads and split long key ranges (decode_plan.hpp, short_sequence_max_q); the forward kernel
   // then skips them. Only the paged instantiation knows to skip (forward_kernel.cuh). A call that is not varlen, of
   // at most T query rows (a decode step over a dense or paged cache), runs in the decode kernels whole, in place.
-  // The routed sequences and the forward kernel's read and write disjoint rows: where the fork is on (off by default for
-  // now, common/stream_fork.hpp), the decode half goes on a side stream beside the forward kernel, joined before the
-  // call returns.
+  // The routed sequences and the forward kernel's read and write disjoint rows: where the fork is on (the default:
+  // common/stream_fork.hpp), the decode half goes on a side stream beside the forward kernel, joined before the call
+  // returns.
   decode::ShortSequences routed;
   StreamFork fork;
   if (entry.paged_kv || !p.is_varlen()) FA_RETURN_IF_ERROR(decode::run_short_sequences(p, &routed, &fork));

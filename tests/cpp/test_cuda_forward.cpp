@@ -909,8 +909,8 @@ TEST(CudaForward, VarlenPagedShortSequenceBadBlockIdGivesNan) {
 }
 
 #if defined(FLASHATTN_WITH_CUDA)
-// Sets whether the paged varlen forward's routed half may fork onto a side stream (common/stream_fork.hpp; off by
-// default for now) for the scope, then restores the setting.
+// Sets whether the paged varlen forward's routed half may fork onto a side stream (common/stream_fork.hpp; on by
+// default) for the scope, then restores the setting.
 struct ForkSwitch {
   explicit ForkSwitch(bool fork) { flashattn::cuda::set_stream_fork_enabled(fork); }
   ~ForkSwitch() { flashattn::cuda::set_stream_fork_enabled(was); }
@@ -996,7 +996,7 @@ TEST(CudaForward, VarlenPagedShortSequencesBesideTheForward) {
   auto rng = fa_test::make_rng("cuda_forward_varlen_paged_side_stream");
   Call c = varlen_paged_call(rng, {1, 3, 37, 1, 130, 2}, {60000, 200, 500, 900, 700, 1}, 32, 8, 128, 16, FA_BFLOAT16, 1);
   c.options.causal = 1;
-  // Off for the serial reference, then on (it is off by default for now: stream_fork.hpp).
+  // Off for the serial reference, then on (the default: stream_fork.hpp).
   ForkSwitch fork_switch(false);
   Call serial = c;
   fa_stats stats{};

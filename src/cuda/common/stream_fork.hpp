@@ -6,8 +6,8 @@
 // so everything before the call on the caller's stream precedes both halves, and everything after follows both (as if
 // the call had run on the caller's stream alone). One side stream per device, at the device's greatest priority: where
 // CTAs of both halves wait for room, the block scheduler places the decode half's first, and the forward's fill the
-// SMs' room beside them (the decode CTAs stream K/V while the forward's compute). Affects speed only. Off by default
-// for now (kStreamForkByDefault below).
+// SMs' room beside them (the decode CTAs stream K/V while the forward's compute). Affects speed only. On by default
+// (kStreamForkByDefault below).
 //
 // Thread safety: a fork holds its device's side stream (a mutex) until it joins, so calls from several threads take
 // turns on it. CUDA graph capture: the fork and the join are events, so a capture of the caller's stream takes the side
@@ -49,16 +49,14 @@ class StreamFork {
   cudaEvent_t join_event_ = nullptr;
 };
 
-// Off by default until it has run on a GPU: built in session 58 (2026-12-07), when no GPU machine could be had after the
-// first run. What that run measured with `flashattn step`'s concurrent mode (the same fork, in the tool: the decode
-// call on a second stream beside the prefills' forward; H100 80GB HBM3, 01:04 UTC,
-// bench/results/2026-12-07-0104-h100-step-routed-plan-concurrent.txt): 16 decodes over 8k beside a chunk of 128 over
-// 8k 277-280 -> 224-233 us per synchronised step, but 278-280 -> 271-276 pipelined (steps queued back to back, where
-// both halves become ready together and which one's CTAs go first is left to the scheduler: hence the side stream's
-// priority above); 64 decodes over 4k beside 2 chunks of 512 419-422 -> 406-413 (pipelined 411-412 -> 398-400).
-// To do: the GPU tests (CudaForward.VarlenPagedShortSequencesBesideTheForward, ...InACudaGraph) and `flashattn step`
-// with it on, then on by default.
-constexpr bool kStreamForkByDefault = false;
+// On by default since its first GPU run (H100 80GB HBM3, 2026-12-07 04:51-04:55 UTC, flashattn step --fork, the fork on
+// and off alternating in one process, with the routed call over the forward's own rows;
+// bench/results/2026-12-07-0451-h100-step-in-place-rows-fork.txt): the mixed step per pipelined step, fork off -> on,
+// 16 decodes at 8k + a chunk of 128 285.8 -> 229.1 us, 8 at 1k + a chunk of 128 68.9 -> 57.5, 64 at 4k + 2 chunks of
+// 512 436.6 -> 425.6, 4 at 16k + 2 chunks of 64 251.8 -> 247.3, 256 at 4k + 4 chunks of 256 1586.9 -> 1558.1
+// (synchronised steps 0.76-0.98x). Its tests passed there (CudaForward.VarlenPagedShortSequencesBesideTheForward,
+// ...InACudaGraph forked, ...InPlaceMatchTheCopies forked).
+constexpr bool kStreamForkByDefault = true;
 
 // Tests and measurements: whether calls may fork at all (default kStreamForkByDefault); false runs both halves on the
 // caller's stream, one after the other. A process-wide switch.
