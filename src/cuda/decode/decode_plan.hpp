@@ -449,7 +449,8 @@ int short_sequence_max_q(const AttentionParams& p);
 // paged cache max(1, min(16, 64 / G)).
 int short_call_max_q(int heads_q, int heads_k, bool paged);
 
-// The decode call over the short sequences: their queries left-padded to T rows, q / out (B, T, Hq, D / Dv) and lse
+// The decode call over padded copies of the short sequences (the tests' other way to varlen_rows_call below, which the
+// forward runs): their queries left-padded to T rows, q / out (B, T, Hq, D / Dv) and lse
 // (B, Hq, T) dense at the given addresses (lse null when the forward has none), cache_seqlens the key counts (0 for the
 // sequences the forward kernel keeps), and the forward's pool, block table, heads, scale, mask, softcap, ALiBi and
 // stream. Left padding puts query i of a sequence of n rows at row T - n + i, whose bottom-right alignment (Sk - T + row)

@@ -1,7 +1,8 @@
-// Gather and scatter of a paged varlen forward's short sequences (short_sequences.hpp). Both move 16-byte chunks (D and
-// Dv are multiples of 8 16-bit elements on CUDA, and every row start is 16-byte aligned: dispatch.cpp's rules) and
-// depend on no dtype. Grid: (chunks of the rows, B); a sequence's routing is recomputed from its extent in each. And the
-// key counts of the in-place decode step (one thread per sequence).
+// Gather and scatter of a paged varlen forward's short sequences (short_sequences.hpp; the tests' way to the routed
+// call). Both move 16-byte chunks (D and Dv are multiples of 8 16-bit elements on CUDA, and every row start is 16-byte
+// aligned: dispatch.cpp's rules) and depend on no dtype. Grid: (chunks of the rows, B); a sequence's routing is
+// recomputed from its extent in each. And the key counts of the routed call and of the in-place decode step (one
+// thread per sequence).
 // On sm_90+ the gather, the scatter and the key counts launch as programmatic dependents of the kernel before them
 // (programmatic_launch.cuh) and let the next kernel launch at once: the decode kernel after the gather (or the key
 // counts) is itself such a dependent, and the gather follows the append kernel, which lets it launch at once too; so

@@ -1,7 +1,9 @@
-// The two copies around the decode call that computes a paged varlen forward's short sequences (decode_plan.hpp,
-// short_sequence_max_q; kvcache.cpp, run_short_sequences): gather before it, scatter after it; for a step whose
-// sequences all have the same count of rows (the call in place), only the key counts. Plain C++ declarations
-// (`stream` is a cudaStream_t); the kernels are in short_sequences.cu.
+// The small kernels around the decode call that computes a paged varlen forward's short sequences (decode_plan.hpp,
+// short_sequence_max_q; kvcache.cpp, run_short_sequences): the routed sequences' key counts before it (the call then
+// reads and writes their rows in the forward's own tensors), or, the tests' other way, a gather of their rows into
+// padded copies before it and a scatter back after it; for a step whose sequences all have the same count of rows (the
+// call in place), the key counts. Plain C++ declarations (`stream` is a cudaStream_t); the kernels are in
+// short_sequences.cu.
 #pragma once
 
 #include <cstdint>
