@@ -1044,6 +1044,28 @@ TEST(CudaForward, VarlenPagedShortSequencesBesideTheForward) {
 #endif
 }
 
+// FLASHATTN_STREAM_FORK's values (src/cuda/common/stream_fork.hpp): unset is the default, "0" and "1" switch, anything
+// else is refused. Host code: runs in every CUDA build.
+TEST(CudaForward, StreamForkEnvironmentSetting) {
+#if defined(FLASHATTN_WITH_CUDA)
+  using flashattn::cuda::parse_stream_fork_setting;
+  bool enabled = false;
+  EXPECT_TRUE(parse_stream_fork_setting(nullptr, &enabled));
+  EXPECT_EQ(enabled, flashattn::cuda::kStreamForkByDefault);
+  EXPECT_TRUE(parse_stream_fork_setting("0", &enabled));
+  EXPECT_FALSE(enabled);
+  EXPECT_TRUE(parse_stream_fork_setting("1", &enabled));
+  EXPECT_TRUE(enabled);
+  for (const char* bad : {"", "2", "yes", "on", " 1", "1 ", "01", "true"}) {
+    enabled = true;
+    EXPECT_FALSE(parse_stream_fork_setting(bad, &enabled)) << "'" << bad << "'";
+    EXPECT_TRUE(enabled) << "'" << bad << "' changed the setting";
+  }
+#else
+  GTEST_SKIP() << "no CUDA in this build";
+#endif
+}
+
 // The routed sequences' two ways (src/cuda/decode/kvcache.hpp, set_routed_copies_for_tests): the decode call over the
 // forward's own rows (the default: no gather, no scatter; padding rows neither read nor written) and over padded
 // copies give the same bytes, over poisoned out and lse, on the caller's stream and forked. The lengths put routed

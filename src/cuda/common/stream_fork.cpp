@@ -2,6 +2,9 @@
 #include "cuda/common/stream_fork.hpp"
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 
 #include "cuda/common/check.hpp"
 
@@ -21,8 +24,25 @@ SideStream& side_of(int device) {
   return sides[device];
 }
 
-std::atomic<bool> g_fork_enabled{kStreamForkByDefault};
+std::atomic<int> g_fork_override{-1};  // set_stream_fork_enabled: 0 or 1; -1: the environment's setting
 std::atomic<int64_t> g_forks_made{0};
+
+// FLASHATTN_STREAM_FORK as read at first use.
+struct EnvironmentSetting {
+  bool valid = true;
+  bool enabled = kStreamForkByDefault;
+  std::string value;  // as given (for the message)
+};
+const EnvironmentSetting& environment_setting() {
+  static const EnvironmentSetting setting = [] {
+    EnvironmentSetting s;
+    const char* value = std::getenv(kStreamForkVariable);
+    if (value != nullptr) s.value = value;
+    s.valid = parse_stream_fork_setting(value, &s.enabled);
+    return s;
+  }();
+  return setting;
+}
 
 struct Capture {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -32,13 +52,38 @@ cudaError_t capture_of(cudaStream_t stream, Capture* c) { return cudaStreamGetCa
 
 }  // namespace
 
-void set_stream_fork_enabled(bool enabled) { g_fork_enabled.store(enabled, std::memory_order_relaxed); }
-bool stream_fork_enabled() { return g_fork_enabled.load(std::memory_order_relaxed); }
+bool parse_stream_fork_setting(const char* value, bool* enabled) {
+  if (value == nullptr) {
+    *enabled = kStreamForkByDefault;
+    return true;
+  }
+  if (std::strcmp(value, "0") != 0 && std::strcmp(value, "1") != 0) return false;
+  *enabled = value[0] == '1';
+  return true;
+}
+
+Status stream_fork_setting() {
+  if (g_fork_override.load(std::memory_order_relaxed) >= 0) return Status();
+  const EnvironmentSetting& s = environment_setting();
+  if (s.valid) return Status();
+  return error(FA_ERROR_INVALID_ARGUMENT,
+               "%s: must be 0 (the paged varlen forward's decode half on the caller's stream) or 1 (beside the forward "
+               "kernel on a side stream, the default), got '%s'",
+               kStreamForkVariable, s.value.c_str());
+}
+
+void set_stream_fork_enabled(bool enabled) { g_fork_override.store(enabled ? 1 : 0, std::memory_order_relaxed); }
+bool stream_fork_enabled() {
+  const int override_value = g_fork_override.load(std::memory_order_relaxed);
+  if (override_value >= 0) return override_value == 1;
+  const EnvironmentSetting& s = environment_setting();
+  return s.valid && s.enabled;
+}
 int64_t stream_forks_made() { return g_forks_made.load(std::memory_order_relaxed); }
 
 Status StreamFork::fork(int device, cudaStream_t origin) {
   origin_ = origin;
-  if (forked() || device < 0 || device >= kMaxDevices || !g_fork_enabled.load(std::memory_order_relaxed)) return Status();
+  if (forked() || device < 0 || device >= kMaxDevices || !stream_fork_enabled()) return Status();
   SideStream& side = side_of(device);
   std::unique_lock<std::mutex> lock(side.mutex);
   Capture origin_capture;

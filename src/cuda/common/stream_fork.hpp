@@ -58,8 +58,18 @@ class StreamFork {
 // ...InACudaGraph forked, ...InPlaceMatchTheCopies forked).
 constexpr bool kStreamForkByDefault = true;
 
-// Tests and measurements: whether calls may fork at all (default kStreamForkByDefault); false runs both halves on the
-// caller's stream, one after the other. A process-wide switch.
+// The user's switch: the environment variable FLASHATTN_STREAM_FORK, read once per process. "0": every call keeps both
+// halves on the caller's stream, one after the other (no side stream is made); "1" or unset: kStreamForkByDefault.
+// Another value: the calls that would fork fail with FA_ERROR_INVALID_ARGUMENT naming it (stream_fork_setting), before
+// they allocate or launch anything.
+constexpr const char* kStreamForkVariable = "FLASHATTN_STREAM_FORK";
+// A value of it (null: unset) into *enabled; false for a value that is neither "0" nor "1" (*enabled untouched).
+bool parse_stream_fork_setting(const char* value, bool* enabled);
+// OK, or the error for a bad value of the variable (none once set_stream_fork_enabled has been called).
+Status stream_fork_setting();
+
+// Tests and measurements: whether calls may fork at all, overriding the environment (default: its setting); false
+// runs both halves on the caller's stream, one after the other. A process-wide switch.
 void set_stream_fork_enabled(bool enabled);
 bool stream_fork_enabled();
 // Tests: how many forks the process has made (that a test's call did fork).

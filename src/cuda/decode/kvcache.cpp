@@ -342,6 +342,8 @@ Status run_short_sequences(const AttentionParams& p, ShortSequences* routed, Str
     if (routed->max_q > 0) return Status();
   }
   if (!p.is_varlen()) return Status();  // the decode kernels refused it: the forward kernel computes every row
+  // A call that may fork (both halves run): a bad FLASHATTN_STREAM_FORK fails it here, before anything is allocated.
+  if (fork != nullptr && max_q < p.seqlen_q) FA_RETURN_IF_ERROR(stream_fork_setting());
   // Two ways to the same values: the decode call over the forward's own rows (varlen_rows_call: the key counts, the
   // call), or over padded copies (short_sequence_call: the gather, the call, the scatter; the tests' other way,
   // set_routed_copies_for_tests). The plan depends on the shapes only: planned with the forward's q / out standing
