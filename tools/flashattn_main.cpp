@@ -1331,13 +1331,12 @@ int command_step(int argc, char** argv) {
   Timing t_concurrent;
   if (concurrent) t_concurrent = time_call(concurrent, device, warmup, iters, 60);
   // --fork: the mixed step with the library's fork on and off, alternating (three rounds of each), so that both see
-  // the same clocks; the process's setting is restored after.
+  // the same clocks; the environment's setting applies again after.
   Timing t_fork[2];            // [0] off, [1] on: the best median of the rounds
   double piped_fork[2] = {-1, -1};
   int64_t forks_made = 0;      // by the fork-on rounds (0: the mixed call never forked)
 #if defined(FLASHATTN_WITH_CUDA)
   if (fork_ab) {
-    const bool was = flashattn::cuda::stream_fork_enabled();
     for (int round = 0; round < 3; ++round)
       for (int on = 0; on < 2; ++on) {
         flashattn::cuda::set_stream_fork_enabled(on != 0);
@@ -1350,7 +1349,7 @@ int command_step(int argc, char** argv) {
         }
         if (on) forks_made += flashattn::cuda::stream_forks_made() - before;
       }
-    flashattn::cuda::set_stream_fork_enabled(was);
+    flashattn::cuda::clear_stream_fork_override();
   }
 #endif
   double piped[4] = {-1, -1, -1, -1};  // mixed, grouped, split, concurrent (--pipelined)

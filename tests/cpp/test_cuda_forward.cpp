@@ -910,12 +910,11 @@ TEST(CudaForward, VarlenPagedShortSequenceBadBlockIdGivesNan) {
 
 #if defined(FLASHATTN_WITH_CUDA)
 // Sets whether the paged varlen forward's routed half may fork onto a side stream (common/stream_fork.hpp; on by
-// default) for the scope, then restores the setting.
+// default) for the scope; after it the environment's setting applies again.
 struct ForkSwitch {
   explicit ForkSwitch(bool fork) { flashattn::cuda::set_stream_fork_enabled(fork); }
-  ~ForkSwitch() { flashattn::cuda::set_stream_fork_enabled(was); }
+  ~ForkSwitch() { flashattn::cuda::clear_stream_fork_override(); }
   void set(bool fork) { flashattn::cuda::set_stream_fork_enabled(fork); }
-  const bool was = flashattn::cuda::stream_fork_enabled();
 };
 
 // Captures the call into a CUDA graph on a stream of its own (after one eager call there: kernel attributes are set
@@ -1061,6 +1060,17 @@ TEST(CudaForward, StreamForkEnvironmentSetting) {
     EXPECT_FALSE(parse_stream_fork_setting(bad, &enabled)) << "'" << bad << "'";
     EXPECT_TRUE(enabled) << "'" << bad << "' changed the setting";
   }
+  // The override, and back to the environment's setting (the variable as this process has it) once it is cleared.
+  bool from_environment = false;
+  const bool valid = parse_stream_fork_setting(std::getenv(flashattn::cuda::kStreamForkVariable), &from_environment);
+  for (const bool on : {false, true}) {
+    flashattn::cuda::set_stream_fork_enabled(on);
+    EXPECT_EQ(flashattn::cuda::stream_fork_enabled(), on);
+    EXPECT_TRUE(flashattn::cuda::stream_fork_setting().ok());
+  }
+  flashattn::cuda::clear_stream_fork_override();
+  EXPECT_EQ(flashattn::cuda::stream_fork_enabled(), valid && from_environment);
+  EXPECT_EQ(flashattn::cuda::stream_fork_setting().ok(), valid);
 #else
   GTEST_SKIP() << "no CUDA in this build";
 #endif

@@ -73,6 +73,7 @@ Status stream_fork_setting() {
 }
 
 void set_stream_fork_enabled(bool enabled) { g_fork_override.store(enabled ? 1 : 0, std::memory_order_relaxed); }
+void clear_stream_fork_override() { g_fork_override.store(-1, std::memory_order_relaxed); }
 bool stream_fork_enabled() {
   const int override_value = g_fork_override.load(std::memory_order_relaxed);
   if (override_value >= 0) return override_value == 1;

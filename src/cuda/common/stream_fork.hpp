@@ -71,6 +71,8 @@ Status stream_fork_setting();
 // Tests and measurements: whether calls may fork at all, overriding the environment (default: its setting); false
 // runs both halves on the caller's stream, one after the other. A process-wide switch.
 void set_stream_fork_enabled(bool enabled);
+// Drops that override: the environment's setting (and its error for a bad value) applies again.
+void clear_stream_fork_override();
 bool stream_fork_enabled();
 // Tests: how many forks the process has made (that a test's call did fork).
 int64_t stream_forks_made();
