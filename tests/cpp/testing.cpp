@@ -166,18 +166,22 @@ ErrorStats compare(const std::vector<double>& got, const std::vector<double>& re
 ErrorStats compare(const HostTensor& got, const HostTensor& ref) { return compare(got.to_double(), ref.to_double()); }
 
 ::testing::AssertionResult within_tolerance(const std::string& what, fa_dtype dtype, const ErrorStats& fast,
-                                            const ErrorStats* naive, double factor, double abs_slack) {
+                                            const ErrorStats* naive, double factor, double abs_slack,
+                                            const ErrorStats* input_floor) {
   if (fast.nan > 0 || fast.mismatched_inf > 0)
     return ::testing::AssertionFailure() << what << ": non-finite mismatch: " << fast.to_string();
   if (dtype == FA_FLOAT32 || naive == nullptr) {
     if (fast.rel_l2 <= 1e-5) return ::testing::AssertionSuccess();
     return ::testing::AssertionFailure() << what << ": float32 error above 1e-5 relative: " << fast.to_string();
   }
-  const bool ok = fast.max_abs <= factor * naive->max_abs + abs_slack &&
-                  fast.rel_l2 <= factor * naive->rel_l2 + abs_slack;
+  const double floor_abs = input_floor ? input_floor->max_abs : 0.0, floor_rel = input_floor ? input_floor->rel_l2 : 0.0;
+  const bool ok = fast.max_abs <= factor * naive->max_abs + abs_slack + floor_abs &&
+                  fast.rel_l2 <= factor * naive->rel_l2 + abs_slack + floor_rel;
   if (ok) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << what << ": error " << fast.to_string() << " exceeds " << factor
-                                       << "x the naive same-precision error " << naive->to_string() << " + " << abs_slack;
+  auto failure = ::testing::AssertionFailure() << what << ": error " << fast.to_string() << " exceeds " << factor
+                                               << "x the naive same-precision error " << naive->to_string() << " + " << abs_slack;
+  if (input_floor) failure << " + the input-rounding floor " << input_floor->to_string();
+  return failure;
 }
 
 std::string Problem::to_string() const {

@@ -83,10 +83,12 @@ ErrorStats compare(const HostTensor& got, const HostTensor& ref);
 
 // The tolerance rule. For float32 outputs: rel_l2 <= 1e-5 (and max_abs <= 1e-5 * max|ref| + 1e-6).
 // For float16/bfloat16: got's error against the oracle at most `factor` times the error of the naive
-// same-precision computation (both max_abs and rel_l2), plus `abs_slack`.
+// same-precision computation (both max_abs and rel_l2), plus `abs_slack`, plus `input_floor`'s error where given:
+// the error that rounding an input to the dtype alone makes (computed exactly; e.g. a rotated q, which the oracle
+// keeps exact), which the naive computation carries too but whose own roundings can cancel.
 ::testing::AssertionResult within_tolerance(const std::string& what, fa_dtype dtype, const ErrorStats& fast,
                                             const ErrorStats* naive, double factor = 3.0,
-                                            double abs_slack = 1e-5);
+                                            double abs_slack = 1e-5, const ErrorStats* input_floor = nullptr);
 
 // ---- attention problems ----
 struct Problem {
