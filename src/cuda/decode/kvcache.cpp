@@ -317,7 +317,7 @@ Status run_uniform_sequences(const AttentionParams& p, int max_q, ShortSequences
   kv.workspace = s.plan.workspace_bytes > 0 ? base + counts_bytes : nullptr;
   kv.workspace_bytes = s.plan.workspace_bytes;
   const Status launched = [&]() -> Status {
-    if (copy_counts) FA_RETURN_IF_ERROR(launch_sequence_key_counts(p, counts, stream));
+    if (copy_counts) FA_RETURN_IF_ERROR(launch_key_counts(p, 0, counts, stream));
     return launch(kv, stream);
   }();
   const cudaError_t freed = scratch != nullptr ? scratch_free(scratch, stream) : cudaSuccess;
@@ -402,7 +402,7 @@ Status run_short_sequences(const AttentionParams& p, ShortSequences* routed, Str
   const Status launched = [&]() -> Status {
     FA_RETURN_IF_ERROR(forked);
     if (!copies) {
-      FA_RETURN_IF_ERROR(launch_routed_key_counts(p, max_q, buffers.cache_seqlens, launch_stream));
+      FA_RETURN_IF_ERROR(launch_key_counts(p, max_q, buffers.cache_seqlens, launch_stream));
       return launch(kv, launch_stream);
     }
     FA_RETURN_IF_ERROR(launch_gather_short_sequences(p, buffers, launch_stream));

@@ -91,21 +91,16 @@ __global__ void __launch_bounds__(kCopyThreads) scatter_kernel(const __grid_cons
   }
 }
 
-__global__ void __launch_bounds__(kCopyThreads) key_counts_kernel(const __grid_constant__ AttentionParams p, int32_t* key_counts) {
-  wait_for_previous_grids();  // (programmatic launch) as the gather
-  allow_next_grid_launch();
-  const int b = int(blockIdx.x) * kCopyThreads + int(threadIdx.x);
-  if (b < p.batch) key_counts[b] = sequence_extent(p, b).seqlen_k;
-}
-
-__global__ void __launch_bounds__(kCopyThreads) routed_key_counts_kernel(const __grid_constant__ AttentionParams p,
-                                                                         int max_q, int32_t* cache_seqlens) {
+// key_counts[b]: sequence b's count of keys; with routed_max_q > 0, 0 for a sequence the routed decode call does not
+// take (routed_rows), so that call skips it.
+__global__ void __launch_bounds__(kCopyThreads) key_counts_kernel(const __grid_constant__ AttentionParams p, int routed_max_q,
+                                                                  int32_t* key_counts) {
   wait_for_previous_grids();  // (programmatic launch) as the gather
   allow_next_grid_launch();
   const int b = int(blockIdx.x) * kCopyThreads + int(threadIdx.x);
   if (b >= p.batch) return;
   const SequenceExtent ext = sequence_extent(p, b);
-  cache_seqlens[b] = routed_rows(ext, max_q) > 0 ? ext.seqlen_k : 0;
+  key_counts[b] = routed_max_q == 0 || routed_rows(ext, routed_max_q) > 0 ? ext.seqlen_k : 0;
 }
 
 __global__ void __launch_bounds__(kCopyThreads) route_key_counts_kernel(const __grid_constant__ KvcacheParams p,
@@ -145,28 +140,26 @@ unsigned copy_blocks(int64_t chunks) {
   return unsigned(std::clamp<int64_t>((chunks + kCopyThreads - 1) / kCopyThreads, 1, kMaxCopyBlocks));
 }
 
-// Whether the four kernels above may launch as programmatic dependents on `device`: compute capability 9.0+ and
-// their image compiled for it (a build for sm_80 only runs on an H100 through compute_80 PTX, whose kernels have no
-// griddepcontrol.wait: as dependents they would read before the kernel before them is done; decode_launch.cuh, the
-// same rule). Asked once per device (< 64; others: never).
+// Whether the gather, scatter and key-count kernels above may launch as programmatic dependents on `device`: compute
+// capability 9.0+ and their image compiled for it (a build for sm_80 only runs on an H100 through compute_80 PTX, whose
+// kernels have no griddepcontrol.wait: as dependents they would read before the kernel before them is done;
+// decode_launch.cuh, the same rule). Asked once per device (< 64; others: never).
 bool programmatic_on(int device) {
   static std::atomic<uint64_t> asked{0}, yes{0};  // bit d: device d asked; and the answer was yes
   if (!kProgrammaticLaunch || device < 0 || device >= 64) return false;
   const uint64_t bit = uint64_t(1) << device;
   if ((asked.load(std::memory_order_acquire) & bit) != 0) return (yes.load(std::memory_order_relaxed) & bit) != 0;
   int major = 0;
-  cudaFuncAttributes gather{}, scatter{}, counts{}, routed{};
+  cudaFuncAttributes gather{}, scatter{}, counts{};
   const bool ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
                   cudaFuncGetAttributes(&gather, gather_kernel) == cudaSuccess &&
                   cudaFuncGetAttributes(&scatter, scatter_kernel) == cudaSuccess &&
-                  cudaFuncGetAttributes(&counts, key_counts_kernel) == cudaSuccess &&
-                  cudaFuncGetAttributes(&routed, routed_key_counts_kernel) == cudaSuccess;
+                  cudaFuncGetAttributes(&counts, key_counts_kernel) == cudaSuccess;
   if (!ok) {
     cudaGetLastError();  // (clear it: an ordinary launch then reports any real fault)
     return false;
   }
-  const bool on = major >= 9 && gather.ptxVersion >= 90 && scatter.ptxVersion >= 90 && counts.ptxVersion >= 90 &&
-                  routed.ptxVersion >= 90;
+  const bool on = major >= 9 && gather.ptxVersion >= 90 && scatter.ptxVersion >= 90 && counts.ptxVersion >= 90;
   if (on) yes.fetch_or(bit, std::memory_order_relaxed);
   asked.fetch_or(bit, std::memory_order_release);
   return on;
@@ -182,19 +175,11 @@ Status launch_gather_short_sequences(const AttentionParams& p, const ShortSequen
   return Status();
 }
 
-Status launch_sequence_key_counts(const AttentionParams& p, int32_t* key_counts, void* stream) {
+Status launch_key_counts(const AttentionParams& p, int routed_max_q, int32_t* key_counts, void* stream) {
   if (p.batch == 0) return Status();
   FA_CUDA_RETURN_IF_ERROR(launch_decode_kernel(&key_counts_kernel, dim3(unsigned((p.batch + kCopyThreads - 1) / kCopyThreads)),
                                                dim3(kCopyThreads), 0, static_cast<cudaStream_t>(stream),
-                                               programmatic_on(p.device_id), 0u, 0, p, key_counts));
-  return Status();
-}
-
-Status launch_routed_key_counts(const AttentionParams& p, int max_q, int32_t* cache_seqlens, void* stream) {
-  if (p.batch == 0) return Status();
-  FA_CUDA_RETURN_IF_ERROR(launch_decode_kernel(&routed_key_counts_kernel, dim3(unsigned((p.batch + kCopyThreads - 1) / kCopyThreads)),
-                                               dim3(kCopyThreads), 0, static_cast<cudaStream_t>(stream),
-                                               programmatic_on(p.device_id), 0u, 0, p, max_q, cache_seqlens));
+                                               programmatic_on(p.device_id), 0u, 0, p, routed_max_q, key_counts));
   return Status();
 }
 

@@ -24,12 +24,11 @@ struct ShortSequenceRows {
 
 // Fills cache_seqlens and q from the forward's cu_seqlens_q / cu_seqlens_k / seqused_k and q (`p`).
 Status launch_gather_short_sequences(const AttentionParams& p, const ShortSequenceRows& rows, void* stream);
-// Fills cache_seqlens alone (as the gather does; one thread per sequence): the decode call over the forward's own rows
-// (decode_plan.hpp, varlen_rows_call), which needs no copies.
-Status launch_routed_key_counts(const AttentionParams& p, int max_q, int32_t* cache_seqlens, void* stream);
-// Writes key_counts[b] = sequence b's key count (from cu_seqlens_k / seqused_k) for every b: the uniform route without
-// seqused_k (decode_plan.hpp, uniform_short_sequences).
-Status launch_sequence_key_counts(const AttentionParams& p, int32_t* key_counts, void* stream);
+// key_counts[b] = sequence b's key count (from cu_seqlens_k / seqused_k), one thread per sequence. routed_max_q = 0:
+// for every b (the uniform route without seqused_k; decode_plan.hpp, uniform_short_sequences). routed_max_q >= 1: 0 for
+// a sequence of more than routed_max_q (or no) query rows, i.e. the cache_seqlens that the gather writes, for the
+// decode call over the forward's own rows (decode_plan.hpp, varlen_rows_call), which needs no copies.
+Status launch_key_counts(const AttentionParams& p, int routed_max_q, int32_t* key_counts, void* stream);
 // Copies the routed sequences' rows of the decode call's out (and lse) into the forward's out (and lse); writes nothing
 // else.
 Status launch_scatter_short_sequences(const AttentionParams& p, const ShortSequenceRows& rows, void* stream);
