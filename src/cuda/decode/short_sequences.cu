@@ -32,6 +32,10 @@ constexpr int kMaxCopyBlocks = 64;  // per sequence; grid-stride beyond (affects
 __device__ __forceinline__ int routed_rows(const SequenceExtent& ext, int max_q) {
   return ext.seqlen_q >= 1 && ext.seqlen_q <= max_q ? ext.seqlen_q : 0;
 }
+// The cache_seqlens entry of the routed decode call for sequence b: its key count, or 0 where it takes no rows.
+__device__ __forceinline__ int32_t routed_key_count(const SequenceExtent& ext, int max_q) {
+  return routed_rows(ext, max_q) > 0 ? ext.seqlen_k : 0;
+}
 
 __global__ void __launch_bounds__(kCopyThreads) gather_kernel(const __grid_constant__ AttentionParams p,
                                                               const ShortSequenceRows rows) {
@@ -40,7 +44,7 @@ __global__ void __launch_bounds__(kCopyThreads) gather_kernel(const __grid_const
   const int b = blockIdx.y;
   const SequenceExtent ext = sequence_extent(p, b);
   const int n = routed_rows(ext, rows.max_q);
-  if (blockIdx.x == 0 && threadIdx.x == 0) rows.cache_seqlens[b] = n > 0 ? ext.seqlen_k : 0;
+  if (blockIdx.x == 0 && threadIdx.x == 0) rows.cache_seqlens[b] = routed_key_count(ext, rows.max_q);
   const int chunks_per_row = p.head_dim / 8;
   const int64_t chunks = int64_t(rows.max_q) * p.heads_q * chunks_per_row;  // of this sequence's T padded rows
   const int padding = rows.max_q - n;
@@ -100,7 +104,7 @@ __global__ void __launch_bounds__(kCopyThreads) key_counts_kernel(const __grid_c
   const int b = int(blockIdx.x) * kCopyThreads + int(threadIdx.x);
   if (b >= p.batch) return;
   const SequenceExtent ext = sequence_extent(p, b);
-  key_counts[b] = routed_max_q == 0 || routed_rows(ext, routed_max_q) > 0 ? ext.seqlen_k : 0;
+  key_counts[b] = routed_max_q == 0 ? ext.seqlen_k : routed_key_count(ext, routed_max_q);
 }
 
 __global__ void __launch_bounds__(kCopyThreads) route_key_counts_kernel(const __grid_constant__ KvcacheParams p,
