@@ -275,9 +275,7 @@ Case make_case(const fa_test::Problem& p, std::mt19937_64& rng) {
 }
 
 // Rounds a float32 oracle result into a tensor of `like`'s shape, strides and dtype.
-void copy_values(const HostTensor& from, HostTensor* to) {
-  for (int64_t n = 0; n < to->numel(); ++n) to->set(n, from.get(n));
-}
+void copy_values(const HostTensor& from, HostTensor* to) { to->copy_values_from(from); }
 
 #if defined(FLASHATTN_WITH_CUDA)
 // Device copies of host tensors (whole storage, strides and padding included).

@@ -67,13 +67,6 @@ fa_options host_options(Call& c) {
   return o;
 }
 
-// A same-shape, same-strides copy of `t` in another dtype, holding the same (rounded) values.
-HostTensor convert(const HostTensor& t, fa_dtype dtype) {
-  HostTensor r(t.shape(), t.strides(), dtype);
-  for (int64_t n = 0; n < t.numel(); ++n) r.set(n, t.get(n));
-  return r;
-}
-
 struct Expected {
   std::vector<double> out64, lse64;  // float64 oracle
   HostTensor naive_out;              // the naive same-precision baseline
@@ -84,10 +77,10 @@ struct Expected {
 Expected oracle(Call& c) {
   Expected e;
   Call exact = c;
-  exact.q = convert(c.q, FA_FLOAT32);
-  exact.k = convert(c.k, FA_FLOAT32);
-  exact.v = convert(c.v, FA_FLOAT32);
-  exact.out = convert(c.out, FA_FLOAT32);
+  exact.q = c.q.converted(FA_FLOAT32);
+  exact.k = c.k.converted(FA_FLOAT32);
+  exact.v = c.v.converted(FA_FLOAT32);
+  exact.out = c.out.converted(FA_FLOAT32);
   exact.options.backend = FA_BACKEND_CPU_REFERENCE;
   const Status s = flashattn::forward(host_args(exact), host_options(exact));
   EXPECT_TRUE(s.ok()) << "oracle: " << s.to_string();

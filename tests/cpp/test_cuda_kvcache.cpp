@@ -287,24 +287,27 @@ Expected expected_for(const KvCase& c, const KvTensors& pristine) {
   // FP8: the oracle's keys / values are the codes dequantised; the naive baseline's are the codes (see the header)
   const double k_scale = c.fp8 ? c.k_scale : 1.0, v_scale = c.fp8 ? c.v_scale : 1.0;
   HostTensor cu_q({c.batch + 1}, FA_INT32), cu_k({c.batch + 1}, FA_INT32);
-  int k0 = 0;
-  for (int b = 0; b < c.batch; ++b) {
+  std::vector<int> first_key(size_t(c.batch) + 1, 0);  // sequence b's keys are varlen rows [first_key[b], first_key[b + 1])
+  for (int b = 0; b < c.batch; ++b) first_key[size_t(b) + 1] = first_key[size_t(b)] + seqlen_k[size_t(b)];
+  for (int b = 0; b <= c.batch; ++b) {
     cu_q.set_int(b, b * c.seqlen_q);
-    cu_k.set_int(b, k0);
-    for (int j = 0; j < seqlen_k[size_t(b)]; ++j)
+    cu_k.set_int(b, first_key[size_t(b)]);
+  }
+  fa_test::parallel_chunks(total_k, 256, [&](int64_t begin, int64_t end) {  // each varlen row written once
+    for (int64_t r = begin; r < end; ++r) {
+      const int b = int(std::upper_bound(first_key.begin(), first_key.end(), int(r)) - first_key.begin()) - 1;
+      const int j = int(r - first_key[size_t(b)]);
       for (int hk = 0; hk < c.heads_k; ++hk)
         for (int x = 0; x < d; ++x) {
-          const int64_t to = ((int64_t(k0) + j) * c.heads_k + hk) * d + x;
+          const int64_t to = (r * c.heads_k + hk) * d + x;
           const int64_t from = cache_index(c, e.after, b, j + c.floor_of(b), hk, x);  // logical: get() applies the strides
           k_exact.set(to, e.after.k_cache.get(from) * k_scale);
           v_exact.set(to, e.after.v_cache.get(from) * v_scale);
           k_naive.set(to, e.after.k_cache.get(from));
           v_naive.set(to, e.after.v_cache.get(from));
         }
-    k0 += seqlen_k[size_t(b)];
-  }
-  cu_q.set_int(c.batch, rows_q);
-  cu_k.set_int(c.batch, total_k);
+    }
+  });
   auto forward_args = [&](HostTensor& q, HostTensor& k, HostTensor& v, HostTensor& out, HostTensor* lse) {
     fa_forward_args f{};
     f.q = q.view();
@@ -548,12 +551,17 @@ void check_case(const std::string& what, const KvCase& c, fa_backend backend = F
 // NaN in K and V of sequence b's cache rows [j_begin, j_end): rows that no result may read.
 void poison_cache_rows(const KvCase& c, KvTensors& t, int b, int j_begin, int j_end) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  for (int j = j_begin; j < j_end; ++j)
-    for (int hk = 0; hk < c.heads_k; ++hk)
-      for (int x = 0; x < c.head_dim; ++x) {
-        t.k_cache.set(cache_index(c, t, b, j, hk, x), nan);
-        t.v_cache.set(cache_index(c, t, b, j, hk, x), nan);
-      }
+  // Rows in parallel, each its own places; repeated blocks (repeat_blocks) share places across sequences' rows, so those
+  // tables take one chunk (one thread).
+  const int64_t rows = std::max(0, j_end - j_begin);
+  fa_test::parallel_chunks(rows, c.repeat_blocks ? std::max<int64_t>(rows, 1) : 256, [&](int64_t begin, int64_t end) {
+    for (int j = j_begin + int(begin); j < j_begin + int(end); ++j)
+      for (int hk = 0; hk < c.heads_k; ++hk)
+        for (int x = 0; x < c.head_dim; ++x) {
+          t.k_cache.set(cache_index(c, t, b, j, hk, x), nan);
+          t.v_cache.set(cache_index(c, t, b, j, hk, x), nan);
+        }
+  });
 }
 
 // Inputs whose scores rise along the cache: q = 0.1 in every element, and key j of every K/V head gets

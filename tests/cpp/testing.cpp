@@ -1,10 +1,14 @@
 #include "testing.hpp"
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <sstream>
+#include <thread>
+#include <utility>
 
 #include "api/validate.hpp"
 #include "core/dtype.hpp"
@@ -20,6 +24,24 @@ std::vector<int64_t> row_major_strides(const std::vector<int64_t>& shape) {
   for (int d = int(shape.size()) - 2; d >= 0; --d) strides[d] = strides[d + 1] * std::max<int64_t>(shape[d + 1], 1);
   return strides;
 }
+
+// Whether every logical element of (shape, strides) has its own storage slot: ordered by stride, each dimension of
+// extent > 1 steps past the whole span of the ones below it.
+bool offsets_are_distinct(const std::vector<int64_t>& shape, const std::vector<int64_t>& strides) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, extent)
+  for (size_t d = 0; d < shape.size(); ++d)
+    if (shape[d] > 1) dims.emplace_back(strides[d], shape[d]);
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 1;  // storage slots covered by the dimensions so far
+  for (const auto& [stride, extent] : dims) {
+    if (stride < span) return false;
+    span = stride * extent;
+  }
+  return true;
+}
+
+// Elements per chunk of the parallel fills and conversions below.
+constexpr int64_t kChunk = int64_t(1) << 20;
 }  // namespace
 
 HostTensor::HostTensor(std::vector<int64_t> shape, fa_dtype dtype) : shape_(std::move(shape)), dtype_(dtype) {
@@ -31,6 +53,7 @@ HostTensor::HostTensor(std::vector<int64_t> shape, fa_dtype dtype) : shape_(std:
 HostTensor::HostTensor(std::vector<int64_t> shape, std::vector<int64_t> strides, fa_dtype dtype)
     : shape_(std::move(shape)), strides_(std::move(strides)), dtype_(dtype) {
   row_major_ = strides_ == row_major_strides(shape_);
+  distinct_offsets_ = offsets_are_distinct(shape_, strides_);
   int64_t extent = 1;
   for (size_t d = 0; d < shape_.size(); ++d)
     if (shape_[d] > 0) extent += (shape_[d] - 1) * strides_[d];
@@ -86,20 +109,58 @@ void HostTensor::set_int(int64_t logical, int32_t value) {
 std::vector<double> HostTensor::to_double() const {
   const int64_t count = numel();
   std::vector<double> v(static_cast<size_t>(count));
-  for (int64_t n = 0; n < count; ++n) v[size_t(n)] = get(n);
+  parallel_chunks(count, kChunk, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) v[size_t(n)] = get(n);
+  });
   return v;
 }
 
-void HostTensor::fill_normal(std::mt19937_64& rng, double stddev, double mean) {
-  std::normal_distribution<double> dist(mean, stddev);
+HostTensor HostTensor::converted(fa_dtype dtype) const {
+  HostTensor r(shape_, strides_, dtype);
+  // Slot by slot over the whole storage (padding too: both tensors share the strides, so the slots line up); float16
+  // and bfloat16 -> float32 is exact, the other way rounds as set() does.
+  const int64_t slots = std::min(storage_bytes() / dtype_size(dtype_), r.storage_bytes() / dtype_size(dtype));
+  parallel_chunks(slots, kChunk, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      flashattn::store_from_float(r.storage_.data(), n, dtype, flashattn::load_as_float(storage_.data(), n, dtype_));
+  });
+  return r;
+}
+
+void HostTensor::copy_values_from(const HostTensor& from) {
   const int64_t count = numel();
-  for (int64_t n = 0; n < count; ++n) set(n, dist(rng));
+  if (!distinct_offsets_) {
+    for (int64_t n = 0; n < count; ++n) set(n, from.get(n));
+    return;
+  }
+  parallel_chunks(count, kChunk, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) set(n, from.get(n));
+  });
+}
+
+template <class Distribution>
+void HostTensor::fill_from(std::mt19937_64& rng, const Distribution& distribution) {
+  const int64_t count = numel();
+  if (count <= kChunk || !distinct_offsets_) {  // one stream from rng, in logical order
+    Distribution d = distribution;
+    for (int64_t n = 0; n < count; ++n) set(n, d(rng));
+    return;
+  }
+  std::vector<uint64_t> seeds(size_t((count + kChunk - 1) / kChunk));
+  for (uint64_t& seed : seeds) seed = rng();  // drawn in order here, so the values do not depend on the threads
+  parallel_chunks(count, kChunk, [&](int64_t begin, int64_t end) {
+    std::mt19937_64 chunk_rng(seeds[size_t(begin / kChunk)]);
+    Distribution d = distribution;
+    for (int64_t n = begin; n < end; ++n) set(n, d(chunk_rng));
+  });
+}
+
+void HostTensor::fill_normal(std::mt19937_64& rng, double stddev, double mean) {
+  fill_from(rng, std::normal_distribution<double>(mean, stddev));
 }
 
 void HostTensor::fill_uniform(std::mt19937_64& rng, double lo, double hi) {
-  std::uniform_real_distribution<double> dist(lo, hi);
-  const int64_t count = numel();
-  for (int64_t n = 0; n < count; ++n) set(n, dist(rng));
+  fill_from(rng, std::uniform_real_distribution<double>(lo, hi));
 }
 
 void HostTensor::poison() {
@@ -124,6 +185,20 @@ fa_tensor host_view(void* data, fa_dtype dtype, const std::vector<int64_t>& shap
   t.dtype = dtype;
   t.device = FA_DEVICE_CPU;
   return t;
+}
+
+void parallel_chunks(int64_t count, int64_t chunk, const std::function<void(int64_t begin, int64_t end)>& body) {
+  if (count <= 0) return;
+  const int64_t chunks = (count + chunk - 1) / chunk;
+  const int64_t threads = std::min<int64_t>(chunks, std::max(1u, std::thread::hardware_concurrency()));
+  std::atomic<int64_t> next{0};
+  auto worker = [&] {
+    for (int64_t c = next++; c < chunks; c = next++) body(c * chunk, std::min(count, (c + 1) * chunk));
+  };
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (std::thread& t : pool) t.join();
 }
 
 std::mt19937_64 make_rng(const std::string& salt) {
@@ -316,15 +391,10 @@ Oracle run_oracle(Tensors& t, const fa_options& options, bool with_backward) {
   exact.dv = exact_like(t.dv);
   // dout must be read in the inputs' dtype: keep it; the reference reads all inputs as one dtype,
   // so run it on float32 copies of q/k/v/dout holding the same (already rounded) values.
-  auto as_f32 = [](const HostTensor& src) {
-    HostTensor dst(src.shape(), FA_FLOAT32);
-    for (int64_t n = 0, count = src.numel(); n < count; ++n) dst.set(n, src.get(n));
-    return dst;
-  };
-  exact.q = as_f32(t.q);
-  exact.k = as_f32(t.k);
-  exact.v = as_f32(t.v);
-  exact.dout = as_f32(t.dout);
+  exact.q = t.q.converted(FA_FLOAT32);
+  exact.k = t.k.converted(FA_FLOAT32);
+  exact.v = t.v.converted(FA_FLOAT32);
+  exact.dout = t.dout.converted(FA_FLOAT32);
   exact.lse = HostTensor(t.lse.shape(), FA_FLOAT32);
   fa_forward_args fa = forward_args(exact);
   check_ok(forward(fa, ref_options), "oracle forward");

@@ -52,6 +52,12 @@ class HostTensor {
   void set_int(int64_t logical, int32_t value);
 
   std::vector<double> to_double() const;    // logical order
+  // The same shape, strides and (rounded to `dtype`) values in another dtype.
+  HostTensor converted(fa_dtype dtype) const;
+  // Logical element n of `from` into logical element n of this (same numel), rounded to this dtype.
+  void copy_values_from(const HostTensor& from);
+  // Random values. A tensor of more than 2^20 elements is filled in chunks of 2^20 on every core, each chunk from its
+  // own generator seeded by one draw of `rng` (its values depend on `rng` alone, not on the thread count).
   void fill_normal(std::mt19937_64& rng, double stddev = 1.0, double mean = 0.0);
   void fill_uniform(std::mt19937_64& rng, double lo, double hi);
   // NaN in every element slot (floats) / 0x7eadbeef (ints), padding included.
@@ -61,10 +67,18 @@ class HostTensor {
 
  private:
   std::vector<int64_t> shape_, strides_;
+  template <class Distribution>
+  void fill_from(std::mt19937_64& rng, const Distribution& distribution);
   bool row_major_ = false;  // strides_ are the row-major ones of shape_: offset_of(n) is n (no divisions)
+  bool distinct_offsets_ = true;  // no two logical elements share a storage slot (threads may write them at once)
   fa_dtype dtype_ = FA_FLOAT32;
   std::vector<uint8_t> storage_;
 };
+
+// body(begin, end) for consecutive ranges of `chunk` indices covering [0, count), spread over the machine's cores: host
+// work on the GPU tests' big tensors (K/V caches of 10^8 elements take seconds per pass on one core). Each index must
+// write its own places (HostTensor::set on distinct elements is safe); `body` must not throw.
+void parallel_chunks(int64_t count, int64_t chunk, const std::function<void(int64_t begin, int64_t end)>& body);
 
 std::mt19937_64 make_rng(const std::string& salt);  // fresh seed per test run, printed on failure
 
