@@ -1246,7 +1246,8 @@ struct TileRun {
 // general tile's split count, >= 2048 keys of the capacity per split and 1.5 to 4 CTAs per SM): the kernel's name says
 // which ran, the oracle judges it; one split (bf16) and two (fp16), lengths from 0 to the capacity (partial 128-key
 // tiles), with an append, NaN in every cache row past a sequence's keys. On sm_80 the general tile runs the same cases.
-// (About 200 CTAs of >= 2048 keys: the test's inputs are large, ~30 s of host time on the GPU machine.)
+// (About 200 CTAs of >= 2048 keys: the test's inputs are large; ~30 s of host time on the GPU machine before the test
+// support's fills and copies ran on every core.)
 TEST(CudaKvcache, LongContiguousTile) {
   SKIP_WITHOUT_GPU();
 #if defined(FLASHATTN_WITH_CUDA)
