@@ -274,9 +274,6 @@ Case make_case(const fa_test::Problem& p, std::mt19937_64& rng) {
   return o;
 }
 
-// Rounds a float32 oracle result into a tensor of `like`'s shape, strides and dtype.
-void copy_values(const HostTensor& from, HostTensor* to) { to->copy_values_from(from); }
-
 #if defined(FLASHATTN_WITH_CUDA)
 // Device copies of host tensors (whole storage, strides and padding included).
 class DeviceBuffers {
@@ -351,8 +348,8 @@ Status run_gpu_backward(Case& c, const RunOptions& run = {}) {
 // The oracle's forward gives out (rounded to the dtype) and lse; its backward the exact gradients.
 fa_test::Oracle prepare(Case& c) {
   fa_test::Oracle o = fa_test::run_oracle(c.t, host_options(c), /*with_backward=*/true);
-  copy_values(o.out, &c.t.out);
-  copy_values(o.lse, &c.t.lse);
+  c.t.out.copy_values_from(o.out);  // the float32 oracle's, rounded to out's dtype
+  c.t.lse.copy_values_from(o.lse);
   return o;
 }
 
@@ -602,13 +599,13 @@ TEST(CudaBackward, StridedTensorsLeavePaddingUntouched) {
   auto padded = [&](const HostTensor& like, int pad) {
     const auto& s = like.shape();
     HostTensor t(s, {s[1] * s[2] * (s[3] + pad), s[2] * (s[3] + pad), s[3] + pad, 1}, like.dtype());
-    copy_values(like, &t);
+    t.copy_values_from(like);
     return t;
   };
   c.t.q = padded(c.t.q, 16);
   c.t.k = padded(c.t.k, 8);
   HostTensor v({b, sk, hk, d}, {int64_t(hk) * sk * d, d, int64_t(sk) * d, 1}, FA_FLOAT16);
-  copy_values(c.t.v, &v);
+  v.copy_values_from(c.t.v);
   c.t.v = v;
   c.t.out = padded(c.t.out, 24);
   c.t.dout = padded(c.t.dout, 8);
