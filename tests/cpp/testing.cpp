@@ -129,11 +129,8 @@ HostTensor HostTensor::converted(fa_dtype dtype) const {
 
 void HostTensor::copy_values_from(const HostTensor& from) {
   const int64_t count = numel();
-  if (!distinct_offsets_) {
-    for (int64_t n = 0; n < count; ++n) set(n, from.get(n));
-    return;
-  }
-  parallel_chunks(count, kChunk, [&](int64_t begin, int64_t end) {
+  // Overlapping strides (elements sharing a slot): one chunk, so the last logical element wins as it did sequentially.
+  parallel_chunks(count, distinct_offsets_ ? kChunk : std::max<int64_t>(count, 1), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) set(n, from.get(n));
   });
 }
