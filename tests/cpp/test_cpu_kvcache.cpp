@@ -408,15 +408,22 @@ TEST(CpuKvcache, PlanAndWorkspace) {
   ASSERT_TRUE(kvcache_plan(a, o, &plan).ok());
   EXPECT_GT(plan.num_splits, 1) << "2 heads, 1 query, 8 threads, 4001 keys: split-KV expected";
   EXPECT_GT(plan.workspace_bytes, 0);
-  HostTensor workspace({plan.workspace_bytes + 1}, FA_UINT8);
+  // Any start address works, and the call writes nothing past the workspace it is given: guard bytes follow it.
+  constexpr int kGuard = 256;
+  HostTensor workspace({plan.workspace_bytes + 1 + kGuard}, FA_UINT8);
+  uint8_t* const guard = static_cast<uint8_t*>(workspace.data()) + 1 + plan.workspace_bytes;
+  std::memset(workspace.data(), 0, size_t(plan.workspace_bytes + 1));
+  std::memset(guard, 0xA5, kGuard);
   a.num_splits = plan.num_splits;
   a.workspace = workspace.view();
-  a.workspace.data = static_cast<char*>(workspace.data()) + 1;  // any start address works
+  a.workspace.data = static_cast<char*>(workspace.data()) + 1;
   a.workspace.shape[0] = plan.workspace_bytes;
   fa_stats stats{};
   o.stats = &stats;
   ASSERT_TRUE(kvcache(a, o).ok());
   EXPECT_EQ(stats.scratch_bytes_peak, 0) << "allocated despite the planned workspace";
+  EXPECT_TRUE(std::all_of(guard, guard + kGuard, [](uint8_t byte) { return byte == 0xA5; }))
+      << "the call wrote past the end of its workspace";
   EXPECT_EQ(stats.num_splits, plan.num_splits);
   ASSERT_TRUE(kvcache(ref.args(), kv_options(c, FA_BACKEND_CPU_REFERENCE, ref)).ok());
   EXPECT_TRUE(fa_test::within_tolerance("planned", FA_FLOAT32, fa_test::compare(t.out, ref.out), nullptr));

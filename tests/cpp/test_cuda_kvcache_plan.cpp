@@ -171,6 +171,9 @@ TEST(CudaKvcachePlan, OccupancyEstimate) {
   EXPECT_EQ(decode::ctas_per_sm(100 * 1024, 128, a100()), 1);
   EXPECT_EQ(decode::ctas_per_sm(1024, 128, h200()), decode::kMaxCtasPerSm);
   EXPECT_EQ(decode::ctas_per_sm(1024, 1024, h200()), 2);  // 2048 threads per SM
+  // The runtime's 1 KiB per CTA counts: 2 x 113.5 KiB fit in 228 KiB, 2 x (113.5 + 1) do not.
+  EXPECT_EQ(decode::ctas_per_sm(113 * 1024 + 512, 128, h200()), 1);
+  EXPECT_EQ(decode::ctas_per_sm(112 * 1024 + 512, 128, h200()), 2);
 }
 
 TEST(CudaKvcachePlan, SplitHeuristic) {
@@ -523,6 +526,27 @@ TEST(CudaKvcachePlan, PlanAndWorkspaceLayout) {
   ASSERT_TRUE(decode::make_decode_plan(wide, kernel, h200(), &plan).ok());
   EXPECT_EQ(plan.num_splits, 7);
   EXPECT_GT(plan.workspace_bytes, 0);
+  // The layout at counts whose LSEs do not fill whole alignment units (3 rows: 5 splits x 3 x 4 = 60 bytes), and at
+  // 2 splits, the least that writes partials: the out partials start aligned after the LSEs, all inside the workspace.
+  for (const int splits : {2, 5}) {
+    const decode::DecodePlan odd = decode::decode_layout(decode_params(1, 1, 3, 1, 64, 4096), 16, 64, splits);
+    EXPECT_EQ(odd.partial_rows, 3);
+    EXPECT_EQ(odd.lse_bytes % decode::kWorkspaceAlignment, 0) << splits << " splits";
+    EXPECT_GE(odd.lse_bytes, splits * 3 * 4);
+    EXPECT_EQ(odd.out_bytes, int64_t(splits) * 3 * 64 * 4);
+    EXPECT_EQ(odd.workspace_bytes, decode::kWorkspaceAlignment + odd.lse_bytes + odd.out_bytes);
+  }
+  // A grid of more than INT_MAX CTAs (row blocks x splits) is refused, one row block less is not.
+  KvcacheParams tall = decode_params(1, 1, 8, 8, 128, 4096);
+  const KernelEntry& tall_kernel = decode_kernel_for(tall, h200());
+  tall.num_splits = 1024;
+  tall.seqlen_q = (1 << 21) * tall_kernel.block_m;  // 2^21 row blocks of one K/V head's rows
+  const Status refused = decode::make_decode_plan(tall, tall_kernel, h200(), &plan);
+  EXPECT_EQ(refused.code(), FA_ERROR_UNSUPPORTED) << refused.to_string();
+  EXPECT_NE(refused.message().find("grid limit"), std::string::npos) << refused.message();
+  tall.seqlen_q -= tall_kernel.block_m;
+  EXPECT_TRUE(decode::make_decode_plan(tall, tall_kernel, h200(), &plan).ok());
+  EXPECT_EQ(plan.m_blocks, (1 << 21) - 1);
   // The split counts measured fastest on the H200 (decode_plan.hpp): about one CTA per SM for a contiguous
   // cache, every CTA slot (2 per SM) for a paged cache with room for >= 32 k keys (8-32 k below one wave, where the
   // splits keep >= 1024 keys); where the unsplit grid is 0.7-1 CTA per SM (B = 12-16), no split, or 2 for paged caches
@@ -746,7 +770,7 @@ TEST(CudaKvcachePlan, SupportRulesAndMessages) {
   p.head_dim_v = 64;
   expect_rule(p, "v_cache: head dim Dv = 64 must equal");
   p = ok;
-  p.k = static_cast<const char*>(ok.k) + 2;
+  p.k = static_cast<const char*>(ok.k) + 8;  // 8-byte aligned is not enough: a cp.async copy moves 16 bytes
   expect_rule(p, "k_cache: data pointer must be 16-byte aligned");
   p = ok;
   p.v_row_stride = 2 * 128 + 4;  // 520 bytes

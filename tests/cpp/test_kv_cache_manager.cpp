@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <set>
@@ -124,6 +125,16 @@ struct Model {
       // Exact: rows are only ever copied, never computed (NaN from the poisoned pool fails too).
       ASSERT_TRUE(k == k_expected) << where << " seq " << id << ": cached keys differ from the model";
       ASSERT_TRUE(v == v_expected) << where << " seq " << id << ": cached values differ from the model";
+      // A window that starts inside a block (read_rows copies a run of rows per block from the row it starts at).
+      if (length >= 2) {
+        const int first = length / 2, count = length - first;
+        std::vector<float> k_tail(size_t(count) * kRowK), v_tail(size_t(count) * kRowV);
+        ASSERT_TRUE(cache.read_rows(id, first, count, k_tail.data(), v_tail.data()).ok());
+        ASSERT_TRUE(std::equal(k_tail.begin(), k_tail.end(), k_expected.begin() + int64_t(first) * kRowK))
+            << where << " seq " << id << ": rows [" << first << ", " << length << ") read back differ";
+        ASSERT_TRUE(std::equal(v_tail.begin(), v_tail.end(), v_expected.begin() + int64_t(first) * kRowV))
+            << where << " seq " << id << ": rows [" << first << ", " << length << ") read back differ";
+      }
     }
     for (int b = 0; b < cache.num_blocks(); ++b)
       ASSERT_EQ(cache.ref_count(b), holders.count(b) ? holders.at(b) : 0) << where << " block " << b;
@@ -188,6 +199,21 @@ TEST(KvCacheManager, ConfigRulesNameTheField) {
     EXPECT_NE(s.message().find(std::string("PagedKvCacheConfig.") + k.field), std::string::npos) << s.message();
     EXPECT_EQ(cache, nullptr);
   }
+  {  // The pool's elements, num_blocks * block_size * heads_k * max(head_dim, head_dim_v), at most 2^40: refused before
+     // any allocation (this one would be 2^43 elements, 16 TiB of bfloat16).
+    PagedKvCacheConfig big;
+    big.num_blocks = 1 << 20;
+    big.block_size = 1 << 12;
+    big.heads_k = 16;
+    big.head_dim = 64;
+    big.head_dim_v = 128;
+    big.dtype = FA_BFLOAT16;
+    std::unique_ptr<PagedKvCache> cache;
+    const Status s = PagedKvCache::create(big, &cache);
+    EXPECT_EQ(s.code(), FA_ERROR_INVALID_ARGUMENT) << s.to_string();
+    EXPECT_NE(s.message().find("beyond 2^40"), std::string::npos) << s.message();
+    EXPECT_EQ(cache, nullptr);
+  }
   // CUDA: not compiled, or no such device; never a silent CPU cache.
   PagedKvCacheConfig c;
   c.num_blocks = 4;
@@ -222,6 +248,10 @@ TEST(KvCacheManager, ConfigRulesNameTheField) {
   EXPECT_EQ(k.dtype, FA_BFLOAT16);
   EXPECT_EQ(k.device, FA_DEVICE_CPU);
   EXPECT_EQ(cache->free_blocks(), 5);
+  EXPECT_EQ(cache->ref_count(0), 0);
+  EXPECT_EQ(cache->ref_count(4), 0);
+  EXPECT_EQ(cache->ref_count(5), -1);  // not an id
+  EXPECT_EQ(cache->ref_count(-1), -1);
 }
 
 TEST(KvCacheManager, CallRulesNameTheArgument) {
@@ -249,6 +279,16 @@ TEST(KvCacheManager, CallRulesNameTheArgument) {
   const SeqId b = cache->add_sequence();
   ASSERT_TRUE(cache->reserve({b}, 2).ok());
   expect_invalid(cache->make_batch({a, b}, &batch), "make_batch: seqs[1]");
+  // A sequence holds at most INT32_MAX tokens (cache_seqlens is int32): one past it is refused as such; at it, the rule
+  // passes and the blocks run out.
+  const SeqId one = cache->add_sequence();
+  ASSERT_TRUE(cache->reserve({one}, 1).ok());
+  ASSERT_TRUE(cache->commit({one}).ok());
+  const int max_tokens = std::numeric_limits<int32_t>::max();
+  expect_invalid(cache->reserve({one}, max_tokens), "cache_seqlens is int32");
+  EXPECT_EQ(cache->reserve({one}, max_tokens - 1).code(), FA_ERROR_OUT_OF_MEMORY);
+  EXPECT_EQ(cache->length(one), 1);
+  EXPECT_EQ(cache->pending(one), 0);
   // Released ids are gone for good (ids are never reused).
   ASSERT_TRUE(cache->release(a).ok());
   expect_invalid(cache->commit({a}), "not a live sequence");
@@ -466,6 +506,15 @@ TEST(KvCacheManager, BatchTensorsForKvcache) {
   EXPECT_EQ(args.k_cache.data, cache->k_cache().data);
   EXPECT_EQ(args.v_cache.shape[3], kHeadDimV);
   EXPECT_EQ(args.block_table.data, batch.block_table.data);
+  // Sequences that hold no block yet (nothing cached, nothing pending) still get a table of one column (block 0):
+  // fa_kvcache's block_table is (B, max_blocks >= 1).
+  const SeqId fresh = cache->add_sequence(), fresh2 = cache->add_sequence();
+  KvcacheBatch empty_batch;
+  ASSERT_TRUE(cache->make_batch({fresh, fresh2}, &empty_batch).ok());
+  EXPECT_EQ(empty_batch.max_blocks, 1);
+  EXPECT_EQ(empty_batch.block_table.shape[1], 1);
+  EXPECT_EQ(empty_batch.block_table_host, std::vector<int32_t>(2, 0));
+  EXPECT_EQ(empty_batch.new_tokens, 0);
   // Reused: a smaller batch keeps the storage.
   const void* storage = batch.block_table_storage.data();
   ASSERT_TRUE(cache->make_batch({five}, &batch).ok());
@@ -580,6 +629,12 @@ TEST(KvCacheManager, Fp8PoolAppendsCodesAndAttendsOverThem) {
     ASSERT_TRUE(cache->make_batch(seqs, &batch).ok()) << what;
     EXPECT_EQ(batch.k_scale, c.k_scale);
     EXPECT_EQ(batch.v_scale, c.v_scale);
+    KvcacheStep mixed;  // make_step's index tensors carry the pool's scales as well (fa_kvcache_append quantises with them)
+    ASSERT_TRUE(cache->make_step(seqs, &mixed).ok()) << what;
+    EXPECT_EQ(mixed.k_scale, c.k_scale);
+    EXPECT_EQ(mixed.v_scale, c.v_scale);
+    EXPECT_EQ(mixed.append_args().k_scale, c.k_scale);
+    EXPECT_EQ(mixed.append_args().v_scale, c.v_scale);
     fa_test::HostTensor q({batch_size, n, hq, d}, FA_BFLOAT16), k_new({batch_size, n, hk, d}, FA_BFLOAT16),
         v_new({batch_size, n, hk, d}, FA_BFLOAT16), out({batch_size, n, hq, d}, FA_BFLOAT16), lse({batch_size, hq, n}, FA_FLOAT32);
     q.fill_normal(rng);

@@ -196,6 +196,8 @@ TEST(CpuKvcacheAppend, EqualsKvcachePerSequence) {
       const Status s = flashattn::kvcache_append(got.args(), o);
       ASSERT_TRUE(s.ok()) << c.to_string() << ": " << s.to_string();
       EXPECT_EQ(std::string(stats.kernel).rfind("cpu kvcache_append", 0), 0u) << stats.kernel;
+      EXPECT_EQ(stats.num_splits, 1);
+      EXPECT_EQ(stats.scratch_bytes_peak, 0);
       append_per_sequence(c, want, FA_BACKEND_CPU_REFERENCE);
       EXPECT_TRUE(same_bytes(got.k_cache, want.k_cache)) << "k_cache, " << c.to_string();
       EXPECT_TRUE(same_bytes(got.v_cache, want.v_cache)) << "v_cache, " << c.to_string();
@@ -218,6 +220,29 @@ TEST(CpuKvcacheAppend, EdgeLengths) {
     append_per_sequence(c, want, FA_BACKEND_CPU_REFERENCE);
     EXPECT_TRUE(same_bytes(got.k_cache, want.k_cache)) << c.to_string();
     EXPECT_TRUE(same_bytes(got.v_cache, want.v_cache)) << c.to_string();
+  }
+  // k_new / v_new rows past cu_seqlens_new[B] belong to no sequence: they are never written.
+  for (int block : {0, 16}) {
+    AppendCase c;
+    c.block_size = block;
+    auto rng = fa_test::make_rng("append spare rows " + c.to_string());
+    AppendTensors got = make_append(c, rng);
+    AppendTensors want = got;
+    const int total = int(got.k_new.shape()[0]), spare = 5;
+    HostTensor k_new({total + spare, c.heads_k, c.head_dim}, c.dtype), v_new({total + spare, c.heads_k, c.head_dim}, c.dtype);
+    k_new.fill_normal(rng);
+    v_new.fill_normal(rng);
+    const int64_t row_elements = int64_t(c.heads_k) * c.head_dim;
+    for (int64_t e = 0; e < total * row_elements; ++e) {
+      k_new.set(e, got.k_new.get(e));
+      v_new.set(e, got.v_new.get(e));
+    }
+    got.k_new = k_new;
+    got.v_new = v_new;
+    ASSERT_TRUE(flashattn::kvcache_append(got.args(), fa_test::options_for(FA_BACKEND_CPU_FLASH)).ok()) << c.to_string();
+    append_per_sequence(c, want, FA_BACKEND_CPU_REFERENCE);
+    EXPECT_TRUE(same_bytes(got.k_cache, want.k_cache)) << "spare rows, " << c.to_string();
+    EXPECT_TRUE(same_bytes(got.v_cache, want.v_cache)) << "spare rows, " << c.to_string();
   }
   // No new rows at all (total_new = 0): nothing changes.
   AppendCase c;
