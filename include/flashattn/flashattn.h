@@ -275,7 +275,8 @@ typedef struct fa_kvcache_append_args {
                                  written to must belong to that sequence alone (as in fa_kvcache) */
   fa_tensor cache_seqlens;    /* required int32 (B): rows already in the cache of sequence b */
   fa_tensor k_new, v_new;     /* (total_new, Hk, D / Dv), in the cache's dtype (float16 or bfloat16 with an FP8 cache) */
-  fa_tensor cu_seqlens_new;   /* required int32 (B + 1): 0 first, non-decreasing, the last <= total_new; sequence b
+  fa_tensor cu_seqlens_new;   /* required int32 (B + 1): 0 first, non-decreasing, the last <= total_new (rows past
+                                 it belong to no sequence and are not written); sequence b
                                  takes n_b = cu_seqlens_new[b + 1] - cu_seqlens_new[b] rows (0 allowed), and
                                  cache_seqlens[b] + n_b must be at most the capacity (S_cache, or max_blocks x
                                  block_size). Host tensors are checked; on CUDA, check_indices checks them on the
