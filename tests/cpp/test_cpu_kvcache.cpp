@@ -130,6 +130,10 @@ KvTensors make_kv(const KvCase& c, std::mt19937_64& rng) {
           t.v_cache.set(cache_row * row + x, std::numeric_limits<double>::quiet_NaN());
         }
       }
+      // A block wholly inside the padding is never addressed: its table entry may be any value (here no block id).
+      if (c.block_size > 0)
+        for (int n = 0; (n + 1) * c.block_size <= c.leftpad[size_t(b)]; ++n)
+          t.block_table.set_int(int64_t(b) * t.block_table.shape()[1] + n, n % 2 ? -1 : std::numeric_limits<int32_t>::max() / 2);
     }
   }
   if (c.seqlen_new > 0) {
