@@ -320,6 +320,12 @@ def test_kvcache_read_only_batch_idx_softcap_alibi(rng, backend):
     whole = fj.flash_attn_with_kvcache(q, k_slots[:b], v_slots[:b], cache_seqlens=s_cache, backend=backend)
     expected, _ = attention(f64(q), f64(k_slots[:b]), f64(v_slots[:b]))
     assert rel_l2(f64(whole), expected) <= FP32_TOLERANCE
+    # No cache_seqlens over a paged cache: the whole capacity, max_blocks x block_size rows per sequence.
+    table = rng.permutation(b * s_cache // 16).reshape(b, s_cache // 16).astype(np.int32)
+    paged = fj.flash_attn_with_kvcache(q, paged_layout(np.asarray(k_slots[:b]), table),
+                                       paged_layout(np.asarray(v_slots[:b]), table), block_table=jnp.asarray(table),
+                                       backend=backend)
+    assert rel_l2(f64(paged), expected) <= FP32_TOLERANCE, "paged, whole capacity"
 
 
 def test_kvcache_errors(rng):
@@ -330,6 +336,9 @@ def test_kvcache_errors(rng):
         fj.flash_attn_with_kvcache(q, cache, cache, new, None, cache_seqlens=3)
     with pytest.raises(flashattn.InvalidArgumentError, match="cache_seqlens: required"):
         fj.flash_attn_with_kvcache(q, cache, cache, new, new)
+    cos = normal(rng, (16, 8))
+    with pytest.raises(flashattn.InvalidArgumentError, match="rotary_cos, rotary_sin: give both"):
+        fj.flash_attn_with_kvcache(q, cache, cache, new, new, rotary_cos=cos, cache_seqlens=3)
     with pytest.raises(flashattn.InvalidArgumentError, match="cache_seqlens: dtype must be int32"):
         fj.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=jnp.asarray([3], jnp.int64 if jax.config.jax_enable_x64 else jnp.int16))
     with pytest.raises(flashattn.InvalidArgumentError, match="cache_leftpad: dtype must be int32"):
@@ -342,6 +351,8 @@ def test_kvcache_errors(rng):
                                                          cache_leftpad=jnp.asarray([4], jnp.int32)))
     with pytest.raises(Exception, match="k_cache"):
         jax.block_until_ready(fj.flash_attn_with_kvcache(q, normal(rng, (1, 16, 2, 64)), cache, cache_seqlens=3))
+    with pytest.raises(Exception, match=r"num_splits: must be in \[0, 1024\]"):
+        jax.block_until_ready(fj.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, num_splits=2000))
 
 
 # ---- kvcache_append (fa_kvcache_append: the rows written without attending) ----

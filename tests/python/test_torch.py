@@ -568,6 +568,18 @@ def test_kvcache_int_seqlens_and_no_append(rng):
     full = fat.flash_attn_with_kvcache(q, k_cache, v_cache, backend="reference")  # no lengths: whole cache
     expected, _ = attention(q.double().numpy(), k_cache.double().numpy(), v_cache.double().numpy())
     assert_close(full, expected, torch.float32)
+    # Paged, no lengths: the whole capacity, max_blocks x block_size rows (here 4 blocks of 5 = s_cache) per sequence.
+    block = 5
+    order = torch.randperm(b * s_cache // block, generator=torch.Generator().manual_seed(3))
+    table = order.reshape(b, s_cache // block).to(torch.int32)
+    k_pool = torch.empty(b * s_cache // block, block, hk, d)
+    v_pool = torch.empty_like(k_pool)
+    for seq in range(b):
+        for n in range(s_cache // block):
+            k_pool[table[seq, n]] = k_cache[seq, n * block:(n + 1) * block]
+            v_pool[table[seq, n]] = v_cache[seq, n * block:(n + 1) * block]
+    paged = fat.flash_attn_with_kvcache(q, k_pool, v_pool, block_table=table, backend="reference")
+    assert_close(paged, expected, torch.float32, what="paged, whole capacity")
 
 
 def test_packed_forms_match_unpacked(rng):
