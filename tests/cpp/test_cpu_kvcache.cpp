@@ -11,160 +11,26 @@
 
 #include "core/dtype.hpp"
 #include "core/fp8.hpp"
+#include "kvcache_cases.hpp"
 #include "testing.hpp"
 
 namespace flashattn {
 namespace {
 
 using fa_test::HostTensor;
+using fa_test::KvTensors;
+using fa_test::make_kv;
+using fa_test::same_bytes;
 
-struct KvCase {
-  int batch = 2, seqlen_q = 1, heads_q = 4, heads_k = 2, head_dim = 64;
-  std::vector<int> cached = {37, 300};  // cache_seqlens per sequence
-  std::vector<int> leftpad;             // cache_leftpad per sequence (empty: none)
-  int seqlen_new = 0;
-  int capacity = 400;                   // keys per sequence the cache can hold
-  int block_size = 0;                   // 0: contiguous cache; else paged with this block size
-  int rotary = 0;                       // 0 none, 1 halves (GPT-NeoX), 2 interleaved
-  int rotary_dim = 0;                   // 0: head_dim
-  bool causal = false;
-  int window_left = -1, window_right = -1;
-  float softcap = 0.f;
-  bool alibi = false;
-  float dropout_p = 0.f;
-  int num_splits = 0;
-  int num_threads = 2;
-  fa_dtype dtype = FA_FLOAT32;
-  bool fp8 = false;                     // k_cache / v_cache float8 e4m3 with these scales (dtype 16-bit)
-  float k_scale = 0.05f, v_scale = 0.03f;
-  std::string to_string() const {
-    std::string s = "B=" + std::to_string(batch) + " Sq=" + std::to_string(seqlen_q) + " Hq=" + std::to_string(heads_q) +
-                    " Hk=" + std::to_string(heads_k) + " D=" + std::to_string(head_dim) + " new=" + std::to_string(seqlen_new) +
-                    " block=" + std::to_string(block_size) + " rotary=" + std::to_string(rotary) + " causal=" +
-                    std::to_string(causal) + " window=(" + std::to_string(window_left) + "," + std::to_string(window_right) +
-                    ") splits=" + std::to_string(num_splits) + " cached=[";
-    for (int c : cached) s += std::to_string(c) + ",";
-    if (!leftpad.empty()) {
-      s += "] leftpad=[";
-      for (int c : leftpad) s += std::to_string(c) + ",";
-    }
-    if (fp8) s += " fp8 k_scale=" + std::to_string(k_scale) + " v_scale=" + std::to_string(v_scale);
-    return s + "]";
-  }
-  int floor_of(int b) const { return leftpad.empty() ? 0 : leftpad[size_t(b)]; }
-};
-
-// The tensors of one case. The paged cache hands out shuffled block ids and keeps spare blocks.
-struct KvTensors {
-  HostTensor q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new, cos, sin, out, lse, slopes;
-  HostTensor cache_leftpad;  // optional
-  bool rotary_interleaved = false;
-  float k_scale = 0.f, v_scale = 0.f;  // an FP8 cache's scales (0: a 16-bit cache)
-  fa_kvcache_args args() {
-    fa_kvcache_args a{};
-    a.k_scale = k_scale;
-    a.v_scale = v_scale;
-    a.q = q.view();
-    a.k_cache = k_cache.view();
-    a.v_cache = v_cache.view();
-    if (block_table.numel() > 0 && !block_table.shape().empty()) a.block_table = block_table.view();
-    a.cache_seqlens = cache_seqlens.view();
-    if (!cache_leftpad.shape().empty()) a.cache_leftpad = cache_leftpad.view();
-    if (k_new.numel() > 0 && !k_new.shape().empty()) {
-      a.k_new = k_new.view();
-      a.v_new = v_new.view();
-    }
-    if (cos.numel() > 0 && !cos.shape().empty()) {
-      a.rotary_cos = cos.view();
-      a.rotary_sin = sin.view();
-      a.rotary_interleaved = rotary_interleaved;
-    }
-    a.out = out.view();
-    a.lse = lse.view();
-    return a;
+// The CPU tests' cases: smaller than the shared defaults, float32 unless a test says otherwise, 2 threads.
+struct KvCase : fa_test::KvCase {
+  KvCase() {
+    heads_q = 4;
+    head_dim = 64;
+    dtype = FA_FLOAT32;
+    num_threads = 2;
   }
 };
-
-KvTensors make_kv(const KvCase& c, std::mt19937_64& rng) {
-  KvTensors t;
-  const int d = c.head_dim;
-  const fa_dtype cache_dtype = c.fp8 ? FA_FLOAT8_E4M3 : c.dtype;
-  if (c.fp8) {
-    t.k_scale = c.k_scale;
-    t.v_scale = c.v_scale;
-  }
-  t.q = HostTensor({c.batch, c.seqlen_q, c.heads_q, d}, c.dtype);
-  t.q.fill_normal(rng);
-  if (c.block_size == 0) {
-    t.k_cache = HostTensor({c.batch, c.capacity, c.heads_k, d}, cache_dtype);
-    t.v_cache = HostTensor({c.batch, c.capacity, c.heads_k, d}, cache_dtype);
-  } else {
-    const int per_seq = (c.capacity + c.block_size - 1) / c.block_size;
-    const int blocks = c.batch * per_seq + 2;
-    t.k_cache = HostTensor({blocks, c.block_size, c.heads_k, d}, cache_dtype);
-    t.v_cache = HostTensor({blocks, c.block_size, c.heads_k, d}, cache_dtype);
-    std::vector<int32_t> ids(static_cast<size_t>(blocks));
-    for (int n = 0; n < blocks; ++n) ids[size_t(n)] = n;
-    std::shuffle(ids.begin(), ids.end(), rng);
-    t.block_table = HostTensor({c.batch, per_seq}, FA_INT32);
-    for (int n = 0; n < c.batch * per_seq; ++n) t.block_table.set_int(n, ids[size_t(n)]);
-  }
-  // FP8: codes of standard deviation 1 / scale, so the real (dequantised) values have about 1
-  t.k_cache.fill_normal(rng, c.fp8 ? 1.0 / c.k_scale : 1.0);
-  t.v_cache.fill_normal(rng, c.fp8 ? 1.0 / c.v_scale : 1.0);
-  t.cache_seqlens = HostTensor({c.batch}, FA_INT32);
-  for (int b = 0; b < c.batch; ++b) t.cache_seqlens.set_int(b, c.cached[size_t(b)]);
-  if (!c.leftpad.empty()) {
-    // The padding rows hold NaN: a result that read one would show it.
-    t.cache_leftpad = HostTensor({c.batch}, FA_INT32);
-    const int64_t row = int64_t(c.heads_k) * d;
-    for (int b = 0; b < c.batch; ++b) {
-      t.cache_leftpad.set_int(b, c.leftpad[size_t(b)]);
-      for (int j = 0; j < c.leftpad[size_t(b)]; ++j) {
-        int64_t cache_row = int64_t(b) * c.capacity + j;
-        if (c.block_size > 0)
-          cache_row = int64_t(t.block_table.get_int(int64_t(b) * t.block_table.shape()[1] + j / c.block_size)) * c.block_size +
-                      j % c.block_size;
-        for (int64_t x = 0; x < row; ++x) {
-          t.k_cache.set(cache_row * row + x, std::numeric_limits<double>::quiet_NaN());
-          t.v_cache.set(cache_row * row + x, std::numeric_limits<double>::quiet_NaN());
-        }
-      }
-      // A block wholly inside the padding is never addressed: its table entry may be any value (here no block id).
-      if (c.block_size > 0)
-        for (int n = 0; (n + 1) * c.block_size <= c.leftpad[size_t(b)]; ++n)
-          t.block_table.set_int(int64_t(b) * t.block_table.shape()[1] + n, n % 2 ? -1 : std::numeric_limits<int32_t>::max() / 2);
-    }
-  }
-  if (c.seqlen_new > 0) {
-    t.k_new = HostTensor({c.batch, c.seqlen_new, c.heads_k, d}, c.dtype);
-    t.v_new = HostTensor({c.batch, c.seqlen_new, c.heads_k, d}, c.dtype);
-    t.k_new.fill_normal(rng);
-    t.v_new.fill_normal(rng);
-  }
-  if (c.rotary != 0) {
-    t.rotary_interleaved = c.rotary == 2;
-    const int rd = c.rotary_dim > 0 ? c.rotary_dim : d;
-    const int positions = c.capacity + c.seqlen_q;
-    t.cos = HostTensor({positions, rd / 2}, c.dtype);
-    t.sin = HostTensor({positions, rd / 2}, c.dtype);
-    for (int pos = 0; pos < positions; ++pos)
-      for (int f = 0; f < rd / 2; ++f) {
-        const double angle = pos * std::pow(10000.0, -2.0 * f / rd);
-        t.cos.set(int64_t(pos) * (rd / 2) + f, std::cos(angle));
-        t.sin.set(int64_t(pos) * (rd / 2) + f, std::sin(angle));
-      }
-  }
-  if (c.alibi) {
-    t.slopes = HostTensor({c.heads_q}, FA_FLOAT32);
-    t.slopes.fill_uniform(rng, 0.05, 0.5);
-  }
-  t.out = HostTensor({c.batch, c.seqlen_q, c.heads_q, d}, c.dtype);
-  t.lse = HostTensor({c.batch, c.heads_q, c.seqlen_q}, FA_FLOAT32);
-  t.out.poison();
-  t.lse.poison();
-  return t;
-}
 
 fa_options kv_options(const KvCase& c, fa_backend backend, KvTensors& t) {
   fa_options o = fa_test::options_for(backend);
@@ -178,10 +44,6 @@ fa_options kv_options(const KvCase& c, fa_backend backend, KvTensors& t) {
   o.dropout_offset = 9;
   if (c.alibi) o.alibi_slopes = t.slopes.view();
   return o;
-}
-
-bool same_bytes(const HostTensor& a, const HostTensor& b) {
-  return a.storage_bytes() == b.storage_bytes() && std::memcmp(a.data(), b.data(), size_t(a.storage_bytes())) == 0;
 }
 
 // Runs the case on the flash backend and on the reference, each on its own copy of the cache.
