@@ -113,10 +113,15 @@ bool arch_list_runs_on(const std::string& arch_list, int major, int minor) {
     while (digits < word.size() && std::isdigit(static_cast<unsigned char>(word[digits]))) ++digits;
     if (digits == 0) continue;
     const int arch = std::stoi(word.substr(0, digits));
-    const bool specific = digits < word.size() && (word[digits] == 'a' || word[digits] == 'f');
+    // 'a' (arch-specific, e.g. 90a): that compute capability only. 'f' (family-specific, e.g. 100f): the same major
+    // version from that minor up, machine code and PTX alike (CUDA 12.9+).
+    const bool arch_specific = digits < word.size() && word[digits] == 'a';
+    const bool family_specific = digits < word.size() && word[digits] == 'f';
     const bool real_only = word.find("-real") != std::string::npos;
-    if (specific) {
+    if (arch_specific) {
       if (arch == device) return true;
+    } else if (family_specific) {
+      if (arch / 10 == major && arch <= device) return true;
     } else if (arch / 10 == major && arch <= device) {
       return true;  // machine code of the same major version
     } else if (!real_only && arch <= device) {

@@ -32,8 +32,8 @@ Status check_forward_support(const AttentionParams& p);
 Status check_backward_support(const BackwardParams& p);
 
 // True when a build for `arch_list` (CMake's CUDA_ARCHITECTURES, e.g. "80-real 90a-real") holds code
-// that runs on compute capability major.minor: sm_XY runs on X.Y..X.9, sm_XYa only on X.Y, PTX
-// ("-virtual" or no suffix) on anything >= X.Y.
+// that runs on compute capability major.minor: sm_XY runs on X.Y..X.9, sm_XYa only on X.Y, sm_XYf (family) on
+// X.Y..X.9 (its PTX too), PTX ("-virtual" or no suffix) on anything >= X.Y.
 bool arch_list_runs_on(const std::string& arch_list, int major, int minor);
 
 // Index of the table row that runs this call. `table`/`count` default to the generated table.

@@ -143,6 +143,30 @@ TEST(CudaDispatch, PreferenceOrderTakesTheFirstTileThatFitsTheDevice) {
   const Status s = choose_kernel(KernelKind::kForward, params_for(c), DeviceLimits{0, 8, 6, 99 * 1024}, table, 2, kArchs, &index);
   EXPECT_EQ(s.code(), FA_ERROR_UNSUPPORTED);
   EXPECT_NE(s.message().find("fwd_d256_single_buffered) needs 128 KiB"), std::string::npos) << s.message();
+  // A row that needs exactly the device's opt-in limit fits.
+  ASSERT_TRUE(choose_kernel(KernelKind::kForward, params_for(c), DeviceLimits{0, 9, 0, 192 * 1024}, table, 2, kArchs, &index).ok());
+  EXPECT_STREQ(table[index].name, "fwd_d256_double_buffered");
+}
+
+// decode_alternative: a role's row of the general row's own kind, dtype, head dim and cache dtype, only where the
+// device's shared memory holds it.
+TEST(CudaDispatch, DecodeAlternativeMatchesTheRowAndTheDevice) {
+  using flashattn::cuda::decode_alternative;
+  KernelEntry table[] = {
+      {KernelKind::kKvcache, FA_BFLOAT16, 128, 16, 64, 4, 3, false, 100 * 1024, "dec_bf16_general"},
+      {KernelKind::kKvcache, FA_BFLOAT16, 128, 16, 64, 4, 3, false, 100 * 1024, "dec_bf16_fp8_general"},
+      {KernelKind::kKvcache, FA_BFLOAT16, 128, 16, 128, 4, 2, false, 132 * 1024, "dec_bf16_long"},
+      {KernelKind::kKvcache, FA_BFLOAT16, 128, 16, 128, 4, 2, false, 132 * 1024, "dec_bf16_fp8_long"},
+  };
+  table[1].fp8_cache = table[3].fp8_cache = true;
+  table[2].decode_role = table[3].decode_role = DecodeRole::kLongContiguous;
+  EXPECT_EQ(decode_alternative(0, DecodeRole::kLongContiguous, h200(), table, 4), 2);
+  EXPECT_EQ(decode_alternative(1, DecodeRole::kLongContiguous, h200(), table, 4), 3);
+  EXPECT_EQ(decode_alternative(0, DecodeRole::kLongContiguous, DeviceLimits{0, 9, 0, 132 * 1024}, table, 4), 2);
+  EXPECT_EQ(decode_alternative(0, DecodeRole::kLongContiguous, DeviceLimits{0, 9, 0, 131 * 1024}, table, 4), -1);
+  EXPECT_EQ(decode_alternative(0, DecodeRole::kManyWaves, h200(), table, 4), -1);
+  table[3].fp8_cache = false;  // no FP8 row of the role left: none for the FP8 general row, never the 16-bit one
+  EXPECT_EQ(decode_alternative(1, DecodeRole::kLongContiguous, h200(), table, 4), -1);
 }
 
 TEST(CudaDispatch, ArchitectureRules) {
@@ -155,6 +179,12 @@ TEST(CudaDispatch, ArchitectureRules) {
   EXPECT_FALSE(arch_list_runs_on("90a-real", 8, 0));
   EXPECT_TRUE(arch_list_runs_on("80", 10, 0));                // PTX is compiled by the driver
   EXPECT_FALSE(arch_list_runs_on("90a", 10, 0));              // arch-specific code runs on 9.0 only
+  EXPECT_FALSE(arch_list_runs_on("86-real", 8, 0));           // machine code runs on its minor version and later only
+  EXPECT_TRUE(arch_list_runs_on("86-real", 8, 9));
+  EXPECT_TRUE(arch_list_runs_on("100f-real", 10, 3));         // family-specific code: the family's later members too
+  EXPECT_FALSE(arch_list_runs_on("103f-real", 10, 0));
+  EXPECT_FALSE(arch_list_runs_on("100f", 12, 0));             // ... its PTX as well, but not another major version
+  EXPECT_FALSE(arch_list_runs_on("100a-real", 10, 3));
   Status s;
   Case c;
   EXPECT_EQ(choose(c, KernelKind::kForward, DeviceLimits{1, 10, 0, 227 * 1024}, &s), -1);
@@ -220,6 +250,92 @@ TEST(CudaDispatch, CudaRulesNameTheArgument) {
 
   p = params_for(c);
   EXPECT_TRUE(check_forward_support(p).ok());
+
+  // A stride over an extent of 1 is never used: any value passes (one query row, any row stride).
+  c = Case{};
+  c.sq = 1;
+  p = params_for(c);
+  p.q_row_stride = p.out_row_stride = 4 * 64 + 4;
+  EXPECT_TRUE(check_forward_support(p).ok()) << check_forward_support(p).message();
+
+  // The grid's y / z limit (heads, batch): 65535 passes, one more is refused by name.
+  p = params_for(c);
+  p.heads_q = 65535;
+  EXPECT_TRUE(check_forward_support(p).ok()) << check_forward_support(p).message();
+  p.heads_q = 65536;
+  s = check_forward_support(p);
+  EXPECT_EQ(s.code(), FA_ERROR_UNSUPPORTED);
+  EXPECT_EQ(s.message().rfind("q: 65536 heads exceed the cuda backend's limit of 65535", 0), 0u) << s.message();
+  p = params_for(c);
+  p.batch = 65535;
+  EXPECT_TRUE(check_forward_support(p).ok()) << check_forward_support(p).message();
+  p.batch = 65536;
+  s = check_forward_support(p);
+  EXPECT_EQ(s.message().rfind("q: batch 65536 exceeds the cuda backend's limit of 65535", 0), 0u) << s.message();
+
+  // Paged K / V: the strides that matter are those over the pool's blocks and a block's rows. One sequence (its q
+  // one batch entry) still reads many blocks; a block of one row never steps a row.
+  static const int32_t kTable = 0;  // never read
+  c = Case{};
+  c.batch = 1;
+  p = params_for(c);
+  p.block_table = &kTable;
+  p.num_blocks = 10;
+  p.page_block_size = 16;
+  p.k_batch_stride = 16 * 2 * 64 + 4;
+  s = check_forward_support(p);
+  EXPECT_EQ(s.message().rfind("k: batch stride 2052 elements", 0), 0u) << s.message();
+  p = params_for(c);
+  p.block_table = &kTable;
+  p.num_blocks = 10;
+  p.page_block_size = 1;
+  p.k_batch_stride = p.v_batch_stride = 2 * 64;
+  p.k_row_stride = p.v_row_stride = 2 * 64 + 4;  // never stepped
+  EXPECT_TRUE(check_forward_support(p).ok()) << check_forward_support(p).message();
+}
+
+TEST(CudaDispatch, CudaBackwardRulesNameTheArgument) {
+  using flashattn::cuda::check_backward_support;
+  const int b = 2, sq = 100, sk = 130, hq = 4, hk = 2, d = 64;
+  fa_backward_args a{};
+  a.q = device_tensor(0, {b, sq, hq, d}, FA_BFLOAT16);
+  a.k = device_tensor(1, {b, sk, hk, d}, FA_BFLOAT16);
+  a.v = device_tensor(2, {b, sk, hk, d}, FA_BFLOAT16);
+  a.out = device_tensor(3, {b, sq, hq, d}, FA_BFLOAT16);
+  a.dout = device_tensor(4, {b, sq, hq, d}, FA_BFLOAT16);
+  a.lse = device_tensor(5, {b, hq, sq}, FA_FLOAT32);
+  a.dq = device_tensor(6, {b, sq, hq, d}, FA_BFLOAT16);
+  a.dk = device_tensor(7, {b, sk, hk, d}, FA_BFLOAT16);
+  a.dv = device_tensor(8, {b, sk, hk, d}, FA_BFLOAT16);
+  fa_options o;
+  fa_options_init(&o);
+  o.backend = FA_BACKEND_CUDA;
+  flashattn::BackwardParams base;
+  ASSERT_TRUE(flashattn::api::make_backward_params(a, o, &base).ok());
+  EXPECT_TRUE(check_backward_support(base).ok());
+  struct Broken {
+    const char* message;  // the start of the error
+    void (*apply)(flashattn::BackwardParams&);
+  };
+  const Broken broken[] = {
+      {"dout: data pointer must be 16-byte aligned", [](flashattn::BackwardParams& p) { p.dout = static_cast<const char*>(p.dout) + 8; }},
+      {"dq: data pointer must be 16-byte aligned", [](flashattn::BackwardParams& p) { p.dq = static_cast<char*>(p.dq) + 8; }},
+      {"dk: row stride 132 elements", [](flashattn::BackwardParams& p) { p.dk_row_stride = 132; }},
+      {"dv: head stride 68 elements", [](flashattn::BackwardParams& p) { p.dv_head_stride = 68; }},
+      {"block_table: the cuda backward does not read paged caches", [](flashattn::BackwardParams& p) {
+         static const int32_t table = 0;
+         p.block_table = &table;
+         p.num_blocks = 1;
+         p.page_block_size = 16;
+       }},
+  };
+  for (const Broken& x : broken) {
+    flashattn::BackwardParams p = base;
+    x.apply(p);
+    const Status s = check_backward_support(p);
+    EXPECT_EQ(s.code(), FA_ERROR_UNSUPPORTED) << x.message;
+    EXPECT_EQ(s.message().rfind(x.message, 0), 0u) << s.message();
+  }
 }
 
 // The forward row dispatch picks for a call of shape `c` from `table` on an H200 (nullptr, and a test failure, when
@@ -410,6 +526,7 @@ TEST(CudaDispatch, ForwardSplitPlan) {
   EXPECT_EQ(count(1, 16, 32768, 1), 32);      // 1 CTA: capped at kMaxForwardSplits
   EXPECT_EQ(count(1, 128, 1024, 32), 4);      // 16 key tiles: 4 per split
   EXPECT_EQ(count(1, 128, 448, 32), 1);       // 7 key tiles: too few to split
+  EXPECT_EQ(count(1, 128, 449, 32), 2);       // 8 key tiles, the last one partial
   EXPECT_EQ(count(1, 128, 32768, 32, 0.1f), 1);  // dropout: no split rows
   EXPECT_EQ(count(2, 100, 130, 4), 1);
   sm80::set_forward_splits_for_tests(5);
@@ -428,6 +545,10 @@ TEST(CudaDispatch, ForwardSplitPlan) {
   EXPECT_EQ(layout.lse_bytes, (3 * 2 * 4 * 100 * 4 + 255) / 256 * 256);
   EXPECT_EQ(layout.total_bytes, layout.o_bytes + layout.lse_bytes);
   EXPECT_EQ(sm80::split_partial_row(p, 2, 1, 3, 99), ((2 * 2 + 1) * 4 + 3) * 100 + 99);
+  // Dv != D (the CPU backends' case; the layout's own rule): rows of Dv floats
+  c.dv = 32;
+  const sm80::ForwardSplitLayout narrow = sm80::forward_split_layout(params_for(c), 3);
+  EXPECT_EQ(narrow.o_bytes, (3 * 2 * 4 * 100 * 32 * 4 + 255) / 256 * 256);
 }
 
 // Varlen calls split by sequence (the work list): the rule the plan kernel applies to the tiles that really run, and
@@ -472,6 +593,20 @@ TEST(CudaDispatch, ForwardSplitWorkList) {
   EXPECT_EQ(layout.o_bytes, int64_t(40) * 8 * 128 * 128 * 4);
   EXPECT_EQ(layout.lse_bytes, (40 * 8 * 128 * 4 + 255) / 256 * 256);
   EXPECT_EQ(layout.total_bytes, layout.items_bytes + layout.merges_bytes + layout.o_bytes + layout.lse_bytes);
+  // A partial last query tile is a tile: 17 sequences of 513 packed rows, 5 tiles each.
+  c.batch = 17, c.sq = 513;
+  EXPECT_EQ(sm80::forward_work_shape(params_for(c), 128, 64, 132, 2, 0).max_items, 17 * 5);
+  // The forced count is capped as the plan's is; the merge list holds its count before its entries.
+  c.batch = 2, c.sq = 512;
+  const sm80::ForwardWorkShape capped = sm80::forward_work_shape(params_for(c), 128, 64, 132, 2, 100);
+  EXPECT_EQ(capped.forced, sm80::kMaxForwardSplits);
+  EXPECT_EQ(capped.max_items, 2 * 4 * sm80::kMaxForwardSplits);
+  const sm80::ForwardWorkShape sixteen = sm80::forward_work_shape(params_for(c), 128, 64, 132, 2, 16);
+  ASSERT_EQ(sixteen.max_merges, 64);
+  EXPECT_EQ(sm80::forward_work_layout(params_for(c), sixteen).merges_bytes, 512);  // 4 + 64 x 4 bytes, aligned
+  // Dv != D: partial rows of Dv floats
+  c.dv = 32;
+  EXPECT_EQ(sm80::forward_work_layout(params_for(c), forced).o_bytes, int64_t(40) * 8 * 128 * 32 * 4);
 }
 
 // The list the plan kernel writes, built on the host from the same pieces (its two scans done in order): 16 decode
