@@ -313,6 +313,11 @@ TEST(CudaDispatch, CudaBackwardRulesNameTheArgument) {
   flashattn::BackwardParams base;
   ASSERT_TRUE(flashattn::api::make_backward_params(a, o, &base).ok());
   EXPECT_TRUE(check_backward_support(base).ok());
+  EXPECT_FALSE(base.deterministic);
+  o.deterministic = 1;  // the option reaches the backward's params (its split plan)
+  flashattn::BackwardParams deterministic;
+  ASSERT_TRUE(flashattn::api::make_backward_params(a, o, &deterministic).ok());
+  EXPECT_TRUE(deterministic.deterministic);
   struct Broken {
     const char* message;  // the start of the error
     void (*apply)(flashattn::BackwardParams&);

@@ -251,6 +251,47 @@ TEST(Reference, VarlenEqualsPerSequenceDense) {
   }
 }
 
+// ALiBi slopes per (batch, head): sequence b of a (B, Hq) call equals a call of sequence b alone with row b as its
+// (Hq) slopes, bit for bit (the float64 reference, and the CPU flash backend as it reads them).
+TEST(Reference, AlibiPerBatchRowsEqualPerSequenceCalls) {
+  auto rng = fa_test::make_rng("alibi-per-batch");
+  fa_test::Problem bp;
+  bp.batch = 3;
+  bp.seqlen_q = 5;
+  bp.seqlen_k = 11;
+  bp.heads_q = 4;
+  bp.heads_k = 2;
+  bp.head_dim = 16;
+  fa_test::Tensors all = fa_test::make_tensors(bp, rng);
+  HostTensor slopes({3, 4}, FA_FLOAT32);
+  slopes.fill_uniform(rng, 0.1, 2.0);  // rows far apart: a row read for another would show
+  for (const fa_backend backend : {FA_BACKEND_CPU_REFERENCE, FA_BACKEND_CPU_FLASH}) {
+    fa_options o = fa_test::options_for(backend);
+    o.alibi_slopes = slopes.view();
+    o.causal = 1;
+    ASSERT_TRUE(forward(fa_test::forward_args(all), o).ok());
+    fa_test::Problem one = bp;
+    one.batch = 1;
+    const int64_t qn = int64_t(bp.seqlen_q) * bp.heads_q * bp.head_dim, kn = int64_t(bp.seqlen_k) * bp.heads_k * bp.head_dim;
+    for (int b = 0; b < bp.batch; ++b) {
+      fa_test::Tensors t = fa_test::make_tensors(one, rng);
+      for (int64_t x = 0; x < qn; ++x) t.q.set(x, all.q.get(b * qn + x));
+      for (int64_t x = 0; x < kn; ++x) {
+        t.k.set(x, all.k.get(b * kn + x));
+        t.v.set(x, all.v.get(b * kn + x));
+      }
+      HostTensor row({4}, FA_FLOAT32);
+      for (int h = 0; h < 4; ++h) row.set(h, slopes.get(b * 4 + h));
+      fa_options ob = o;
+      ob.alibi_slopes = row.view();
+      ASSERT_TRUE(forward(fa_test::forward_args(t), ob).ok());
+      for (int64_t x = 0; x < qn; ++x) ASSERT_EQ(t.out.get(x), all.out.get(b * qn + x)) << "backend " << int(backend) << " b " << b;
+      for (int64_t x = 0; x < t.lse.numel(); ++x)
+        ASSERT_EQ(t.lse.get(x), all.lse.get(b * t.lse.numel() + x)) << "backend " << int(backend) << " b " << b;
+    }
+  }
+}
+
 TEST(Reference, GroupedQueryGradientsSumOverTheGroup) {
   auto rng = fa_test::make_rng("gqa");
   fa_test::Problem gp;

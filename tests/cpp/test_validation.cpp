@@ -121,6 +121,9 @@ TEST(Validation, TensorBasics) {
     c.options.backend = FA_BACKEND_CUDA;
   }, {kInvalid, "k: device_id of a cuda tensor must be >= 0, got -1"});
   check_forward_rule("unknown dtype", [](DenseCall& c) { set_raw(c.fwd.k.dtype, 42); }, {kInvalid, "k: unknown dtype"});
+  check_forward_rule("negative dtype", [](DenseCall& c) { set_raw(c.fwd.k.dtype, -1); }, {kInvalid, "k: unknown dtype -1"});
+  check_forward_rule("float8 q", [](DenseCall& c) { c.fwd.q.dtype = FA_FLOAT8_E4M3; },
+                     {kInvalid, "q: dtype must be float32, float16 or bfloat16, got float8_e4m3 (float8_e4m3 is accepted only for fa_kvcache's"});
   check_forward_rule("int q", [](DenseCall& c) { c.fwd.q.dtype = FA_INT32; }, {kInvalid, "q: dtype must be float32, float16 or bfloat16"});
   check_forward_rule("mixed dtypes", [](DenseCall& c) { c.fwd.v.dtype = FA_FLOAT16; }, {kInvalid, "v: dtype must match q"});
   check_forward_rule("out dtype", [](DenseCall& c) { c.fwd.out.dtype = FA_BFLOAT16; }, {kInvalid, "out: dtype must match q"});
@@ -144,6 +147,8 @@ TEST(Validation, Shapes) {
   check_forward_rule("head dim mismatch", [](DenseCall& c) { c.fwd.k.shape[3] = 4; }, {kInvalid, "k: dimension 3 (D) must be 8 like q"});
   check_forward_rule("head dim too big", [](DenseCall& c) { c.fwd.q.shape[3] = 2048; }, {kInvalid, "q: head dim must be in [1, 1024]"});
   check_forward_rule("head dim zero", [](DenseCall& c) { c.fwd.q.shape[3] = 0; }, {kInvalid, "q: head dim must be in [1, 1024]"});
+  check_forward_rule("head dim one past", [](DenseCall& c) { c.fwd.q.shape[3] = 1025; }, {kInvalid, "q: head dim must be in [1, 1024], got 1025"});
+  check_forward_rule("Dv one past", [](DenseCall& c) { c.fwd.v.shape[3] = c.fwd.out.shape[3] = 1025; }, {kInvalid, "v: head dim must be in [1, 1024], got 1025"});
   check_forward_rule("out rows", [](DenseCall& c) { c.fwd.out.shape[1] = 4; }, {kInvalid, "out: dimension 1 (rows) must be 5 like q"});
   check_forward_rule("out heads", [](DenseCall& c) { c.fwd.out.shape[2] = 2; }, {kInvalid, "out: dimension 2 (Hq) must be 4 like q"});
   check_forward_rule("out Dv", [](DenseCall& c) { c.fwd.out.shape[3] = 4; }, {kInvalid, "out: dimension 3 (Dv) must be 8 like v"});
@@ -157,6 +162,16 @@ TEST(Validation, Shapes) {
   check_forward_rule("B * Hq past the largest extent", [](DenseCall& c) {
     for (fa_tensor* t : {&c.fwd.q, &c.fwd.out}) t->shape[2] = int64_t(1) << 30, t->strides[0] = t->strides[1] = t->strides[2] = 0;
   }, {kInvalid, "q: B * Hq = 2 * 1073741824 = 2147483648 exceeds the largest extent"});
+  // At its edge: B * Hq = 2^31 - 2^20 passes that rule (k's batch is what fails then), one more does not (19 x
+  // 112970267; K / V of one head).
+  check_forward_rule("B * Hq at the largest extent", [](DenseCall& c) {
+    for (fa_tensor* t : {&c.fwd.q, &c.fwd.out}) t->shape[0] = 2047, t->shape[2] = int64_t(1) << 20, t->strides[0] = t->strides[1] = t->strides[2] = 0;
+    for (fa_tensor* t : {&c.fwd.k, &c.fwd.v}) t->shape[2] = 1;
+  }, {kInvalid, "k: dimension 0 (B) must be 2047 like q"});
+  check_forward_rule("B * Hq one past the largest extent", [](DenseCall& c) {
+    for (fa_tensor* t : {&c.fwd.q, &c.fwd.out}) t->shape[0] = 19, t->shape[2] = 112970267, t->strides[0] = t->strides[1] = t->strides[2] = 0;
+    for (fa_tensor* t : {&c.fwd.k, &c.fwd.v}) t->shape[2] = 1;
+  }, {kInvalid, "q: B * Hq = 19 * 112970267 = 2146435073 exceeds the largest extent"});
 }
 
 TEST(Validation, Lse) {
@@ -173,7 +188,9 @@ TEST(Validation, Options) {
   check_forward_rule("scale nan", [](DenseCall& c) { c.options.softmax_scale = kNaN; }, {kInvalid, "options.softmax_scale: must be finite"});
   check_forward_rule("window left", [](DenseCall& c) { c.options.window_left = -2; }, {kInvalid, "options.window_left: must be -1 (unbounded) or >= 0"});
   check_forward_rule("window right", [](DenseCall& c) { c.options.window_right = -3; }, {kInvalid, "options.window_right: must be -1 (unbounded) or >= 0"});
+  check_forward_rule("window right -2", [](DenseCall& c) { c.options.window_right = -2; }, {kInvalid, "options.window_right: must be -1 (unbounded) or >= 0, got -2"});
   check_forward_rule("causal + right window", [](DenseCall& c) { c.options.causal = 1; c.options.window_right = 4; }, {kInvalid, "options.window_right: must be -1 or 0 when causal"});
+  check_forward_rule("causal + right window 1", [](DenseCall& c) { c.options.causal = 1; c.options.window_right = 1; }, {kInvalid, "options.window_right: must be -1 or 0 when causal is set (causal means window_right = 0), got 1"});
   check_forward_rule("softcap negative", [](DenseCall& c) { c.options.softcap = -1; }, {kInvalid, "options.softcap: must be finite and >= 0"});
   check_forward_rule("softcap nan", [](DenseCall& c) { c.options.softcap = kNaN; }, {kInvalid, "options.softcap: must be finite and >= 0"});
   check_forward_rule("dropout 1", [](DenseCall& c) { c.options.dropout_p = 1.f; }, {kInvalid, "options.dropout_p: must be in [0, 1)"});
@@ -181,6 +198,7 @@ TEST(Validation, Options) {
   check_forward_rule("dropout nan", [](DenseCall& c) { c.options.dropout_p = kNaN; }, {kInvalid, "options.dropout_p: must be in [0, 1)"});
   check_forward_rule("threads", [](DenseCall& c) { c.options.num_threads = -1; }, {kInvalid, "options.num_threads: must be >= 0"});
   check_forward_rule("backend unknown", [](DenseCall& c) { set_raw(c.options.backend, 9); }, {kInvalid, "options.backend: unknown backend 9"});
+  check_forward_rule("backend negative", [](DenseCall& c) { set_raw(c.options.backend, -1); }, {kInvalid, "options.backend: unknown backend -1"});
   check_forward_rule("cuda backend on cpu tensors", [](DenseCall& c) { c.options.backend = FA_BACKEND_CUDA; }, {kInvalid, "options.backend: cuda needs tensors on a CUDA device"});
   check_forward_rule("cpu backend on cuda tensors", [](DenseCall& c) {
     for (fa_tensor* t : {&c.fwd.q, &c.fwd.k, &c.fwd.v, &c.fwd.out, &c.fwd.lse}) t->device = FA_DEVICE_CUDA;
@@ -211,6 +229,11 @@ TEST(Validation, BackwardTensors) {
   check_backward_rule("dv missing", [](DenseCall& c) { c.bwd.dv.data = nullptr; }, {kInvalid, "dv: required tensor is missing"});
   HostTensor workspace({16}, FA_FLOAT32);
   check_backward_rule("workspace dtype", [&](DenseCall& c) { c.bwd.workspace = workspace.view(); }, {kInvalid, "workspace: dtype must be uint8"});
+  HostTensor bytes({64}, FA_UINT8);
+  check_backward_rule("workspace device", [&](DenseCall& c) {
+    c.bwd.workspace = bytes.view();
+    c.bwd.workspace.device = FA_DEVICE_CUDA;
+  }, {kInvalid, "workspace: must be on the device of q (cpu:0), got cuda:0"});
   check_backward_rule("standard backend has no backward", [](DenseCall& c) { c.options.backend = FA_BACKEND_CPU_STANDARD; }, {FA_ERROR_UNSUPPORTED, "cpu_standard implements the forward pass only"});
 }
 
@@ -256,6 +279,13 @@ TEST(Validation, Varlen) {
   check_varlen_rule("cu beyond rows", [](VarlenCall& c) { c.cu_q.set_int(2, 10); c.fwd.max_seqlen_q = 6; }, {kInvalid, "cu_seqlens_q: last entry 10 exceeds the 9 rows"});
   check_varlen_rule("longer than max", [](VarlenCall& c) { c.fwd.max_seqlen_k = 6; }, {kInvalid, "cu_seqlens_k: sequence 1 has length 7 > max_seqlen_k = 6"});
   check_varlen_rule("negative max", [](VarlenCall& c) { c.fwd.max_seqlen_q = -1; }, {kInvalid, "max_seqlen_q: must be >= 0"});
+  check_varlen_rule("negative max k", [](VarlenCall& c) { c.fwd.max_seqlen_k = -1; }, {kInvalid, "max_seqlen_k: must be >= 0, got -1"});
+  check_varlen_rule("no cu_seqlens entries", [](VarlenCall& c) { c.fwd.cu_seqlens_q.shape[0] = 0; }, {kInvalid, "cu_seqlens_q: must have at least one entry"});
+  check_varlen_rule("cu_k beyond rows", [](VarlenCall& c) { c.cu_k.set_int(2, 13); c.fwd.max_seqlen_k = 8; }, {kInvalid, "cu_seqlens_k: last entry 13 exceeds the 12 rows"});
+  check_varlen_rule("seqused negative", [](VarlenCall& c) {
+    c.used.set_int(0, -1), c.used.set_int(1, 1);
+    c.fwd.seqused_k = c.used.view();
+  }, {kInvalid, "seqused_k: entry 0 = -1 must be in [0, 5]"});
   check_varlen_rule("lse layout", [](VarlenCall& c) { c.fwd.lse.shape[1] = 8; }, {kInvalid, "lse: dimension 1 (total_q) must be 9 like q"});
   check_varlen_rule("seqused range", [](VarlenCall& c) {
     c.used.set_int(0, 6), c.used.set_int(1, 1);
@@ -263,6 +293,27 @@ TEST(Validation, Varlen) {
   }, {kInvalid, "seqused_k: entry 0 = 6 must be in [0, 5]"});
   check_varlen_rule("seqused count", [](VarlenCall& c) { c.fwd.seqused_k = c.used.view(); c.fwd.seqused_k.shape[0] = 3; }, {kInvalid, "seqused_k: dimension 0 (B) must be 2 like q"});
   check_varlen_rule("standard backend varlen", [](VarlenCall& c) { c.options.backend = FA_BACKEND_CPU_STANDARD; }, {FA_ERROR_UNSUPPORTED, "cu_seqlens_q: the cpu_standard backend takes the dense layout only"});
+}
+
+// max_seqlen_q / max_seqlen_k are upper bounds only: bounds near INT32_MAX give the very result of the tight call
+// (both CPU backends; a loose bound once overflowed the CPU backend's tile count, which then ran no tile).
+TEST(Validation, VarlenLooseBounds) {
+  for (const fa_backend backend : {FA_BACKEND_CPU_REFERENCE, FA_BACKEND_CPU_FLASH}) {
+    VarlenCall tight;
+    tight.options = fa_test::options_for(backend);
+    ASSERT_TRUE(forward(tight.fwd, tight.options).ok());
+    VarlenCall loose;
+    loose.options = tight.options;
+    loose.q.copy_values_from(tight.q);
+    loose.k.copy_values_from(tight.k);
+    loose.v.copy_values_from(tight.v);
+    loose.fwd.max_seqlen_k = std::numeric_limits<int32_t>::max() - 1;
+    loose.fwd.max_seqlen_q = std::numeric_limits<int32_t>::max() - 1;
+    const Status s = forward(loose.fwd, loose.options);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    for (int64_t n = 0; n < tight.out.numel(); ++n) ASSERT_EQ(loose.out.get(n), tight.out.get(n)) << "out " << n;
+    for (int64_t n = 0; n < tight.lse.numel(); ++n) ASSERT_EQ(loose.lse.get(n), tight.lse.get(n)) << "lse " << n;
+  }
 }
 
 // ---- paged forward and KV cache ----
@@ -445,6 +496,23 @@ TEST(Validation, PagedForward) {
   expect_rejected(forward(f, c.options), {kInvalid, "block_table: entry (0, 2) = 77"}, "bad block id");
   used.set_int(0, 8);  // now sequence 0 uses 2 blocks: entry (0, 2) is never read, so it is allowed
   EXPECT_TRUE(forward(f, c.options).ok());
+  fa_forward_args empty_blocks = f;
+  empty_blocks.k.shape[1] = empty_blocks.v.shape[1] = 0;
+  expect_rejected(forward(empty_blocks, c.options), {kInvalid, "k: dimension 1 (block_size) must be >= 1, got 0"}, "blocks of no row");
+  // varlen over the paged cache: max_seqlen_k within the table's capacity, 3 blocks of 4 keys
+  HostTensor cu_q({3}, FA_INT32), cu_k({3}, FA_INT32), q({6, 4, 8}, FA_FLOAT32), out({6, 4, 8}, FA_FLOAT32);
+  cu_q.set_int(0, 0), cu_q.set_int(1, 3), cu_q.set_int(2, 6);
+  cu_k.set_int(0, 0), cu_k.set_int(1, 8), cu_k.set_int(2, 13);
+  auto rng = fa_test::make_rng("paged-varlen-validation");
+  q.fill_normal(rng);
+  fa_forward_args v = f;
+  v.q = q.view(), v.out = out.view(), v.seqused_k = fa_tensor{};
+  v.cu_seqlens_q = cu_q.view(), v.cu_seqlens_k = cu_k.view();
+  v.max_seqlen_q = 3;
+  v.max_seqlen_k = 12;
+  EXPECT_TRUE(forward(v, c.options).ok());
+  v.max_seqlen_k = 13;
+  expect_rejected(forward(v, c.options), {kInvalid, "max_seqlen_k: 13 exceeds the paged capacity max_blocks * block_size = 12"}, "varlen past the capacity");
 }
 
 TEST(Validation, NullArguments) {
