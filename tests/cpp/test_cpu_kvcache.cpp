@@ -38,6 +38,7 @@ fa_options kv_options(const KvCase& c, fa_backend backend, KvTensors& t) {
   o.window_left = c.window_left;
   o.window_right = c.window_right;
   o.softcap = c.softcap;
+  o.softmax_scale = c.softmax_scale;  // a field of the shared case: never silently dropped here
   o.num_threads = c.num_threads;
   o.dropout_p = c.dropout_p;
   o.dropout_seed = 42;
